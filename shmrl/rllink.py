@@ -1,0 +1,485 @@
+"""RLlink messages: types, framing, the JSON and binary codecs, and schema validation.
+
+See RLLINK.md for the protocol. A frame is 8 ASCII digits (the body length) + body.
+The JSON body is byte-identical to what RLlib 2.48 writes. The binary body carries the
+same schema with numpy arrays as raw little-endian blocks, for the shared-memory rings:
+
+    b"\\x93RLB" | u32 LE head length | UTF-8 JSON head | zero padding to 8 | data blocks
+
+The head is the message with each ndarray replaced by {"__nd__": [dtype, shape, offset,
+nbytes]} and each bytes value by {"__b__": [offset, nbytes]}; offsets count from the start
+of the data section (itself 8-aligned in the body) and are multiples of 8. Keys "__nd__"
+and "__b__" are therefore reserved in binary messages.
+
+This module knows nothing of sockets, shared memory or torch.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+import math
+import reprlib
+
+import numpy as np
+
+
+class ProtocolError(ValueError):
+    """Input that breaks the RLlink protocol; the message says what was wrong."""
+
+
+HEADER_LEN = 8
+MAX_BODY_LEN = 99_999_999
+
+
+class MessageType(str, enum.Enum):
+    PING = "PING"
+    PONG = "PONG"
+    GET_CONFIG = "GET_CONFIG"
+    SET_CONFIG = "SET_CONFIG"
+    GET_STATE = "GET_STATE"
+    SET_STATE = "SET_STATE"
+    EPISODES = "EPISODES"
+    EPISODES_AND_GET_STATE = "EPISODES_AND_GET_STATE"
+
+
+_T = MessageType
+REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE})
+REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE})
+
+# Episode keys. RLlib's code sends "terminateds"/"truncateds" (its Columns constants); its
+# docs say "is_terminated"/"is_truncated": both are accepted, the former is canonical.
+OBS = "obs"
+ACTIONS = "actions"
+REWARDS = "rewards"
+ACTION_DIST_INPUTS = "action_dist_inputs"
+ACTION_LOGP = "action_logp"
+TERMINATED = "terminateds"
+TRUNCATED = "truncateds"
+FLAG_ALIASES = {"is_terminated": TERMINATED, "is_truncated": TRUNCATED}
+# Optional shmrl extensions, never required from a client.
+EPISODE_ID = "episode_id"
+WEIGHTS_SEQ_NO = "weights_seq_no"
+
+_EPISODE_KEYS = frozenset({OBS, ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP, TERMINATED,
+                           TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO, *FLAG_ALIASES})
+_REQUEST_FIELDS = {
+    _T.PING: frozenset({"type", "auth_token"}),
+    _T.GET_CONFIG: frozenset({"type"}),
+    _T.GET_STATE: frozenset({"type"}),
+    _T.EPISODES: frozenset({"type", "episodes", "timesteps", "env_steps"}),
+    _T.EPISODES_AND_GET_STATE: frozenset({"type", "episodes", "timesteps", "env_steps"}),
+}
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+# ---------------------------------------------------------------- framing
+
+def frame(body) -> bytes:
+    """Header + body: the bytes that go on the wire."""
+    n = memoryview(body).nbytes
+    if n > MAX_BODY_LEN:
+        raise ValueError(f"body of {n} bytes exceeds the RLlink maximum of {MAX_BODY_LEN}")
+    return b"".join((b"%08d" % n, body))
+
+
+def parse_header(header, max_body_len: int = MAX_BODY_LEN) -> int:
+    """The body length announced by an 8-byte header."""
+    if not isinstance(header, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame header must be bytes, got {type(header).__name__}")
+    header = bytes(header)
+    # bytes.isdigit() is ASCII-only: it refuses spaces, signs and Unicode digits, unlike int().
+    if len(header) != HEADER_LEN or not header.isdigit():
+        raise ProtocolError(f"frame header {header[:16]!r} is not {HEADER_LEN} ASCII digits")
+    n = int(header)
+    if n > max_body_len:
+        raise ProtocolError(f"frame of {n} bytes exceeds the maximum of {max_body_len}")
+    return n
+
+
+# ---------------------------------------------------------------- JSON codec
+
+def _json_default(obj):
+    # Called only for what json cannot write itself, so plain dicts cost nothing extra.
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        raise TypeError("bytes cannot be sent as JSON (only the binary codec carries bytes)")
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def encode_json(msg: dict) -> bytes:
+    """The JSON body, with json.dumps' default separators exactly as RLlib writes it."""
+    return json.dumps(msg, default=_json_default).encode("utf-8")
+
+
+# ---------------------------------------------------------------- binary codec
+
+MAGIC = b"\x93RLB"
+_ALIGN = 8
+_MAX_DIMS = 32
+_DTYPES = {s: np.dtype(s) for s in ("<f4", "<f8", "<i8", "<i4", "|u1", "|b1")}
+# (kind, itemsize) -> the allowed dtype an array is converted to at encode.
+_ENCODE_AS = {("f", 2): "<f4", ("f", 4): "<f4", ("f", 8): "<f8", ("i", 1): "<i4", ("i", 2): "<i4",
+              ("i", 4): "<i4", ("i", 8): "<i8", ("u", 1): "|u1", ("u", 2): "<i4", ("u", 4): "<i8",
+              ("b", 1): "|b1"}
+_PAD = bytes(_ALIGN)
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def encode_binary(msg: dict) -> bytes:
+    """The binary body: JSON head with descriptors, then the raw array and bytes blocks."""
+    blocks = []
+    size = 0  # bytes in the data section so far, always a multiple of 8
+
+    def add_block(buf, n: int) -> int:
+        nonlocal size
+        offset = size
+        blocks.append(buf)
+        if n % _ALIGN:
+            blocks.append(_PAD[: -n % _ALIGN])
+        size += _align(n)
+        return offset
+
+    def default(obj):
+        if isinstance(obj, np.ndarray):
+            dtype = _ENCODE_AS.get((obj.dtype.kind, obj.dtype.itemsize))
+            if dtype is None:
+                raise ValueError(f"the binary codec cannot carry arrays of dtype {obj.dtype}")
+            arr = np.asarray(obj, dtype=dtype, order="C")  # no copy when already fit
+            return {"__nd__": [dtype, list(arr.shape), add_block(arr, arr.nbytes), arr.nbytes]}
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            n = memoryview(obj).nbytes
+            return {"__b__": [add_block(obj, n), n]}
+        if isinstance(obj, np.generic):
+            return obj.item()
+        raise TypeError(f"{type(obj).__name__} is not serializable by the binary codec")
+
+    head = json.dumps(msg, default=default, separators=(",", ":")).encode("utf-8")
+    if len(head) >= 1 << 32:
+        raise ValueError(f"binary head of {len(head)} bytes is too long")
+    pad = _PAD[: _align(8 + len(head)) - 8 - len(head)]
+    return b"".join((MAGIC, len(head).to_bytes(4, "little"), head, pad, *blocks))
+
+
+def _decode_binary(mv: memoryview) -> dict:
+    n = len(mv)
+    if n < 8:
+        raise ProtocolError(f"binary body of {n} bytes is shorter than its 8-byte preamble")
+    head_len = int.from_bytes(mv[4:8], "little")
+    data_start = _align(8 + head_len)
+    if data_start > n:
+        raise ProtocolError(f"binary head of {head_len} bytes (data from byte {data_start}) "
+                            f"overruns the {n}-byte body")
+    data_len = n - data_start
+
+    def block(what, spec, offset, nbytes):
+        if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
+            raise ProtocolError(f"{what} descriptor {_show(spec)}: offset and nbytes must be ints >= 0")
+        if offset % _ALIGN:
+            raise ProtocolError(f"{what} descriptor {_show(spec)}: offset {offset} is not {_ALIGN}-aligned")
+        if offset + nbytes > data_len:
+            raise ProtocolError(f"{what} descriptor {_show(spec)}: bytes {offset}..{offset + nbytes} "
+                                f"lie outside the {data_len}-byte data section")
+        return data_start + offset
+
+    def hook(d: dict):
+        if "__nd__" in d:
+            spec = d["__nd__"]
+            if len(d) != 1 or type(spec) is not list or len(spec) != 4:
+                raise ProtocolError(f"malformed array descriptor {_show(d)}")
+            dtype_str, shape, offset, nbytes = spec
+            dtype = _DTYPES.get(dtype_str) if type(dtype_str) is str else None
+            if dtype is None:
+                raise ProtocolError(f"array descriptor: dtype {_show(dtype_str)} is not one of {sorted(_DTYPES)}")
+            if (type(shape) is not list or len(shape) > _MAX_DIMS
+                    or not all(type(s) is int and s >= 0 for s in shape)):
+                raise ProtocolError(f"array descriptor: shape {_show(shape)} is not a list of at most "
+                                    f"{_MAX_DIMS} ints >= 0")
+            start = block("array", spec, offset, nbytes)
+            if math.prod(shape) * dtype.itemsize != nbytes:
+                raise ProtocolError(f"array descriptor {_show(spec)}: shape and dtype make "
+                                    f"{math.prod(shape) * dtype.itemsize} bytes, not {nbytes}")
+            arr = np.frombuffer(mv, dtype, nbytes // dtype.itemsize, start).reshape(shape)
+            if dtype.kind == "b" and arr.size and arr.view(np.uint8).max() > 1:
+                raise ProtocolError("bool array holds bytes other than 0 and 1")
+            return arr
+        if "__b__" in d:
+            spec = d["__b__"]
+            if len(d) != 1 or type(spec) is not list or len(spec) != 2:
+                raise ProtocolError(f"malformed bytes descriptor {_show(d)}")
+            start = block("bytes", spec, *spec)
+            return bytes(mv[start:start + spec[1]])
+        return d
+
+    try:
+        msg = json.loads(str(mv[8:8 + head_len], "utf-8"), object_hook=hook)
+    except ProtocolError:
+        raise
+    except Exception as e:  # invalid UTF-8 or JSON, recursion bombs, absurd shapes
+        raise ProtocolError(f"binary head is not valid: {e}"[:300]) from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"binary head is a JSON {type(msg).__name__}, not an object")
+    return msg
+
+
+# ---------------------------------------------------------------- decoding
+
+def decode(body) -> dict:
+    """A message from a JSON or binary body (raises only ProtocolError; no schema check)."""
+    if isinstance(body, (bytes, bytearray)):
+        mv = memoryview(body)
+    elif isinstance(body, memoryview):
+        try:  # a flat view of unsigned bytes, whatever shape or format it came in
+            mv = body if body.format == "B" and body.ndim == 1 and body.c_contiguous else body.cast("B")
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"body memoryview is unusable: {e}") from None
+    else:
+        raise ProtocolError(f"body must be bytes, got {type(body).__name__}")
+    if not mv:
+        raise ProtocolError("empty body")
+    if mv[:4] == MAGIC:
+        return _decode_binary(mv)
+    if mv[:1] != b"{":
+        raise ProtocolError(f"body starts with {bytes(mv[:8])!r}: neither a JSON object nor binary")
+    try:
+        msg = json.loads(str(mv, "utf-8"))
+    except Exception as e:  # invalid UTF-8 or JSON, recursion bombs, huge int literals
+        raise ProtocolError(f"body is not valid JSON: {e}"[:300]) from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"body is a JSON {type(msg).__name__}, not an object")
+    return msg
+
+
+def decode_request(body) -> dict:
+    return validate(decode(body), "request")
+
+
+def decode_reply(body) -> dict:
+    return validate(decode(body), "reply")
+
+
+# ---------------------------------------------------------------- validation
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 60
+
+
+def _show(value) -> str:
+    """A bounded repr: hostile input can be megabytes."""
+    return _repr.repr(value)
+
+
+def _is_int(x) -> bool:
+    return (type(x) is int or isinstance(x, np.integer)) and not isinstance(x, bool)
+
+
+def _is_bool(x) -> bool:
+    return type(x) is bool or isinstance(x, np.bool_)
+
+
+def _leaf_types(value, ndim: int) -> set:
+    """Types of the scalars in a nested list that np.asarray made `ndim`-dimensional.
+
+    np.asarray quietly turns bools into 0/1 and too-big ints into floats; only the Python
+    types tell. map(type) and chain run in C, about 20 ns per element.
+    """
+    level, array_types = [value], set()
+    for _ in range(ndim):
+        level = list(itertools.chain.from_iterable(level))
+        types = set(map(type, level))
+        if np.ndarray in types:  # a list of arrays: their dtypes speak for their elements
+            array_types.update(x.dtype.type for x in level if type(x) is np.ndarray)
+            level = [x for x in level if type(x) is not np.ndarray]
+            types.discard(np.ndarray)
+    return types | array_types
+
+
+def _suspect(arr: np.ndarray) -> bool:
+    """Whether np.asarray may have hidden bools (as 0 or 1) or ints beyond int64 (as floats).
+
+    A cheap vectorized filter, so that most float data skips the per-element type scan.
+    """
+    if ((arr == 0) | (arr == 1)).any():
+        return True
+    return arr.dtype.kind == "f" and bool((np.abs(arr) >= 2.0**63).any())
+
+
+def _too_big_int(value) -> bool:
+    stack = [value]  # no recursion: this runs on hostile input
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif type(x) is int and not -_INT64_MAX - 1 <= x <= _INT64_MAX:
+            return True
+    return False
+
+
+def _array(ep: dict, key: str, where: str, *, actions: bool = False) -> np.ndarray:
+    """Field `key` as float32 (or int64 for integer actions), one np.asarray for the lot."""
+    value = ep[key]
+    try:
+        arr = np.asarray(value)
+        kind = arr.dtype.kind
+        if kind in "iuf" and arr.ndim and arr.size and not isinstance(value, np.ndarray) and _suspect(arr):
+            types = _leaf_types(value, arr.ndim)
+            if bool in types or np.bool_ in types:
+                kind = "b"
+            elif kind == "f" and types and types <= {int}:  # ints beyond int64 became floats
+                kind = "O"
+    except Exception:  # ragged lists, or objects numpy cannot take
+        raise ProtocolError(f"{where}: {key!r} is not a regular (non-ragged) array of numbers") from None
+    if kind == "b":
+        raise ProtocolError(f"{where}: {key!r} holds booleans, expected numbers")
+    if kind not in "iuf":
+        if kind == "O" and _too_big_int(value):
+            raise ProtocolError(f"{where}: {key!r} holds an integer that does not fit int64")
+        raise ProtocolError(f"{where}: {key!r} is not an array of numbers (got {_kind_name(arr)})")
+    if arr.ndim == 0:
+        raise ProtocolError(f"{where}: {key!r} is a single value, expected a list")
+    if actions and (kind in "iu" or (arr.size == 0 and not isinstance(value, np.ndarray))):
+        # Discrete actions. An empty JSON list says nothing: int64 (0,) is the likelier case.
+        if kind == "u" and arr.size and arr.max() > _INT64_MAX:
+            raise ProtocolError(f"{where}: {key!r} holds an integer that does not fit int64")
+        return arr.astype(np.int64, copy=False)
+    out = arr.astype(np.float32, copy=False)
+    if not np.isfinite(out).all():  # after the cast: 1e300 becomes inf in float32
+        raise ProtocolError(f"{where}: non-finite value in {key!r}")
+    return out
+
+
+def _kind_name(arr: np.ndarray) -> str:
+    return {"U": "strings", "S": "bytes", "O": "mixed or non-numeric values"}.get(arr.dtype.kind, str(arr.dtype))
+
+
+def _flag(ep: dict, key: str, alias: str, where: str) -> bool:
+    names = [k for k in (key, alias) if k in ep]
+    if not names:
+        raise ProtocolError(f"{where}: missing field {key!r} (or {alias!r})")
+    for k in names:
+        if not _is_bool(ep[k]):
+            raise ProtocolError(f"{where}: {k!r} must be true or false, got {_show(ep[k])}")
+    if len(names) == 2 and bool(ep[key]) != bool(ep[alias]):
+        raise ProtocolError(f"{where}: {key!r} and its alias {alias!r} disagree")
+    return bool(ep[names[0]])
+
+
+def _episode(ep, i: int) -> dict:
+    where = f"episode {i}"
+    if not isinstance(ep, dict):
+        raise ProtocolError(f"{where} is a {type(ep).__name__}, not an object")
+    for key in ep:
+        if key not in _EPISODE_KEYS:
+            raise ProtocolError(f"{where}: unexpected field {_show(key)}")
+    for key in (OBS, ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP):
+        if key not in ep:
+            raise ProtocolError(f"{where}: missing field {key!r}")
+    actions = _array(ep, ACTIONS, where, actions=True)
+    n = len(actions)
+    out = {OBS: _array(ep, OBS, where), ACTIONS: actions}
+    if len(out[OBS]) != n + 1:
+        raise ProtocolError(f"{where}: 'obs' has {len(out[OBS])} entries, expected len(actions)+1 = {n + 1}")
+    for key in (REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP):
+        out[key] = arr = _array(ep, key, where)
+        if len(arr) != n:
+            raise ProtocolError(f"{where}: {key!r} has {len(arr)} entries, expected len(actions) = {n}")
+        if key != ACTION_DIST_INPUTS and arr.ndim != 1:
+            raise ProtocolError(f"{where}: {key!r} has shape {arr.shape}, expected ({n},)")
+    for alias, key in FLAG_ALIASES.items():
+        out[key] = _flag(ep, key, alias, where)
+    if EPISODE_ID in ep:
+        eid = ep[EPISODE_ID]
+        if not (isinstance(eid, str) or _is_int(eid)):
+            raise ProtocolError(f"{where}: 'episode_id' must be a string or an int, got {_show(eid)}")
+        out[EPISODE_ID] = eid if isinstance(eid, str) else int(eid)
+    if WEIGHTS_SEQ_NO in ep:
+        out[WEIGHTS_SEQ_NO] = _count(ep, WEIGHTS_SEQ_NO, where)
+    return out
+
+
+def _count(msg: dict, key: str, where: str, minimum: int = 0) -> int:
+    value = msg[key]
+    if not _is_int(value) or value < minimum:
+        raise ProtocolError(f"{where}: {key!r} must be an int >= {minimum}, got {_show(value)}")
+    return int(value)
+
+
+def _require(msg: dict, key: str, where: str):
+    if key not in msg:
+        raise ProtocolError(f"{where}: missing field {key!r}")
+    return msg[key]
+
+
+def _request(msg: dict, t: MessageType) -> dict:
+    for key in msg:
+        if key not in _REQUEST_FIELDS[t]:
+            raise ProtocolError(f"{t.value}: unexpected field {_show(key)}")
+    out = {"type": t.value}
+    if t is _T.PING and "auth_token" in msg:
+        if not isinstance(msg["auth_token"], str):
+            raise ProtocolError(f"PING: 'auth_token' must be a string, got {type(msg['auth_token']).__name__}")
+        out["auth_token"] = msg["auth_token"]
+    if t not in (_T.EPISODES, _T.EPISODES_AND_GET_STATE):
+        return out
+    episodes = _require(msg, "episodes", t.value)
+    if not isinstance(episodes, (list, tuple)):
+        raise ProtocolError(f"{t.value}: 'episodes' must be a list, got {type(episodes).__name__}")
+    counts = {k: _count(msg, k, t.value) for k in ("timesteps", "env_steps") if k in msg}
+    if len(set(counts.values())) > 1:
+        raise ProtocolError(f"{t.value}: 'timesteps' = {counts['timesteps']} and 'env_steps' = "
+                            f"{counts['env_steps']} disagree")
+    with np.errstate(all="ignore"):  # overflow in float32 casts is reported as non-finite
+        out["episodes"] = [_episode(ep, i) for i, ep in enumerate(episodes)]
+    steps = sum(len(ep[ACTIONS]) for ep in out["episodes"])
+    for key, count in counts.items():
+        if count != steps:
+            raise ProtocolError(f"{t.value}: {key!r} = {count} but the episodes hold {steps} steps "
+                                f"(lengths that disagree)")
+    out["timesteps"] = steps
+    return out
+
+
+def _reply(msg: dict, t: MessageType) -> dict:
+    out = dict(msg)  # servers may add fields: keep them
+    out["type"] = t.value
+    if t is _T.SET_CONFIG:
+        _require(msg, "env_steps_per_sample", t.value)
+        out["env_steps_per_sample"] = _count(msg, "env_steps_per_sample", t.value, minimum=1)
+        if not _is_bool(_require(msg, "force_on_policy", t.value)):
+            raise ProtocolError(f"SET_CONFIG: 'force_on_policy' must be true or false, "
+                                f"got {_show(msg['force_on_policy'])}")
+        out["force_on_policy"] = bool(msg["force_on_policy"])
+    elif t is _T.SET_STATE:
+        if not isinstance(_require(msg, "onnx_file", t.value), (str, bytes)):
+            raise ProtocolError(f"SET_STATE: 'onnx_file' must be a string (or bytes), "
+                                f"got {type(msg['onnx_file']).__name__}")
+        _require(msg, "weights_seq_no", t.value)
+        out["weights_seq_no"] = _count(msg, "weights_seq_no", t.value)
+    return out
+
+
+def validate(msg: dict, role: str | None = None) -> dict:
+    """A normalized copy of `msg`; role "request", "reply" or None (either)."""
+    if role not in ("request", "reply", None):
+        raise ValueError(f"role must be 'request', 'reply' or None, not {role!r}")
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a message must be an object, got {type(msg).__name__}")
+    if "type" not in msg:
+        raise ProtocolError("message has no 'type'")
+    t = msg["type"]
+    if not isinstance(t, str) or t not in MessageType.__members__:
+        raise ProtocolError(f"unknown message type {_show(t)}")
+    t = MessageType(t)
+    if t in REQUEST_TYPES:
+        if role == "reply":
+            raise ProtocolError(f"{t.value!r} is a request type, not a reply")
+        return _request(msg, t)
+    if role == "request":
+        raise ProtocolError(f"{t.value!r} is a reply type, not a request")
+    return _reply(msg, t)
