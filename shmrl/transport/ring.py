@@ -1,0 +1,590 @@
+"""Low-level shared-memory pieces: segments, single-producer/single-consumer rings of
+frames, FIFO doorbells, and the per-client slot that holds two rings.
+
+Nothing here is a lock shared between processes: a process killed at any instant leaves
+nothing that blocks another one. Only the owner (the learner) creates and unlinks files
+in /dev/shm; clients attach by name. Names are ``{prefix}_{owner_pid}_{tag}``, so the
+leftovers of a killed run can be found (``sweep_stale``).
+
+``multiprocessing.shared_memory`` is deliberately not used: before Python 3.13 its
+resource tracker unlinks segments that a process merely attached to (CPython gh-82300).
+"""
+from __future__ import annotations
+
+import errno
+import math
+import mmap
+import os
+import re
+import select
+import struct
+import time
+import weakref
+import zlib
+
+import _posixshmem
+
+SHM_DIR = "/dev/shm"
+DEFAULT_PREFIX = "shmrl"
+MiB = 1 << 20
+
+
+class ShmSpaceError(RuntimeError):
+    """/dev/shm has too little free space for the segments."""
+
+
+class RingCorrupt(RuntimeError):
+    """A ring holds a record that cannot be valid (stale, torn by a bug, or overwritten)."""
+
+
+class PeerGone(ConnectionError):
+    """The process at the other end of a doorbell has closed it or died."""
+
+
+# ---------------------------------------------------------------- /dev/shm housekeeping
+
+def segment_name(prefix: str, owner_pid: int, tag: str) -> str:
+    return f"{prefix}_{owner_pid}_{tag}"
+
+
+def fifo_path(name: str, directory: str = SHM_DIR) -> str:
+    return os.path.join(directory, name + ".fifo")
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm_space(bytes_needed: int, free_bytes: int | None = None, path: str = SHM_DIR) -> None:
+    """Raise ShmSpaceError, saying how to fix it, if ``path`` cannot hold ``bytes_needed``."""
+    free = shm_free_bytes(path) if free_bytes is None else free_bytes
+    if bytes_needed > free:
+        raise ShmSpaceError(_space_message(bytes_needed, free, path))
+
+
+def _space_message(needed: int, free: int, path: str = SHM_DIR) -> str:
+    suggest_gib = max(1, math.ceil(2 * needed / (1 << 30)))  # room for a second run
+    return (f"shared memory: {needed / MiB:.1f} MiB needed in {path} but only {free / MiB:.1f} MiB "
+            f"free. Raise the limit: in Docker, run with --shm-size={suggest_gib}g; on a host, "
+            f"`sudo mount -o remount,size={suggest_gib}G {path}`; or use fewer simulators or "
+            f"smaller rings.")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, belongs to someone else
+        return True
+    return True
+
+
+def sweep_stale(prefix: str = DEFAULT_PREFIX, directory: str = SHM_DIR) -> list[str]:
+    """Unlink the segments and FIFOs ``{prefix}_{pid}_*`` of processes that no longer
+    exist (a run killed before it could clean up). Files of live pids are never touched."""
+    pattern = re.compile(re.escape(prefix) + r"_(\d+)_")
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    removed, alive = [], {}
+    for entry in sorted(entries):
+        m = pattern.match(entry)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid not in alive:
+            alive[pid] = pid <= 0 or _pid_alive(pid)
+        if alive[pid]:
+            continue
+        try:
+            os.unlink(os.path.join(directory, entry))
+            removed.append(entry)
+        except FileNotFoundError:
+            pass  # another sweeper got there first
+    return removed
+
+
+# ---------------------------------------------------------------- segments
+
+class Segment:
+    """A named shared-memory file, mapped read-write into this process."""
+
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool):
+        self.name, self._mm, self.owner = name, mm, owner
+        self._owner_pid = os.getpid()
+        self.buf = memoryview(mm)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "Segment":
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                # Reserve every page now: a full /dev/shm fails here with ENOSPC instead of
+                # killing a process with SIGBUS when it first touches a page.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise ShmSpaceError(_space_message(size, shm_free_bytes())) from None
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)  # a file system without fallocate
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            _posixshmem.shm_unlink("/" + name)
+            raise
+        os.close(fd)  # the mapping keeps the memory
+        return cls(name, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        try:
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no shared-memory segment {name!r}: is its learner running?") from None
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        return cls(name, mm, owner=False)
+
+    def close(self) -> None:
+        """Unmap; the owner (in the process that created it, not a forked child) also unlinks."""
+        if self._mm is None:
+            return
+        self.buf.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a view is still alive somewhere: the mapping goes when it is collected
+        self._mm = None
+        if self.owner and os.getpid() == self._owner_pid:
+            try:
+                _posixshmem.shm_unlink("/" + self.name)
+            except FileNotFoundError:
+                pass
+
+
+# ---------------------------------------------------------------- the ring
+
+_RECORD = struct.Struct("<QII")   # absolute position of the record, payload length, crc
+_RECORD_BYTES = _RECORD.size      # 16
+_WRAP = 0xFFFFFFFF                # length of a wrap marker: "continue at offset 0"
+# The crc is salted so that zeroed memory (a fresh or reset ring) never reads as a valid
+# empty record at position 0: crc32(b"shmrl" + payload).
+_CRC_SALT = zlib.crc32(b"shmrl")
+_WRITE, _READ = 0, 16             # indices of the u64 positions in the ring header
+
+
+def _as_bytes(part) -> bytes | bytearray | memoryview:
+    if isinstance(part, (bytes, bytearray)):
+        return part
+    return memoryview(part).cast("B")  # numpy arrays, memoryviews: flat bytes, no copy
+
+
+class Ring:
+    """A single-producer/single-consumer ring of variable-size frames in shared memory.
+
+    Region at ``offset`` (64-byte aligned): a 256-byte header, then ``capacity`` data bytes.
+    The header holds ``write_pos`` (u64 at +0, total bytes published, written only by the
+    writer) and ``read_pos`` (u64 at +128, total bytes consumed, written only by the
+    reader), each on its own pair of cache lines. A record is ``[u64 position][u32
+    length][u32 crc]`` + payload, padded to 8 bytes, and never crosses the end of the
+    data area: if it does not fit, the writer leaves a wrap marker (length 0xFFFFFFFF)
+    when at least 16 bytes remain (fewer: the reader wraps by itself) and starts again at
+    offset 0; the skipped bytes count as used.
+
+    Writer order: payload, record header, then ``write_pos`` (one aligned 8-byte store).
+    A writer killed before that last store has published nothing. The reader copies the
+    payload out and checks the record's position (== read_pos, else a stale slot) and
+    crc before it moves ``read_pos``, so it never yields a torn frame.
+    """
+
+    HEADER_BYTES = 256
+    RETRIES = 3  # consecutive failed checks of the same record before it counts as corrupt
+
+    def __init__(self, buf: memoryview, offset: int, capacity: int):
+        if offset % 64 or capacity % 64 or capacity < 256:
+            raise ValueError(f"ring offset {offset} and capacity {capacity} must be multiples "
+                             f"of 64, and capacity at least 256")
+        if offset + self.HEADER_BYTES + capacity > len(buf):
+            raise ValueError(f"a ring at {offset} with capacity {capacity} does not fit "
+                             f"in a {len(buf)}-byte buffer")
+        self.capacity = capacity
+        self._pos = buf[offset:offset + self.HEADER_BYTES].cast("Q")
+        self._data = buf[offset + self.HEADER_BYTES:offset + self.HEADER_BYTES + capacity]
+        # Largest padded record that fits at every offset, even on an empty ring whose
+        # write position sits just short of the end (skip < record, skip + record <= capacity).
+        self.max_payload = ((capacity + 8) // 2 & ~7) - _RECORD_BYTES
+        self._bad_pos, self._bad_count = -1, 0
+
+    @classmethod
+    def nbytes(cls, capacity: int) -> int:
+        return cls.HEADER_BYTES + capacity
+
+    @property
+    def write_pos(self) -> int:
+        return self._pos[_WRITE]
+
+    @property
+    def read_pos(self) -> int:
+        return self._pos[_READ]
+
+    # -- writer
+
+    def try_write(self, parts) -> bool:
+        """Publish one frame made of ``parts`` (bytes-like, gathered without joining);
+        False if the ring has not enough free space now."""
+        parts = [_as_bytes(p) for p in parts]
+        n = sum(len(p) for p in parts)
+        if n > self.max_payload:
+            raise ValueError(f"a frame of {n} bytes is larger than the {self.max_payload} bytes this ring "
+                             f"can hold (capacity {self.capacity} bytes): use larger rings")
+        cap, data = self.capacity, self._data
+        w, r = self._pos[_WRITE], self._pos[_READ]
+        if not 0 <= w - r <= cap:
+            raise RingCorrupt(f"ring positions out of range: write {w}, read {r}, capacity {cap}")
+        size = (_RECORD_BYTES + n + 7) & ~7
+        off = w % cap
+        skip = 0 if size <= cap - off else cap - off
+        if (w - r) + skip + size > cap:
+            return False
+        if skip:
+            if skip >= _RECORD_BYTES:
+                _RECORD.pack_into(data, off, w, _WRAP, 0)
+            off = 0
+        crc, o = _CRC_SALT, off + _RECORD_BYTES
+        for p in parts:
+            data[o:o + len(p)] = p
+            crc = zlib.crc32(p, crc)
+            o += len(p)
+        _RECORD.pack_into(data, off, w + skip, n, crc)
+        self._pos[_WRITE] = w + skip + size  # publish: last, a single aligned 8-byte store
+        return True
+
+    def write(self, parts, timeout: float | None = None) -> None:
+        """Like try_write, but wait for space (sleeping 50 µs, doubling up to 2 ms: a full
+        ring is the rare case); TimeoutError after ``timeout`` seconds (None: forever)."""
+        parts = [_as_bytes(p) for p in parts]
+        if self.try_write(parts):
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 50e-6
+        while not self.try_write(parts):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"ring full for {timeout} s: its reader is not keeping up")
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-3)
+
+    # -- reader
+
+    def pending(self) -> bool:
+        return self._pos[_WRITE] != self._pos[_READ]
+
+    def read(self, strict: bool = False) -> bytes | None:
+        """The next frame (a copy), or None if nothing is published yet.
+
+        A record that fails its checks may merely not be visible yet: on a weakly ordered
+        CPU, a reader that sees ``write_pos`` before it has consumed the doorbell byte the
+        writer rings afterwards may see stale record bytes. So a failed check returns None
+        and the record is tried again on the next call (callers read after each doorbell
+        wake-up); the ``RETRIES``-th consecutive failure of the same record, or the first
+        with ``strict=True``, raises RingCorrupt.
+        """
+        cap, data = self.capacity, self._data
+        r, w = self._pos[_READ], self._pos[_WRITE]
+        if r == w:
+            return None
+        if not 0 < w - r <= cap:
+            raise RingCorrupt(f"ring positions out of range: write {w}, read {r}, capacity {cap}")
+        off = r % cap
+        pos = r
+        if cap - off < _RECORD_BYTES:  # too little room for even a marker: implicit wrap
+            pos, off = r + cap - off, 0
+        else:
+            marker_pos, n, _ = _RECORD.unpack_from(data, off)
+            if n == _WRAP:
+                if marker_pos != r:
+                    return self._failed(r, strict, f"wrap marker at position {r} says {marker_pos}")
+                pos, off = r + cap - off, 0
+        rec_pos, n, crc = _RECORD.unpack_from(data, off)
+        end = pos + ((_RECORD_BYTES + n + 7) & ~7)
+        if rec_pos != pos:
+            return self._failed(r, strict, f"stale record at position {pos}: it says {rec_pos}")
+        if n > cap - off - _RECORD_BYTES or end > w:
+            return self._failed(r, strict, f"record at position {pos} has impossible length {n}")
+        payload = bytes(data[off + _RECORD_BYTES:off + _RECORD_BYTES + n])  # the one copy
+        if zlib.crc32(payload, _CRC_SALT) != crc:  # checked on the copy: what we return
+            return self._failed(r, strict, f"crc mismatch in the {n}-byte record at position {pos}")
+        self._bad_count = 0
+        self._pos[_READ] = end
+        return payload
+
+    def _failed(self, r: int, strict: bool, reason: str) -> None:
+        if r != self._bad_pos:
+            self._bad_pos, self._bad_count = r, 0
+        self._bad_count += 1
+        if strict or self._bad_count >= self.RETRIES:
+            raise RingCorrupt(reason)
+        return None
+
+    # -- owner
+
+    def reset(self) -> None:
+        """Empty the ring and zero its data (owner only, with no peer attached): a new
+        writer starts at position 0 and finds no old record that could pass for its own."""
+        self._pos[_WRITE] = 0
+        self._pos[_READ] = 0
+        self._data[:] = bytes(self.capacity)
+        self._bad_pos, self._bad_count = -1, 0
+
+    def close(self) -> None:
+        """Release this ring's views of the shared buffer (so the segment can be unmapped)."""
+        self._pos.release()
+        self._data.release()
+
+
+# ---------------------------------------------------------------- doorbells
+
+_OWNED_DOORBELLS: "weakref.WeakSet[Doorbell]" = weakref.WeakSet()
+
+
+def _close_owned_in_child() -> None:
+    # A forked child must not keep the owner's FIFO ends open: a client reading a reply
+    # doorbell detects the owner's death by EOF, which never comes while any process
+    # still holds a write end.
+    for bell in list(_OWNED_DOORBELLS):
+        bell._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_close_owned_in_child)
+
+
+class Doorbell:
+    """A wake-up over a named FIFO: ``ring()`` writes a byte, ``wait()`` blocks in the
+    kernel until one arrives, then drains them all.
+
+    It is also the memory barrier of the rings. The writer publishes (payload, record,
+    write_pos) and then rings; the reader waits (which reads the pipe) and then reads the
+    ring. The pipe write and read both take the pipe's lock in the kernel, a release and
+    an acquire, so every store made before ``ring()`` is visible after the ``wait()`` that
+    consumed its byte, on any CPU, not only under x86's strong store ordering.
+
+    The owner opens the FIFO read-write and non-blocking: it never sees EOF and its writes
+    never block. A client opens one end only; when the owner's end closes (it exited or
+    was killed), a client's ``wait()`` raises PeerGone and its ``ring()`` too.
+    """
+
+    def __init__(self, path: str, fd: int, owner: bool):
+        self.path, self._fd, self.owner = path, fd, owner
+        self._owner_pid = os.getpid()
+        self._poller = select.poll()
+        self._poller.register(fd, select.POLLIN)
+        if owner:
+            _OWNED_DOORBELLS.add(self)
+
+    @classmethod
+    def create(cls, path: str) -> "Doorbell":
+        os.mkfifo(path, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        except BaseException:
+            os.unlink(path)
+            raise
+        return cls(path, fd, owner=True)
+
+    @classmethod
+    def open(cls, path: str, mode: str) -> "Doorbell":
+        """Attach to an owner's FIFO: ``mode`` "r" to wait on it, "w" to ring it."""
+        flags = {"r": os.O_RDONLY, "w": os.O_WRONLY}[mode] | os.O_NONBLOCK
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no doorbell {path}: is its learner running?") from None
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # write end and no reader: the owner is gone
+                raise PeerGone(f"{path}: nobody is listening (the learner is gone)") from None
+            raise
+        return cls(path, fd, owner=False)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def ring(self) -> None:
+        try:
+            os.write(self._fd, b"\0")
+        except BlockingIOError:
+            pass  # the FIFO is full: a wake-up is pending anyway
+        except BrokenPipeError:
+            raise PeerGone(f"{self.path}: nobody is listening (the learner is gone)") from None
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until rung or ``timeout`` seconds (None: forever); drain; True if rung."""
+        ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        if not self._poller.poll(ms):
+            return False
+        self.drain()
+        return True
+
+    def drain(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._fd, 4096)
+            except BlockingIOError:
+                return
+            if not chunk:  # EOF: every write end is closed
+                raise PeerGone(f"{self.path}: the other side closed it (the learner is gone)")
+            if len(chunk) < 4096:
+                return
+
+    def peer_gone(self) -> bool:
+        """True if this read end has seen its last writer close (no bytes consumed)."""
+        return any(ev & select.POLLHUP for _, ev in self._poller.poll(0))
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        if self.owner and os.getpid() == self._owner_pid:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def _forget_in_child(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.owner = False
+
+
+# ---------------------------------------------------------------- one client's slot
+
+class ClientSlot:
+    """One client's segment: slot header, request ring (client -> owner) and reply ring
+    (owner -> client). Shared counters are aligned u64s; the two writers' fields sit on
+    separate cache lines.
+
+    ====== ======================================================================
+    offset field (written by)
+    ====== ======================================================================
+    0      magic u64, owner pid, request capacity, reply capacity, closed flag (owner)
+    64     reason the owner closed the connection, 192 bytes UTF-8, NUL-padded (owner)
+    256    name of the request doorbell FIFO to ring, 128 bytes, NUL-padded (owner)
+    384    client pid u64, client heartbeat u64 (time.monotonic_ns, system-wide) (client)
+    512    request ring: 256-byte header + request capacity
+    ...    reply ring: 256-byte header + reply capacity (then padding to a page)
+    ====== ======================================================================
+    """
+
+    HEADER_BYTES = 512
+    MAGIC = int.from_bytes(b"shmrlsl1", "little")
+    _MAGIC, _OWNER_PID, _REQ_CAP, _REP_CAP, _CLOSED = 0, 1, 2, 3, 4
+    _REASON = slice(64, 256)
+    _DOORBELL = slice(256, 384)
+    _CLIENT_PID, _HEARTBEAT = 48, 49
+
+    def __init__(self, segment: Segment):
+        self.segment, self.name = segment, segment.name
+        self._hdr = segment.buf[:self.HEADER_BYTES].cast("Q")
+        if self._hdr[self._MAGIC] != self.MAGIC:
+            self._hdr.release()
+            raise ValueError(f"{segment.name!r} is not a shmrl client slot")
+        req_cap, rep_cap = self._hdr[self._REQ_CAP], self._hdr[self._REP_CAP]
+        try:
+            self.requests = Ring(segment.buf, self.HEADER_BYTES, req_cap)
+            self.replies = Ring(segment.buf, self.HEADER_BYTES + Ring.nbytes(req_cap), rep_cap)
+        except ValueError:
+            self._hdr.release()
+            raise
+
+    @classmethod
+    def nbytes(cls, request_capacity: int, reply_capacity: int) -> int:
+        n = cls.HEADER_BYTES + Ring.nbytes(request_capacity) + Ring.nbytes(reply_capacity)
+        return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+    @classmethod
+    def create(cls, name: str, request_capacity: int, reply_capacity: int,
+               request_doorbell: str = "") -> "ClientSlot":
+        """Owner: a new slot; ``request_doorbell`` names the FIFO its client rings."""
+        raw_bell = request_doorbell.encode()
+        if len(raw_bell) > cls._DOORBELL.stop - cls._DOORBELL.start:
+            raise ValueError(f"doorbell name too long: {request_doorbell!r}")
+        seg = Segment.create(name, cls.nbytes(request_capacity, reply_capacity))
+        try:
+            seg.buf[cls._DOORBELL.start:cls._DOORBELL.start + len(raw_bell)] = raw_bell
+            hdr = seg.buf[:cls.HEADER_BYTES].cast("Q")
+            hdr[cls._OWNER_PID] = os.getpid()
+            hdr[cls._REQ_CAP], hdr[cls._REP_CAP] = request_capacity, reply_capacity
+            hdr[cls._MAGIC] = cls.MAGIC
+            hdr.release()
+            return cls(seg)
+        except BaseException:
+            seg.close()
+            raise
+
+    @classmethod
+    def attach(cls, name: str) -> "ClientSlot":
+        seg = Segment.attach(name)
+        try:
+            return cls(seg)
+        except BaseException:
+            seg.close()
+            raise
+
+    @property
+    def owner_pid(self) -> int:
+        return self._hdr[self._OWNER_PID]
+
+    @property
+    def request_doorbell(self) -> str:
+        """Name of the FIFO (in /dev/shm) that the client rings after each request."""
+        return bytes(self.segment.buf[self._DOORBELL]).rstrip(b"\0").decode()
+
+    @property
+    def client_pid(self) -> int:
+        return self._hdr[self._CLIENT_PID]
+
+    @client_pid.setter
+    def client_pid(self, pid: int) -> None:
+        self._hdr[self._CLIENT_PID] = pid
+
+    @property
+    def heartbeat_ns(self) -> int:
+        return self._hdr[self._HEARTBEAT]
+
+    def touch(self) -> None:
+        """Client: record that it is alive now."""
+        self._hdr[self._HEARTBEAT] = time.monotonic_ns()
+
+    @property
+    def closed_reason(self) -> str | None:
+        """Why the owner closed this connection, or None while it is open."""
+        if not self._hdr[self._CLOSED]:
+            return None
+        return bytes(self.segment.buf[self._REASON]).rstrip(b"\0").decode("utf-8", "replace")
+
+    def set_closed(self, reason: str) -> None:
+        raw = reason.encode("utf-8")[:self._REASON.stop - self._REASON.start]
+        self.segment.buf[self._REASON] = raw.ljust(self._REASON.stop - self._REASON.start, b"\0")
+        self._hdr[self._CLOSED] = 1  # after the reason: a client that sees the flag sees the text
+
+    def reset(self) -> None:
+        """Owner: make the slot as new for a replacement client."""
+        self.requests.reset()
+        self.replies.reset()
+        self._hdr[self._CLOSED] = 0
+        self._hdr[self._CLIENT_PID] = 0
+        self._hdr[self._HEARTBEAT] = 0
+
+    def close(self) -> None:
+        if self.segment._mm is None:
+            return
+        self.requests.close()
+        self.replies.close()
+        self._hdr.release()
+        self.segment.close()
