@@ -1,0 +1,220 @@
+"""The learner: the Hub (RLlink server logic for every transport), the episode store,
+and the loop that turns received chunks into PPO updates and ONNX versions.
+
+Transports hand the Hub validated messages; the Hub also checks them against the
+environment (shapes, action range) because a client's input is never trusted.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import numpy as np
+
+from shmrl import rllink
+from shmrl.envs import Discrete, EnvSpec
+from shmrl.episode import Episode
+from shmrl.onnx_policy import OnnxPublisher, encode_onnx_file
+
+log = logging.getLogger("shmrl.learner")
+T = rllink.MessageType
+
+
+class EpisodeStore:
+    """Chunks waiting for the next batch, and the returns of complete episodes.
+
+    Continuation chunks are glued to the episode they continue by id when the client
+    sends one, else by their first observation being the last one of an open chunk on
+    the same connection (RLlib's client sends no id; with one env per client this is
+    its order of messages).
+    """
+
+    def __init__(self, window: int = 100):
+        self.chunks: list[Episode] = []
+        self.pending_steps = 0
+        self.returns: deque = deque(maxlen=window)
+        self.lengths: deque = deque(maxlen=window)
+        self.episodes_completed = 0
+        self.steps_received = 0
+        self.steps_trained = 0
+        self.steps_by_conn: dict[str, int] = {}
+        self._open: dict[tuple, tuple[float, int]] = {}   # glue key -> (return, length) so far
+
+    @staticmethod
+    def _key(conn_id: str, ep: Episode, obs) -> tuple:
+        return (conn_id, "id", ep.id) if ep.id is not None else (conn_id, "obs", obs.tobytes())
+
+    def add(self, conn_id: str, ep: Episode) -> None:
+        ret, length = self._open.pop(self._key(conn_id, ep, ep.obs[0]), (0.0, 0))
+        ret += float(ep.rewards.sum(dtype=np.float64))
+        length += len(ep)
+        if ep.is_done:
+            self.returns.append(ret)
+            self.lengths.append(length)
+            self.episodes_completed += 1
+        elif len(ep):
+            self._open[self._key(conn_id, ep, ep.obs[-1])] = (ret, length)
+        if len(ep):
+            self.chunks.append(ep)
+            self.pending_steps += len(ep)
+            self.steps_received += len(ep)
+            self.steps_by_conn[conn_id] = self.steps_by_conn.get(conn_id, 0) + len(ep)
+
+    def forget(self, conn_id: str) -> None:
+        """A connection closed: its open episodes will never complete."""
+        for key in [k for k in self._open if k[0] == conn_id]:
+            del self._open[key]
+
+    def take(self) -> list[Episode]:
+        chunks, self.chunks = self.chunks, []
+        self.steps_trained += self.pending_steps
+        self.pending_steps = 0
+        return chunks
+
+    def return_mean(self) -> float:
+        return float(np.mean(self.returns)) if self.returns else float("nan")
+
+
+def check_episode(ep: Episode, spec: EnvSpec) -> str | None:
+    """Why a validated chunk does not fit the environment, or None."""
+    if ep.obs.shape[1:] != tuple(spec.obs_shape):
+        return f"obs shape {ep.obs.shape[1:]} does not match the environment's {tuple(spec.obs_shape)}"
+    space = spec.action_space
+    if isinstance(space, Discrete) and len(ep):
+        if ep.actions.dtype.kind != "i" or ep.actions.ndim != 1:
+            return f"actions must be integers for Discrete({space.n}), got {ep.actions.dtype} {ep.actions.shape}"
+        if (ep.actions.min() < 0 or ep.actions.max() >= space.n):
+            return f"action out of range for Discrete({space.n})"
+        if ep.action_dist_inputs.shape[1:] != (space.n,):
+            return f"action_dist_inputs shape {ep.action_dist_inputs.shape[1:]} != ({space.n},)"
+    return None
+
+
+class Hub:
+    """Answers RLlink requests from any transport alike.
+
+    PING, GET_CONFIG and GET_STATE are answered at once. Episodes go to the store.
+    With ``force_on_policy`` an EPISODES_AND_GET_STATE is answered with the *next*
+    weights (the client waits, as RLlib's does); otherwise at once with the current ones.
+    """
+
+    def __init__(self, spec: EnvSpec, store: EpisodeStore, env_steps_per_sample: int,
+                 force_on_policy: bool = True):
+        self.spec, self.store = spec, store
+        self.config_msg = {"type": T.SET_CONFIG.value, "env_steps_per_sample": env_steps_per_sample,
+                           "force_on_policy": force_on_policy}
+        self.force_on_policy = force_on_policy
+        self.state_msg: dict | None = None
+        self.servers: dict[str, object] = {}     # conn_id -> the server that owns it
+        self.sampling: set[str] = set()          # connections that have asked for weights
+        self.waiting: list[str] = []             # connections waiting for the next weights
+        self.steps_dropped: dict[str, int] = {}
+
+    def set_state(self, weights_seq_no: int, onnx_file: str) -> None:
+        """Publish new weights and release every client waiting for them."""
+        self.state_msg = {"type": T.SET_STATE.value, "onnx_file": onnx_file,
+                          "weights_seq_no": weights_seq_no}
+        waiting, self.waiting = self.waiting, []
+        for conn_id in waiting:
+            self._reply(conn_id, self.state_msg)
+
+    def all_waiting(self) -> bool:
+        return bool(self.sampling) and len(self.waiting) == len(self.sampling)
+
+    def handle(self, server, conn_id: str, msg: dict | None) -> None:
+        self.servers[conn_id] = server
+        if msg is None:
+            self._forget(conn_id)
+            return
+        kind = msg["type"]
+        if kind == T.PING.value:
+            self._reply(conn_id, {"type": T.PONG.value})
+        elif kind == T.GET_CONFIG.value:
+            self._reply(conn_id, self.config_msg)
+        elif kind == T.GET_STATE.value:
+            self.sampling.add(conn_id)
+            self._reply(conn_id, self.state_msg)
+        else:  # EPISODES, EPISODES_AND_GET_STATE
+            episodes = [Episode.from_rllink(d) for d in msg["episodes"]]
+            for ep in episodes:
+                reason = check_episode(ep, self.spec)
+                if reason:
+                    self._drop(conn_id, reason, sum(len(e) for e in episodes))
+                    return
+            for ep in episodes:
+                self.store.add(conn_id, ep)
+            if kind == T.EPISODES_AND_GET_STATE.value:
+                self.sampling.add(conn_id)
+                if self.force_on_policy:
+                    self.waiting.append(conn_id)
+                else:
+                    self._reply(conn_id, self.state_msg)
+
+    def _reply(self, conn_id: str, msg: dict) -> None:
+        self.servers[conn_id].reply(conn_id, msg)
+
+    def _drop(self, conn_id: str, reason: str, steps: int) -> None:
+        self.steps_dropped[reason.split(":")[0]] = self.steps_dropped.get(reason.split(":")[0], 0) + steps
+        self.servers[conn_id].drop(conn_id, reason)
+        self._forget(conn_id)
+
+    def _forget(self, conn_id: str) -> None:
+        self.sampling.discard(conn_id)
+        if conn_id in self.waiting:
+            self.waiting.remove(conn_id)
+        self.store.forget(conn_id)
+        self.servers.pop(conn_id, None)
+
+
+class Learner:
+    """Polls the transports, feeds the Hub, trains when a batch is ready, publishes."""
+
+    def __init__(self, spec: EnvSpec, ppo, servers: list, *, env_steps_per_sample: int,
+                 train_batch_size: int, force_on_policy: bool = True, window: int = 100):
+        self.spec, self.ppo, self.servers = spec, ppo, servers
+        self.train_batch_size = train_batch_size
+        self.store = EpisodeStore(window)
+        self.hub = Hub(spec, self.store, env_steps_per_sample, force_on_policy)
+        self.publisher = OnnxPublisher(ppo.actor_sizes, ppo.config.activation)
+        self.weights_seq_no = 0
+        self.updates = 0
+        self.model_bytes = b""
+        self.publish()
+
+    def publish(self) -> None:
+        self.weights_seq_no += 1
+        self.model_bytes = self.publisher.publish(self.ppo.actor_weights())
+        self.hub.set_state(self.weights_seq_no, encode_onnx_file(self.model_bytes))
+
+    def poll(self, timeout: float) -> int:
+        """Handle every request that arrives within ``timeout``; returns how many."""
+        import selectors
+        if not hasattr(self, "_selector"):
+            self._selector = selectors.DefaultSelector()
+            for s in self.servers:
+                self._selector.register(s.fileno(), selectors.EVENT_READ, s)
+        n = 0
+        if timeout > 0:
+            self._selector.select(timeout)
+        for server in self.servers:
+            for conn_id, msg in server.poll(0.0):
+                self.hub.handle(server, conn_id, msg)
+                n += 1
+        return n
+
+    def ready(self) -> bool:
+        pending = self.store.pending_steps
+        return pending >= self.train_batch_size or (pending > 0 and self.hub.all_waiting())
+
+    def train(self) -> dict:
+        """One PPO update on everything pending, then publish the new weights."""
+        t0 = time.perf_counter()
+        chunks = self.store.take()
+        batch = self.ppo.make_batch(chunks)
+        stats = self.ppo.update(batch)
+        self.updates += 1
+        self.publish()
+        stats.update(update=self.updates, batch_steps=len(batch),
+                     train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no)
+        return stats

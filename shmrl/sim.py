@@ -1,0 +1,183 @@
+"""The simulator: environments + ONNX policy + an RLlink client over any transport.
+
+It is written only against the client side of a transport (``request``, ``send``,
+``close``), so the same loop runs over shared memory, TCP or in-process queues.
+Simulator processes never import torch: they need numpy and onnxruntime only, like an
+external client in a game engine would.
+
+    python -m shmrl.sim --attach shmrl_1234_sim0     # attach to a learner's ring
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+
+import numpy as np
+
+from shmrl import rllink
+from shmrl.envs import make_env
+from shmrl.episode import Episode
+from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
+
+log = logging.getLogger("shmrl.sim")
+T = rllink.MessageType
+
+
+class CategoricalSampler:
+    """Samples actions from logits and returns their log-probabilities.
+
+    Uniform numbers are drawn in blocks: one ``rng.random`` call per step would cost
+    more than the environment step itself.
+    """
+
+    def __init__(self, rng: np.random.Generator, block: int = 4096):
+        self.rng, self.block = rng, block
+        self._u, self._i = rng.random(block).tolist(), 0
+
+    def _uniform(self) -> float:
+        if self._i == self.block:
+            self._u, self._i = self.rng.random(self.block).tolist(), 0
+        u = self._u[self._i]
+        self._i += 1
+        return u
+
+    def sample(self, logits: np.ndarray) -> tuple[list[int], list[float]]:
+        if len(logits) == 1:  # one env: plain Python beats numpy on a handful of numbers
+            row = logits[0].tolist()
+            m = max(row)
+            exps = [math.exp(v - m) for v in row]
+            total = sum(exps)
+            threshold, acc, action = self._uniform() * total, 0.0, len(row) - 1
+            for i, e in enumerate(exps):
+                acc += e
+                if threshold < acc:
+                    action = i
+                    break
+            return [action], [row[action] - m - math.log(total)]
+        # Gumbel-max over the batch.
+        gumbel = -np.log(-np.log(self.rng.random(logits.shape)))
+        actions = np.argmax(logits + gumbel, axis=1)
+        m = logits.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
+        logp = logits[np.arange(len(logits)), actions] - lse
+        return actions.tolist(), logp.tolist()
+
+
+def handshake(client) -> tuple[dict, dict]:
+    """PING, GET_CONFIG, GET_STATE: returns (SET_CONFIG, SET_STATE)."""
+    pong = client.request({"type": T.PING.value})
+    if pong["type"] != T.PONG.value:
+        raise ConnectionError(f"expected PONG, got {pong['type']}")
+    config = client.request({"type": T.GET_CONFIG.value})
+    if config["type"] != T.SET_CONFIG.value:
+        raise ConnectionError(f"expected SET_CONFIG, got {config['type']}")
+    state = client.request({"type": T.GET_STATE.value})
+    if state["type"] != T.SET_STATE.value:
+        raise ConnectionError(f"expected SET_STATE, got {state['type']}")
+    return config, state
+
+
+def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_sim: int = 1,
+                  max_messages: int | None = None) -> int:
+    """Sample with the learner's latest policy until the connection ends.
+
+    Returns the number of env steps sent. ``max_messages`` bounds the loop (tests).
+    """
+    config, state = handshake(client)
+    steps_per_message = int(config["env_steps_per_sample"])
+    seq = state["weights_seq_no"]
+    policy = OnnxPolicy(decode_onnx_file(state["onnx_file"]))
+    sampler = CategoricalSampler(np.random.default_rng(seed))
+
+    envs = [make_env(env_id) for _ in range(envs_per_sim)]
+    obs = [env.reset(seed=seed * 1_000_003 + k)[0] for k, env in enumerate(envs)]
+    running = [Episode(o, weights_seq_no=seq) for o in obs]
+    steps_per_env = -(-steps_per_message // envs_per_sim)
+    sent = messages = 0
+
+    while max_messages is None or messages < max_messages:
+        finished = []
+        for _ in range(steps_per_env):
+            batch = obs[0][None] if envs_per_sim == 1 else np.stack(obs)
+            logits = policy.logits(batch)
+            actions, logps = sampler.sample(logits)
+            for k, env in enumerate(envs):
+                o, reward, terminated, truncated, _ = env.step(actions[k])
+                ep = running[k]
+                ep.add_step(actions[k], reward, o, logits[k], logps[k], terminated, truncated)
+                if terminated or truncated:
+                    finished.append(ep)
+                    o = env.reset()[0]
+                    running[k] = Episode(o, weights_seq_no=seq)
+                obs[k] = o
+        chunks = finished + [ep for ep in running if len(ep)]
+        n_steps = sum(len(c) for c in chunks)
+        reply = client.request({
+            "type": T.EPISODES_AND_GET_STATE.value,
+            "episodes": [c.to_rllink() for c in chunks],
+            "timesteps": n_steps,
+        })
+        sent += n_steps
+        messages += 1
+        if reply["type"] != T.SET_STATE.value:
+            raise ConnectionError(f"expected SET_STATE, got {reply['type']}")
+        if reply["weights_seq_no"] != seq:
+            seq = reply["weights_seq_no"]
+            policy = OnnxPolicy(decode_onnx_file(reply["onnx_file"]))
+        running = [ep.cut() if len(ep) else ep for ep in running]
+        for ep in running:
+            ep.weights_seq_no = seq
+    return sent
+
+
+def set_process_name(name: str) -> None:
+    """Show ``name`` in ps/top (Linux, best effort): simulators are easy to tell apart."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
+def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1,
+                     name: str = "shmrl-sim") -> None:
+    """Entry point of a simulator process started by ``shmrl.run``.
+
+    Ctrl-C reaches the whole process group; the learner decides how to stop, so the
+    simulator ignores SIGINT and ends when its learner closes the connection or
+    sends SIGTERM.
+    """
+    from shmrl.transport.shm import ShmClient
+
+    set_process_name(name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    client = ShmClient(address)
+    try:
+        run_simulator(client, env_id, seed, envs_per_sim)
+    except ConnectionError:
+        pass  # the learner has finished or died: nothing left to do
+    finally:
+        client.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shmrl.sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--attach", metavar="NAME", required=True,
+                   help="shared-memory address of a learner's simulator slot")
+    p.add_argument("--env", default="CartPole-v1", help="environment id (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--envs-per-sim", type=int, default=1,
+                   help="environments stepped together with one batched ONNX call")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    sim_process_main(args.attach, args.env, args.seed, args.envs_per_sim)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

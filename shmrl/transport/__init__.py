@@ -1,0 +1,21 @@
+"""The pluggable transport layer: one RLlink schema, several media.
+
+Every medium has a client side and a server side with the same narrow interface:
+
+client (a simulator or an external program)::
+
+    reply = client.request(msg)    # send a request, wait for its reply (a validated dict)
+    client.send(msg)               # send a request that gets no reply (EPISODES)
+    client.close()
+
+server (the learner)::
+
+    server.fileno()                # readable when requests may be waiting (for selectors)
+    server.poll(timeout)           # -> [(conn_id, msg)], msg validated; None = connection closed
+    server.reply(conn_id, msg)
+    server.drop(conn_id, reason)   # close one connection, logging why
+    server.close()                 # release everything (segments, sockets)
+
+Implementations: ``shm`` (shared-memory rings, the default), ``inproc`` (threads, for
+tests).
+"""

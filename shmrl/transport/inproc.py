@@ -1,0 +1,103 @@
+"""In-process transport for tests: clients run in threads of the learner's process.
+
+Messages still go through a codec and ``rllink`` validation, exactly as they would
+through shared memory or TCP, so the Hub and the simulator loop are tested unchanged.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import select
+import threading
+
+from shmrl import rllink
+
+log = logging.getLogger("shmrl.transport")
+
+
+class InProcServer:
+    def __init__(self, codec: str = "binary"):
+        self.codec = codec
+        self._requests: queue.Queue = queue.Queue()
+        self._replies: dict[str, queue.Queue] = {}
+        self._closed: set[str] = set()
+        self._ids = itertools.count()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._lock = threading.Lock()
+
+    def connect(self, timeout: float = 30.0) -> "InProcClient":
+        conn_id = f"inproc:{next(self._ids)}"
+        self._replies[conn_id] = queue.Queue()
+        return InProcClient(self, conn_id, timeout)
+
+    def fileno(self) -> int:
+        return self._wake_r
+
+    def _submit(self, conn_id: str, body: bytes) -> None:
+        self._requests.put((conn_id, body))
+        os.write(self._wake_w, b"\0")
+
+    def poll(self, timeout: float = 0.0) -> list:
+        if self._requests.empty() and timeout > 0:
+            select.select([self._wake_r], [], [], timeout)
+        try:
+            os.read(self._wake_r, 1 << 16)
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                conn_id, body = self._requests.get_nowait()
+            except queue.Empty:
+                return out
+            if conn_id in self._closed:
+                continue
+            try:
+                out.append((conn_id, rllink.decode_request(body)))
+            except rllink.ProtocolError as e:
+                self.drop(conn_id, str(e))
+                out.append((conn_id, None))
+
+    def reply(self, conn_id: str, msg: dict) -> None:
+        if conn_id not in self._closed:
+            self._replies[conn_id].put(_encode(msg, self.codec))
+
+    def drop(self, conn_id: str, reason: str) -> None:
+        log.warning("%s: closing connection: %s", conn_id, reason)
+        self._closed.add(conn_id)
+        self._replies[conn_id].put(None)
+
+    def close(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class InProcClient:
+    def __init__(self, server: InProcServer, conn_id: str, timeout: float):
+        self.server, self.conn_id, self.timeout = server, conn_id, timeout
+
+    def send(self, msg: dict) -> None:
+        self.server._submit(self.conn_id, _encode(msg, self.server.codec))
+
+    def request(self, msg: dict) -> dict:
+        self.send(msg)
+        try:
+            body = self.server._replies[self.conn_id].get(timeout=self.timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{self.conn_id}: no reply within {self.timeout} s") from None
+        if body is None:
+            raise ConnectionError(f"{self.conn_id}: connection closed by the server")
+        return rllink.decode_reply(body)
+
+    def close(self) -> None:
+        pass
+
+
+def _encode(msg: dict, codec: str) -> bytes:
+    return rllink.encode_binary(msg) if codec == "binary" else rllink.encode_json(msg)

@@ -1,0 +1,85 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def shm_entries(pid: int) -> list[str]:
+    return [e for e in os.listdir("/dev/shm") if e.startswith(f"shmrl_{pid}_")]
+
+
+class Run:
+    """``python -m shmrl.run`` in its own process group, always killed in teardown."""
+
+    def __init__(self, args, tmp_path):
+        self.log_path = tmp_path / "run.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "shmrl.run", *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.output():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} did not appear; output:\n{self.output()}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+        self.log.close()
+
+
+@pytest.fixture
+def start_run(tmp_path):
+    runs = []
+
+    def start(*args):
+        run = Run([str(a) for a in args], tmp_path)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.kill()
+        for name in shm_entries(run.proc.pid):
+            os.unlink(os.path.join("/dev/shm", name))

@@ -1,0 +1,158 @@
+"""The Hub, the episode store and the simulator loop, over the in-process transport."""
+import threading
+
+import numpy as np
+import pytest
+
+from shmrl import rllink
+from shmrl.envs import env_spec
+from shmrl.episode import Episode
+from shmrl.learner import EpisodeStore, Learner
+from shmrl.ppo import PPO, PPOConfig
+from shmrl.sim import CategoricalSampler, run_simulator
+from shmrl.transport.inproc import InProcServer
+
+SPEC = env_spec("CartPole-v1")
+
+
+def chunk(obs0, n, *, terminated=False, truncated=False, id=None, obs_dim=4, action=0):
+    ep = Episode(np.full(obs_dim, obs0, np.float32), id=id)
+    for t in range(n):
+        ep.add_step(action, 1.0, np.full(obs_dim, obs0 + t + 1, np.float32), np.zeros(2, np.float32), -0.7,
+                    terminated=terminated and t == n - 1, truncated=truncated and t == n - 1)
+    return ep.finalize()
+
+
+def test_store_glues_continuations_by_obs_and_by_id():
+    store = EpisodeStore(window=10)
+    a = chunk(0.0, 3)
+    a.id = None
+    store.add("c1", a)                              # open, no id: glued by its last obs
+    b = chunk(3.0, 2, terminated=True)
+    b.id = None
+    store.add("c2", b)                              # other connection: a separate episode
+    assert list(store.returns) == [2.0]
+    store.add("c1", b)                              # continues a on c1
+    assert list(store.returns) == [2.0, 5.0] and list(store.lengths) == [2, 5]
+    store.add("c1", chunk(0.0, 4, id="e1"))
+    store.add("c1", chunk(50.0, 1, id="e1", truncated=True))  # glued by id, obs need not match
+    assert list(store.returns)[-1] == 5.0
+    store.add("c1", chunk(0.0, 4, id="e2"))
+    store.forget("c1")                              # c1 closed: e2 can no longer complete
+    store.add("c1", chunk(4.0, 1, id="e2", terminated=True))
+    assert list(store.returns)[-1] == 1.0
+    assert store.steps_received == store.pending_steps == 3 + 2 + 2 + 4 + 1 + 4 + 1
+    chunks = store.take()
+    assert len(chunks) == 7 and store.pending_steps == 0 and store.steps_trained == 17
+
+
+@pytest.fixture
+def learner_and_server():
+    server = InProcServer()
+    ppo = PPO(4, 2, PPOConfig(epochs=2, minibatch_size=64))
+    learner = Learner(SPEC, ppo, [server], env_steps_per_sample=32, train_batch_size=64)
+    yield learner, server
+    server.close()
+
+
+def test_handshake_and_on_policy_wait(learner_and_server):
+    learner, server = learner_and_server
+    client = server.connect(timeout=5)
+    replies = {}
+
+    def talk():
+        replies["pong"] = client.request({"type": "PING"})
+        replies["config"] = client.request({"type": "GET_CONFIG"})
+        replies["state"] = client.request({"type": "GET_STATE"})
+        ep = chunk(0.0, 32)
+        replies["next"] = client.request({"type": "EPISODES_AND_GET_STATE",
+                                          "episodes": [ep.to_rllink()], "timesteps": 32})
+
+    t = threading.Thread(target=talk, daemon=True)
+    t.start()
+    while "state" not in replies:
+        learner.poll(0.05)
+    # The episodes arrive; the client must wait until an update publishes new weights.
+    while learner.store.pending_steps < 32:
+        learner.poll(0.05)
+    assert "next" not in replies and learner.hub.all_waiting() and learner.ready()
+    learner.train()
+    t.join(5)
+    assert replies["pong"]["type"] == "PONG"
+    assert replies["config"] == {"type": "SET_CONFIG", "env_steps_per_sample": 32, "force_on_policy": True}
+    assert replies["state"]["weights_seq_no"] == 1 and replies["next"]["weights_seq_no"] == 2
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (dict(obs_dim=3), "obs shape"),
+    (dict(action=2), "out of range"),
+])
+def test_episodes_that_do_not_fit_the_env_close_only_that_connection(learner_and_server, bad, reason, caplog):
+    learner, server = learner_and_server
+    good, evil = server.connect(timeout=5), server.connect(timeout=5)
+    out = {}
+
+    def run_evil():
+        try:
+            evil.request({"type": "EPISODES_AND_GET_STATE",
+                          "episodes": [chunk(0.0, 4, **bad).to_rllink()], "timesteps": 4})
+        except ConnectionError as e:
+            out["evil"] = e
+
+    t = threading.Thread(target=run_evil, daemon=True)
+    t.start()
+    while "evil" not in out:
+        learner.poll(0.05)
+    assert reason in caplog.text and learner.store.steps_received == 0
+    t.join(5)
+    g = threading.Thread(target=lambda: out.update(pong=good.request({"type": "PING"})), daemon=True)
+    g.start()
+    while "pong" not in out:
+        learner.poll(0.05)
+    assert out["pong"]["type"] == "PONG"
+
+
+def test_simulator_loop_learns_in_process():
+    """Simulators in threads + the learner: the return climbs well above random (~22)."""
+    server = InProcServer()
+    ppo = PPO(4, 2, PPOConfig(lr=3e-3, epochs=6, minibatch_size=256), seed=0)
+    learner = Learner(SPEC, ppo, [server], env_steps_per_sample=256, train_batch_size=512)
+    clients = [server.connect(timeout=10) for _ in range(2)]
+
+    def simulate(client, seed):
+        try:
+            run_simulator(client, seed=seed)
+        except ConnectionError:
+            pass  # the test closed the connection
+
+    threads = [threading.Thread(target=simulate, args=(c, i), daemon=True) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    try:
+        while learner.updates < 30:
+            learner.poll(0.05)
+            if learner.ready():
+                learner.train()
+        assert learner.store.return_mean() > 100
+    finally:
+        for c in clients:
+            server.drop(c.conn_id, "test over")
+        for t in threads:
+            t.join(10)
+        server.close()
+
+
+def test_sampler_matches_softmax_probabilities_and_logp():
+    sampler = CategoricalSampler(np.random.default_rng(0))
+    logits = np.array([[0.0, 1.0, -1.0]], np.float32)
+    p = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    counts = np.zeros(3)
+    for _ in range(20000):
+        (a,), (logp,) = sampler.sample(logits)
+        counts[a] += 1
+        assert abs(logp - np.log(p[a])) < 1e-5
+    np.testing.assert_allclose(counts / counts.sum(), p, atol=0.015)
+    batch = np.tile(logits, (4000, 1))          # the batched (Gumbel-max) path
+    actions, logps = sampler.sample(batch)
+    np.testing.assert_allclose(np.bincount(actions, minlength=3) / 4000, p, atol=0.03)
+    np.testing.assert_allclose(logps, np.log(p[actions]), atol=1e-5)

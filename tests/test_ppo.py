@@ -1,0 +1,89 @@
+import numpy as np
+import pytest
+import torch
+
+from shmrl.episode import Episode
+from shmrl.onnx_policy import INPUT_NAME, OnnxPolicy, OnnxPublisher, decode_onnx_file, encode_onnx_file
+from shmrl.ppo import PPO, PPOConfig
+
+
+def random_chunk(rng, n, terminated=False, truncated=False):
+    ep = Episode(rng.normal(size=4).astype(np.float32))
+    for t in range(n):
+        ep.add_step(int(rng.integers(2)), float(rng.normal()), rng.normal(size=4).astype(np.float32),
+                    rng.normal(size=2).astype(np.float32), -0.7,
+                    terminated=terminated and t == n - 1, truncated=truncated and t == n - 1)
+    return ep.finalize()
+
+
+def naive_gae(chunk, values, gamma, lam):
+    """Textbook GAE with a Python loop, to check the vectorized one against."""
+    n = len(chunk.actions)
+    adv = np.zeros(n)
+    last = 0.0
+    for t in reversed(range(n)):
+        nonterminal = 0.0 if (chunk.is_terminated and t == n - 1) else 1.0
+        delta = chunk.rewards[t] + gamma * values[t + 1] * nonterminal - values[t]
+        last = delta + gamma * lam * last
+        adv[t] = last
+    return adv
+
+
+def test_vectorized_gae_matches_textbook_gae():
+    rng = np.random.default_rng(0)
+    ppo = PPO(4, 2, PPOConfig(gamma=0.97, gae_lambda=0.9))
+    chunks = [random_chunk(rng, 7, terminated=True), random_chunk(rng, 0), random_chunk(rng, 12),
+              random_chunk(rng, 1, terminated=True), random_chunk(rng, 5, truncated=True)]
+    batch = ppo.make_batch(chunks)
+    expected = np.concatenate([naive_gae(c, ppo.values(c.obs), 0.97, 0.9) for c in chunks])
+    np.testing.assert_allclose(batch.advantages, expected, rtol=1e-4, atol=1e-5)
+    values = np.concatenate([ppo.values(c.obs)[:-1] for c in chunks])
+    np.testing.assert_allclose(batch.returns, expected + values, rtol=1e-4, atol=1e-5)
+    assert len(batch) == 25 and batch.obs.shape == (25, 4)
+    np.testing.assert_array_equal(batch.obs[:7], chunks[0].obs[:-1])
+
+
+def test_update_moves_policy_toward_advantaged_action():
+    rng = np.random.default_rng(1)
+    ppo = PPO(4, 2, PPOConfig(lr=3e-3, epochs=4, minibatch_size=64))
+    chunks = []
+    for t in range(256):  # one-step episodes: action 1 is rewarded, action 0 is not
+        c = Episode(rng.normal(size=4).astype(np.float32))
+        c.add_step(t % 2, float(t % 2), np.zeros(4, np.float32), np.zeros(2, np.float32),
+                   float(np.log(0.5)), terminated=True)
+        chunks.append(c.finalize())
+    obs = np.stack([c.obs[0] for c in chunks])
+    before = torch.softmax(ppo.actor(torch.from_numpy(obs)), -1)[:, 1].mean().item()
+    for _ in range(5):
+        ppo.update(ppo.make_batch(chunks))
+    after = torch.softmax(ppo.actor(torch.from_numpy(obs)), -1)[:, 1].mean().item()
+    assert after > before + 0.05
+
+
+def test_onnx_publication_matches_torch_actor_and_rllib_input_name():
+    ppo = PPO(4, 2, PPOConfig(), seed=3)
+    publisher = OnnxPublisher(ppo.actor_sizes)
+    model = publisher.publish(ppo.actor_weights())
+    policy = OnnxPolicy(decode_onnx_file(encode_onnx_file(model)))
+    assert policy.session.get_inputs()[0].name == INPUT_NAME == "onnx::Gemm_0"
+    for batch in (1, 8):  # dynamic batch dimension
+        obs = np.random.default_rng(batch).normal(size=(batch, 4)).astype(np.float32)
+        with torch.no_grad():
+            expected = ppo.actor(torch.from_numpy(obs)).numpy()
+        np.testing.assert_allclose(policy.logits(obs), expected, rtol=1e-5, atol=1e-6)
+    # A new version changes only weights: the same graph gives the new actor's outputs.
+    with torch.no_grad():
+        for p in ppo.actor.parameters():
+            p.add_(0.1)
+    model2 = publisher.publish(ppo.actor_weights())
+    assert len(model2) == len(model) and model2 != model
+    obs = np.ones((2, 4), np.float32)
+    with torch.no_grad():
+        expected = ppo.actor(torch.from_numpy(obs)).numpy()
+    np.testing.assert_allclose(OnnxPolicy(model2).logits(obs), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_publish_rejects_wrong_shapes():
+    publisher = OnnxPublisher([4, 8, 2])
+    with pytest.raises(ValueError, match="shape"):
+        publisher.publish([np.zeros((8, 5)), np.zeros(8), np.zeros((2, 8)), np.zeros(2)])

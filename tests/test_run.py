@@ -1,0 +1,111 @@
+"""End to end: ``python -m shmrl.run`` as a user runs it."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+from conftest import alive, descendants, shm_entries
+
+
+def test_run_learns_and_writes_its_logdir(start_run, tmp_path):
+    logdir = tmp_path / "logs"
+    run = start_run("--sims", 4, "--stop-return", 150, "--max-env-steps", 150_000, "--seed", 1,
+                    "--logdir", logdir)
+    run.proc.wait(timeout=120)
+    out = run.output()
+    assert run.proc.returncode == 0, out
+    assert "update    1 |" in out and "solved" in out
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["solved"] and summary["return_mean"] >= 150   # random play averages ~22
+    assert summary["env_steps"] > 0 and summary["wall_s"] > 0 and summary["env_steps_per_s"] > 0
+    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == summary["updates"] >= 1
+    assert [r["update"] for r in rows] == list(range(1, len(rows) + 1))
+    assert {"env_steps", "env_steps_per_s", "return_mean", "pi_loss", "v_loss", "elapsed_s"} <= set(rows[0])
+    session = ort.InferenceSession(str(logdir / "policy.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].name == "onnx::Gemm_0"
+    logits = session.run(None, {"onnx::Gemm_0": np.zeros((3, 4), np.float32)})[0]
+    assert logits.shape == (3, 2)
+    assert shm_entries(run.proc.pid) == [] and descendants(run.proc.pid) == []
+
+
+def test_budget_exhausted_exits_1(start_run):
+    run = start_run("--sims", 2, "--stop-return", 500, "--max-env-steps", 2000, "--env-steps-per-sample", 256)
+    run.proc.wait(timeout=60)
+    assert run.proc.returncode == 1, run.output()
+    assert "step budget exhausted" in run.output()
+
+
+def test_ctrl_c_stops_everything_and_leaves_no_segment(start_run):
+    run = start_run("--sims", 4, "--stop-return", 500, "--max-env-steps", 10_000_000)
+    run.wait_for("update    2 |", timeout=60)
+    family = descendants(run.proc.pid)
+    assert len(family) >= 4 and shm_entries(run.proc.pid)
+    os.killpg(run.proc.pid, signal.SIGINT)        # what Ctrl-C in a terminal does
+    t0 = time.monotonic()
+    run.proc.wait(timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert run.proc.returncode == 130, run.output()
+    time.sleep(0.2)
+    assert [p for p in family if alive(p)] == []
+    assert shm_entries(run.proc.pid) == []
+
+
+def test_sigterm_stops_everything(start_run):
+    run = start_run("--sims", 2, "--stop-return", 500, "--max-env-steps", 10_000_000)
+    run.wait_for("update    1 |", timeout=60)
+    family = descendants(run.proc.pid)
+    run.proc.send_signal(signal.SIGTERM)
+    run.proc.wait(timeout=10)
+    assert run.proc.returncode == 143, run.output()
+    time.sleep(0.2)
+    assert [p for p in family if alive(p)] == [] and shm_entries(run.proc.pid) == []
+
+
+def test_a_simulator_killed_fails_the_run_with_its_name(start_run):
+    run = start_run("--sims", 3, "--stop-return", 500, "--max-env-steps", 10_000_000)
+    run.wait_for("update    1 |", timeout=60)
+    sims = [p for p in descendants(run.proc.pid) if b"shmrl-sim" in _cmdline_or_comm(p)]
+    assert sims, "no simulator processes found"
+    os.kill(sims[0], signal.SIGKILL)
+    run.proc.wait(timeout=15)
+    assert run.proc.returncode == 3 and "exited with code -9" in run.output()
+    assert shm_entries(run.proc.pid) == []
+
+
+def test_simulators_never_import_torch(start_run):
+    """The simulator processes have no libtorch mapped, while the learner does."""
+    run = start_run("--sims", 2, "--stop-return", 500, "--max-env-steps", 10_000_000)
+    run.wait_for("update    1 |", timeout=60)
+
+    def maps_torch(pid):
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+
+    family = descendants(run.proc.pid)
+    assert maps_torch(run.proc.pid)
+    assert len(family) >= 2 and not any(maps_torch(p) for p in family)
+    # And importing the simulator side never pulls torch in.
+    code = ("import sys, shmrl.sim, shmrl.transport.shm, shmrl.transport.inproc, shmrl.episode;"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_help_explains_every_flag():
+    out = subprocess.run([sys.executable, "-m", "shmrl.run", "--help"], capture_output=True, text=True,
+                         timeout=30).stdout
+    for flag in ("--sims", "--env", "--seed", "--stop-return", "--max-env-steps", "--logdir"):
+        assert flag in out
+
+
+def _cmdline_or_comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
