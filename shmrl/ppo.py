@@ -41,6 +41,59 @@ def mlp(sizes: list[int], out_std: float, activation: str = "ReLU") -> nn.Sequen
     return nn.Sequential(*layers)
 
 
+class FlatAdam:
+    """Adam with gradient-norm clipping over all parameters kept in one flat buffer.
+
+    Parameters and their gradients are views into two flat tensors, so one step is a
+    handful of tensor ops instead of a loop over every parameter, and creating it does
+    not import torch._dynamo (torch.optim does, which costs over a second at start).
+    Autograd accumulates into the existing ``.grad`` views in place.
+    """
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-5):
+        self.params = list(params)
+        self.lr, (self.beta1, self.beta2), self.eps = lr, betas, eps
+        n = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(n)
+        self.flat_grad = torch.zeros(n)
+        offset = 0
+        for p in self.params:
+            k = p.numel()
+            self.flat[offset:offset + k].copy_(p.data.reshape(-1))
+            p.data = self.flat[offset:offset + k].view_as(p)
+            p.grad = self.flat_grad[offset:offset + k].view_as(p)
+            offset += k
+        self.exp_avg = torch.zeros(n)
+        self.exp_avg_sq = torch.zeros(n)
+        self.t = 0
+
+    def zero_grad(self) -> None:
+        self.flat_grad.zero_()
+
+    @torch.no_grad()
+    def step(self, max_grad_norm: float | None = None) -> float:
+        """Clip the gradient to ``max_grad_norm``, take one Adam step; returns the norm."""
+        g = self.flat_grad
+        norm = float(g.norm())
+        if max_grad_norm is not None and norm > max_grad_norm:
+            g.mul_(max_grad_norm / (norm + 1e-6))
+        self.t += 1
+        self.exp_avg.lerp_(g, 1 - self.beta1)
+        self.exp_avg_sq.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+        denom = (self.exp_avg_sq / (1 - self.beta2 ** self.t)).sqrt_().add_(self.eps)
+        self.flat.addcdiv_(self.exp_avg, denom, value=-self.lr / (1 - self.beta1 ** self.t))
+        return norm
+
+    def state_dict(self) -> dict:
+        return {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(), "t": self.t,
+                "lr": self.lr}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.t, self.lr = state["t"], state["lr"]
+
+
 @dataclass
 class Batch:
     """One training batch, flat over all steps of all chunks (numpy, float32/int64)."""
@@ -63,8 +116,7 @@ class PPO:
         self.actor_sizes = [obs_dim, h, h, n_actions]
         self.actor = mlp(self.actor_sizes, out_std=0.01, activation=config.activation)
         self.critic = mlp([obs_dim, h, h, 1], out_std=1.0, activation=config.activation)
-        self.optimizer = torch.optim.Adam(
-            [*self.actor.parameters(), *self.critic.parameters()], lr=config.lr, eps=1e-5)
+        self.optimizer = FlatAdam([*self.actor.parameters(), *self.critic.parameters()], lr=config.lr)
 
     def actor_weights(self) -> list[np.ndarray]:
         """Actor parameters in order (w0, b0, w1, b1, ...), for the ONNX graph."""
@@ -145,11 +197,9 @@ class PPO:
                                     -adv * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)).mean()
                 v_loss = 0.5 * (self.critic(obs[idx]).squeeze(-1) - returns[idx]).pow(2).mean()
                 loss = pi_loss - cfg.ent_coef * entropy + cfg.vf_coef * v_loss
-                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad()
                 loss.backward()
-                nn.utils.clip_grad_norm_(
-                    [*self.actor.parameters(), *self.critic.parameters()], cfg.max_grad_norm)
-                self.optimizer.step()
+                self.optimizer.step(cfg.max_grad_norm)
                 with torch.no_grad():
                     stats["pi_loss"] += pi_loss.item()
                     stats["v_loss"] += v_loss.item()

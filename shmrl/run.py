@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,14 +51,17 @@ class RunFailed(RuntimeError):
 
 
 def process_start_time() -> float:
-    """Wall-clock time at which this process started (Linux /proc), else now."""
+    """Wall-clock time at which this process started (Linux /proc), else now.
+
+    /proc/self/stat gives the start in clock ticks since boot; CLOCK_BOOTTIME is the
+    same clock (/proc/stat's btime would add up to a second of rounding).
+    """
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 
@@ -113,9 +117,19 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     server = ShmServer(config.sims) if config.sims > 0 else None
     metrics_file = None
     try:
-        # Simulators start (and load numpy/onnxruntime) while this process imports torch.
+        # Simulators start (the fork server loads numpy and onnxruntime) on one core while
+        # this process imports torch on the other.
+        launch_error: list = []
+
+        def launch():
+            try:
+                procs.extend(start_simulators(server, config))
+            except BaseException as e:  # re-raised below, in the main thread
+                launch_error.append(e)
+
+        launcher = threading.Thread(target=launch, name="shmrl-launcher", daemon=True)
         if server is not None:
-            procs = start_simulators(server, config)
+            launcher.start()
         import torch
 
         from shmrl.learner import Learner
@@ -130,6 +144,10 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
         learner = Learner(spec, ppo, [server] if server else [],
                           env_steps_per_sample=config.env_steps_per_sample,
                           train_batch_size=max(config.sims, 1) * config.env_steps_per_sample)
+        if server is not None:
+            launcher.join()
+        if launch_error:
+            raise RunFailed(f"could not start the simulators: {launch_error[0]!r}")
         metrics_file = open(logdir / "metrics.jsonl", "w") if logdir else None
         t_learn = time.time()
         store = learner.store

@@ -87,3 +87,24 @@ def test_publish_rejects_wrong_shapes():
     publisher = OnnxPublisher([4, 8, 2])
     with pytest.raises(ValueError, match="shape"):
         publisher.publish([np.zeros((8, 5)), np.zeros(8), np.zeros((2, 8)), np.zeros(2)])
+
+
+def test_flat_adam_matches_torch_adam_with_clipping():
+    from shmrl.ppo import FlatAdam, mlp
+    torch.manual_seed(0)
+    net_a = mlp([4, 16, 3], out_std=1.0)
+    net_b = mlp([4, 16, 3], out_std=1.0)
+    net_b.load_state_dict(net_a.state_dict())
+    ours = FlatAdam(net_a.parameters(), lr=1e-2)
+    ref = torch.optim.Adam(net_b.parameters(), lr=1e-2, eps=1e-5)
+    for step in range(20):
+        x = torch.randn(32, 4)
+        ours.zero_grad()
+        (net_a(x) ** 2).mean().mul(10).backward()
+        ours.step(max_grad_norm=0.5)
+        ref.zero_grad()
+        (net_b(x) ** 2).mean().mul(10).backward()
+        torch.nn.utils.clip_grad_norm_(net_b.parameters(), 0.5)
+        ref.step()
+    for pa, pb in zip(net_a.parameters(), net_b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6)
