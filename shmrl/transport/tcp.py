@@ -1,0 +1,602 @@
+"""TCP RLlink transport: RLlib's JSON variant, for external clients and remote simulators.
+
+A frame is 8 ASCII digits (the body's length) + a JSON body, byte-compatible with RLlib
+2.46-2.48 (see RLLINK.md).
+
+``TcpServer`` (the learner's side) has ``ShmServer``'s interface. One background IO thread
+owns every socket: it accepts, reads without blocking, refuses a frame from its header
+when it is too large, decodes and validates requests, and writes queued replies as fast
+as each socket takes them, so a client that waits for SET_STATE, stalls mid-frame or
+stops reading never holds up another. The learner's thread only trades queues with it
+under one lock: ``poll`` takes the validated requests (``fileno()`` is a self-pipe that is
+readable while some wait); ``reply`` and ``drop`` queue work and wake the IO thread
+through a second self-pipe.
+
+``TcpClient`` (a simulator's side) has ``ShmClient``'s interface: a blocking socket that
+reads exactly one reply frame per request within ``timeout``.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import math
+import os
+import select
+import selectors
+import socket
+import threading
+import time
+
+from shmrl import rllink
+
+log = logging.getLogger("shmrl.transport")
+
+_T = rllink.MessageType
+_ANSWERED = frozenset(t.value for t in (_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES_AND_GET_STATE))
+_HEADER = rllink.HEADER_LEN
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+_LISTENER, _WAKE = object(), object()  # selector tags besides connections
+
+
+class ConnectionClosed(ConnectionError):
+    """The server closed the connection, or an earlier error left it unusable."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[::1]:port"`` for IPv6) -> ``(host, port)``."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT with a port from 0 to 65535 (like localhost:5556), "
+                         f"got {address!r}")
+    return host, int(port)
+
+
+def _conn_id(peer) -> str:
+    host, port = peer[:2]
+    return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _pipe() -> tuple[int, int]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    return r, w
+
+
+class _Conn:
+    """One client connection. The IO thread alone uses the socket and the fields up to
+    ``events``; the rest are shared with the learner's thread, under the server's lock."""
+
+    __slots__ = ("sock", "conn_id", "inbuf", "body_len", "frame_start", "last_traffic", "sendq",
+                 "events", "out", "out_bytes", "owed", "unpolled", "paused", "closed", "reason")
+
+    def __init__(self, sock: socket.socket, conn_id: str, now: float):
+        self.sock, self.conn_id = sock, conn_id
+        self.inbuf = bytearray()          # the incomplete frame being read
+        self.body_len: int | None = None  # its body length, once its header is in
+        self.frame_start = now            # when its first byte arrived
+        self.last_traffic = now
+        self.sendq: collections.deque = collections.deque()  # frames (or unsent tails) being written
+        self.events = 0                   # what the selector watches for
+        self.out: list[bytes] = []        # reply frames from reply(), not yet taken by the IO thread
+        self.out_bytes = 0                # reply bytes queued and not yet written
+        self.owed = 0                     # requests received whose reply has not been queued
+        self.unpolled = 0                 # requests waiting for poll()
+        self.paused = False               # not read until poll() takes its requests
+        self.closed = False               # no more requests delivered, replies ignored
+        self.reason: str | None = None    # set when the learner's side closes it: why
+
+    def frame_progress(self) -> str:
+        total = f"{_HEADER + self.body_len}" if self.body_len is not None else f"{_HEADER} header"
+        return f"{len(self.inbuf)} of {total} bytes"
+
+
+class TcpServer:
+    """The learner's side: many clients on one port, served by one IO thread."""
+
+    MAX_UNPOLLED = 64        # requests of one connection waiting for poll() before it is not read
+    RECV_BYTES = 256 << 10   # one read, so also what may arrive beyond MAX_UNPOLLED
+    MAX_ACCEPTS = 64         # per wake-up: a burst of connections cannot starve the clients
+    ACCEPT_PAUSE_S = 0.5     # out of file descriptors: try accepting again after this long
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_frame_bytes: int = 64 << 20,
+                 frame_timeout: float = 10.0, idle_timeout: float | None = None,
+                 max_out_bytes: int = 64 << 20, max_connections: int = 1024):
+        if frame_timeout <= 0 or (idle_timeout is not None and idle_timeout <= 0):
+            raise ValueError("frame_timeout and idle_timeout must be > 0 (idle_timeout None: off)")
+        if max_frame_bytes < 0 or max_out_bytes <= 0 or max_connections < 1:
+            raise ValueError("max_frame_bytes must be >= 0, max_out_bytes and max_connections > 0")
+        self.max_frame_bytes, self.max_out_bytes = max_frame_bytes, max_out_bytes
+        self.frame_timeout, self.idle_timeout = frame_timeout, idle_timeout
+        self.max_connections = max_connections
+        self._lock = threading.Lock()
+        self._inbox: list[tuple[_Conn, dict | None]] = []  # for poll(); None: closed
+        self._conns: dict[str, _Conn] = {}   # the open connections
+        self._todo: set[_Conn] = set()       # replies to write, a close or a resume for the IO thread
+        self._wake_pending = False           # a byte is in the wake pipe
+        self._stopping = self._closed = False
+        self._refused = 0                    # connections refused since the last one accepted
+        self._accept_paused_until: float | None = None
+        self._tick = max(0.01, min(1.0, frame_timeout / 4, (idle_timeout or math.inf) / 4))
+        self._next_check = 0.0
+        self._recv_buf = memoryview(bytearray(self.RECV_BYTES))
+        self._listener = self._selector = self._thread = None
+        self._pipes: list[int] = []
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._listener = socket.create_server((host, port), family=family,
+                                                  backlog=max(128, socket.SOMAXCONN))  # SO_REUSEADDR on POSIX
+            self._listener.setblocking(False)
+            self.address: tuple[str, int] = self._listener.getsockname()[:2]
+            self._ready_r, self._ready_w = _pipe()  # readable while requests wait: fileno()
+            self._pipes += [self._ready_r, self._ready_w]
+            self._wake_r, self._wake_w = _pipe()    # wakes the IO thread
+            self._pipes += [self._wake_r, self._wake_w]
+            self._waiter = select.poll()            # poll(timeout) waits on the ready pipe with it
+            self._waiter.register(self._ready_r, select.POLLIN)
+            self._selector = selectors.DefaultSelector()
+            self._selector.register(self._listener, _READ, _LISTENER)
+            self._selector.register(self._wake_r, _READ, _WAKE)
+            self._thread = threading.Thread(target=self._run, name=f"shmrl-tcp-{self.address[1]}", daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- the learner's thread
+
+    def fileno(self) -> int:
+        """Readable while requests (or closed connections) wait for poll()."""
+        return self._ready_r
+
+    def poll(self, timeout: float = 0.0) -> list[tuple[str, dict | None]]:
+        """Wait up to ``timeout`` s for requests, then return every ``(conn_id, msg)`` queued,
+        in arrival order. ``msg`` None: that connection closed (once per connection); forget
+        its state. Nothing more arrives from a connection after drop()."""
+        if self._closed:
+            return []
+        if timeout > 0:
+            self._waiter.poll(math.ceil(timeout * 1000))
+        out, resume = [], False
+        with self._lock:
+            items, self._inbox = self._inbox, []
+            if items:
+                _drain(self._ready_r)
+            for conn, msg in items:
+                if msg is None:
+                    out.append((conn.conn_id, None))
+                    continue
+                conn.unpolled -= 1
+                if conn.reason is not None:  # dropped by the learner since it arrived
+                    continue
+                if conn.paused and not conn.closed:
+                    conn.paused, resume = False, True
+                    self._todo.add(conn)
+                out.append((conn.conn_id, msg))
+            if resume:
+                self._wake_io_locked()
+        return out
+
+    def reply(self, conn_id: str, msg: dict) -> None:
+        """Queue ``msg`` as JSON for ``conn_id``; never blocks. Unknown or closed: ignored. A
+        client with more than ``max_out_bytes`` of replies unread is disconnected."""
+        data = rllink.frame(rllink.encode_json(msg))
+        with self._lock:
+            conn = self._conns.get(conn_id)
+            if conn is None or conn.closed:
+                return
+            conn.owed = max(0, conn.owed - 1)
+            conn.out.append(data)
+            conn.out_bytes += len(data)
+            if conn.out_bytes > self.max_out_bytes:
+                self._close_later_locked(conn, f"not reading its replies: {conn.out_bytes} bytes queued "
+                                               f"(max_out_bytes {self.max_out_bytes})")
+            self._todo.add(conn)
+            self._wake_io_locked()
+
+    def drop(self, conn_id: str, reason: str) -> None:
+        """Close one connection, logging ``reason``; poll() reports it closed (msg None)."""
+        with self._lock:
+            conn = self._conns.get(conn_id)
+            if conn is not None and not conn.closed:
+                self._close_later_locked(conn, reason)
+
+    def close(self) -> None:
+        """Stop the IO thread and close every socket. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._stopping = True
+            if self._thread is not None:
+                self._wake_io_locked()
+        if self._thread is not None:
+            self._thread.join(10)
+            if self._thread.is_alive():  # stuck: leave it the pipes it still uses
+                log.warning("TCP IO thread did not stop within 10 s")
+                return
+        else:
+            self._release()
+        for fd in self._pipes:
+            os.close(fd)
+        self._pipes = []
+
+    def __enter__(self) -> "TcpServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _close_later_locked(self, conn: _Conn, reason: str) -> None:
+        conn.closed, conn.reason = True, reason
+        self._todo.add(conn)
+        self._wake_io_locked()
+
+    def _wake_io_locked(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass
+
+    # ---------------------------------------------------------------- the IO thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                try:
+                    self._step()
+                except Exception:  # a bug here must not end the thread: every client would hang
+                    log.exception("TCP IO thread: unexpected error; carrying on")
+                    time.sleep(0.1)
+        finally:
+            self._release()
+
+    def _step(self) -> None:
+        for key, mask in self._selector.select(self._tick):
+            if key.data is _LISTENER:
+                self._accept()
+            elif key.data is not _WAKE:
+                self._guarded(key.data, self._serve, mask)
+        if self._wake_pending:
+            self._take_work()
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + self._tick
+            self._check_timers(now)
+
+    def _guarded(self, conn: _Conn, fn, *args) -> None:
+        """Run ``fn(conn, *args)``; an unexpected exception closes this connection only."""
+        if conn.sock is None:
+            return
+        try:
+            fn(conn, *args)
+        except Exception as e:
+            log.error("%s: unexpected error", conn.conn_id, exc_info=True)
+            self._close(conn, f"internal error: {e!r}"[:300])
+
+    def _accept(self) -> None:
+        for _ in range(self.MAX_ACCEPTS):
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("cannot accept connections (%s); trying again in %g s",
+                                e.strerror, self.ACCEPT_PAUSE_S)
+                    self._selector.unregister(self._listener)
+                    self._accept_paused_until = time.monotonic() + self.ACCEPT_PAUSE_S
+                    return
+                continue  # the client gave up before we accepted it (ECONNABORTED and the like)
+            conn_id = _conn_id(peer)
+            if len(self._conns) >= self.max_connections:
+                if not self._refused:
+                    log.warning("%s: refused: %d connections open (max_connections); refusing more "
+                                "until one closes", conn_id, len(self._conns))
+                self._refused += 1
+                sock.close()
+                continue
+            if self._refused:
+                log.info("accepting connections again after refusing %d", self._refused)
+                self._refused = 0
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small replies go out at once
+            except OSError:
+                sock.close()
+                continue
+            conn = _Conn(sock, conn_id, time.monotonic())
+            with self._lock:
+                self._conns[conn_id] = conn
+            log.info("%s: connected", conn_id)
+            self._guarded(conn, self._set_events)
+
+    def _serve(self, conn: _Conn, mask: int) -> None:
+        if mask & _READ and not conn.paused:
+            self._read(conn)
+        if mask & _WRITE and conn.sock is not None:
+            self._write(conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            n = conn.sock.recv_into(self._recv_buf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._disconnected(conn, e)
+            return
+        if n == 0:
+            self._disconnected(conn)
+            return
+        now = conn.last_traffic = time.monotonic()
+        if not conn.inbuf:
+            conn.frame_start = now
+        conn.inbuf += self._recv_buf[:n]
+        self._parse(conn, now)
+
+    def _parse(self, conn: _Conn, now: float) -> None:
+        """Deliver every complete frame in the buffer; the header is checked before the body
+        is waited for, so an oversize or malformed frame is refused from its first 8 bytes."""
+        buf = conn.inbuf
+        try:
+            while True:
+                if conn.body_len is None:
+                    if len(buf) < _HEADER:
+                        return
+                    conn.body_len = rllink.parse_header(buf[:_HEADER], self.max_frame_bytes)
+                end = _HEADER + conn.body_len
+                if len(buf) < end:
+                    return
+                body = bytes(memoryview(buf)[_HEADER:end])  # one copy; the view is gone before del
+                del buf[:end]
+                conn.body_len, conn.frame_start = None, now
+                if not self._deliver(conn, rllink.decode_request(body)):
+                    return
+        except rllink.ProtocolError as e:
+            self._close(conn, str(e))
+        finally:
+            if conn.sock is not None and conn.paused:
+                self._set_events(conn)  # stop reading until poll() catches up
+
+    def _deliver(self, conn: _Conn, msg: dict) -> bool:
+        with self._lock:
+            if conn.closed:  # dropped meanwhile
+                return False
+            conn.unpolled += 1
+            if msg["type"] in _ANSWERED:
+                conn.owed += 1
+            if conn.unpolled >= self.MAX_UNPOLLED:
+                conn.paused = True
+            self._queue_locked(conn, msg)
+        return True
+
+    def _queue_locked(self, conn: _Conn, msg: dict | None) -> None:
+        if not self._inbox:
+            try:
+                os.write(self._ready_w, b"\0")
+            except BlockingIOError:
+                pass
+        self._inbox.append((conn, msg))
+
+    def _take_work(self) -> None:
+        """Replies, closes and resumes that the learner's thread queued."""
+        with self._lock:
+            self._wake_pending = False
+            _drain(self._wake_r)
+            todo, self._todo = self._todo, set()
+            work = []
+            for conn in todo:
+                work.append((conn, conn.out, conn.reason))
+                conn.out = []
+        for conn, frames, reason in work:
+            if reason is not None:
+                self._guarded(conn, self._close, reason)
+            else:
+                conn.sendq.extend(frames)
+                self._guarded(conn, self._write)
+
+    def _write(self, conn: _Conn) -> None:
+        queue, sent = conn.sendq, 0
+        try:
+            while queue:
+                n = conn.sock.send(queue[0])
+                sent += n
+                if n < len(queue[0]):  # the socket's buffer is full
+                    queue[0] = memoryview(queue[0])[n:]
+                    break
+                queue.popleft()
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as e:
+            self._disconnected(conn, e)
+            return
+        if sent:
+            conn.last_traffic = time.monotonic()
+            with self._lock:
+                conn.out_bytes -= sent
+        self._set_events(conn)
+
+    def _set_events(self, conn: _Conn) -> None:
+        want = (0 if conn.paused else _READ) | (_WRITE if conn.sendq else 0)
+        if want == conn.events:
+            return
+        if want & _READ and not conn.events & _READ and conn.inbuf:
+            conn.frame_start = time.monotonic()  # the pause was ours, not the client's
+        if not conn.events:
+            self._selector.register(conn.sock, want, conn)
+        elif not want:
+            self._selector.unregister(conn.sock)
+        else:
+            self._selector.modify(conn.sock, want, conn)
+        conn.events = want
+
+    def _check_timers(self, now: float) -> None:
+        if self._accept_paused_until is not None and now >= self._accept_paused_until:
+            self._accept_paused_until = None
+            self._selector.register(self._listener, _READ, _LISTENER)
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            self._guarded(conn, self._check_conn, now)
+
+    def _check_conn(self, conn: _Conn, now: float) -> None:
+        if conn.closed:
+            return
+        if conn.inbuf and not conn.paused:
+            if now - conn.frame_start > self.frame_timeout:
+                self._close(conn, f"frame incomplete after {self.frame_timeout:g} s: slow or stalled "
+                                  f"client (got {conn.frame_progress()})")
+        elif (self.idle_timeout is not None and now - conn.last_traffic > self.idle_timeout
+              and not (conn.owed or conn.unpolled or conn.out_bytes)):
+            self._close(conn, f"idle for {self.idle_timeout:g} s with no reply owed")
+
+    def _disconnected(self, conn: _Conn, error: OSError | None = None) -> None:
+        why = f" ({error.strerror or error})" if error is not None else ""
+        if conn.inbuf:
+            self._close(conn, f"disconnected mid-frame after {conn.frame_progress()}{why}")
+        else:
+            self._close(conn, f"the client disconnected{why}", logging.INFO)
+
+    def _close(self, conn: _Conn, reason: str, level: int = logging.WARNING) -> None:
+        """Close the socket and report the connection closed through poll(), once."""
+        sock = conn.sock
+        if sock is None:
+            return
+        log.log(level, "%s: closing connection: %s", conn.conn_id, reason)
+        conn.sock = None
+        try:
+            if conn.events:
+                self._selector.unregister(sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        try:  # unread input would make close() send a reset instead of an orderly EOF
+            for _ in range(4):
+                if not sock.recv(1 << 16):
+                    break
+        except OSError:
+            pass
+        sock.close()
+        conn.events = 0
+        conn.sendq.clear()
+        del conn.inbuf[:]
+        with self._lock:
+            conn.closed = True
+            conn.out, conn.out_bytes = [], 0
+            if self._conns.get(conn.conn_id) is conn:
+                del self._conns[conn.conn_id]
+            self._todo.discard(conn)
+            self._queue_locked(conn, None)
+
+    def _release(self) -> None:
+        with self._lock:
+            conns = list(self._conns.values())
+            self._conns.clear()
+        for conn in conns:
+            if conn.sock is not None:
+                conn.sock.close()
+                conn.sock = None
+        for thing in (self._selector, self._listener):
+            if thing is not None:
+                thing.close()
+
+
+class TcpClient:
+    """A simulator's side: one blocking socket; one reply frame read per request."""
+
+    def __init__(self, host: str, port: int, *, timeout: float = 30.0, max_frame_bytes: int = 256 << 20,
+                 connect_timeout: float = 10.0):
+        self.address = f"{host}:{port}"
+        self.timeout, self.max_frame_bytes = timeout, max_frame_bytes
+        self._broken: str | None = None  # once set, the stream is out of step: every call says so
+        self._sock: socket.socket | None = socket.create_connection((host, port), timeout=connect_timeout)
+        try:
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.local_address = self._sock.getsockname()[:2]  # the server names us after it
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, msg: dict) -> None:
+        """Send a request that gets no reply (EPISODES)."""
+        data = rllink.frame(rllink.encode_json(msg))
+        sock = self._usable()
+        try:
+            sock.settimeout(self.timeout)  # for all of sendall, not per chunk
+            sock.sendall(data)
+        except TimeoutError:
+            raise self._fail(TimeoutError(f"{self.address}: could not send within {self.timeout:g} s")) from None
+        except OSError as e:
+            raise self._fail(ConnectionClosed(f"{self.address}: {e.strerror or e}")) from e
+
+    def request(self, msg: dict) -> dict:
+        """Send a request and return its reply (validated). ConnectionClosed (a ConnectionError)
+        when the server closes the connection, TimeoutError after ``timeout`` s,
+        rllink.ProtocolError for a bad reply; after any of them the connection is unusable."""
+        self.send(msg)
+        deadline = time.monotonic() + self.timeout
+        try:
+            n = rllink.parse_header(self._recv_exactly(_HEADER, deadline, "header"), self.max_frame_bytes)
+            return rllink.decode_reply(self._recv_exactly(n, deadline, "body"))
+        except rllink.ProtocolError as e:
+            raise self._fail(e) from None
+
+    def _recv_exactly(self, n: int, deadline: float, what: str) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                self._sock.settimeout(left)
+                k = self._sock.recv_into(view[got:])
+            except TimeoutError:
+                raise self._fail(TimeoutError(f"{self.address}: no reply within {self.timeout:g} s")) from None
+            except OSError as e:
+                raise self._fail(ConnectionClosed(f"{self.address}: {e.strerror or e}")) from e
+            if k == 0:
+                where = f" in a reply's {what} after {got} of {n} bytes" if got or what == "body" else ""
+                raise self._fail(ConnectionClosed(f"{self.address}: the server closed the connection{where}"))
+            got += k
+        return buf
+
+    def _usable(self) -> socket.socket:
+        if self._broken is not None:
+            raise ConnectionClosed(f"{self.address}: unusable after an earlier error ({self._broken}); reconnect")
+        if self._sock is None:
+            raise ConnectionClosed(f"{self.address}: the client is closed")
+        return self._sock
+
+    def _fail(self, e: Exception) -> Exception:
+        """The stream is out of step (a reply may be half read, or still to come): close it."""
+        self._broken = str(e)
+        self.close()
+        return e
+
+    def close(self) -> None:
+        """Idempotent; a request blocked in another thread ends with ConnectionClosed."""
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # close() alone would not wake a blocked recv
+            except OSError:
+                pass
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> "TcpClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

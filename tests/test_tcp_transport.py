@@ -1,0 +1,666 @@
+"""The TCP RLlink transport: TcpServer (learner) and TcpClient, against the real Hub.
+
+Frames sent over raw sockets are built the way RLlib 2.48's client builds them (json.dumps,
+8-digit header), independently of shmrl.rllink, so the exchanges are byte-for-byte RLlib's.
+"""
+import json
+import logging
+import math
+import selectors
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shmrl.envs import env_spec, make_env
+from shmrl.learner import EpisodeStore, Hub
+from shmrl.rllink import ProtocolError
+from shmrl.transport.tcp import ConnectionClosed, TcpClient, TcpServer, parse_address
+
+SPEC = env_spec("CartPole-v1")
+CONFIG = {"type": "SET_CONFIG", "env_steps_per_sample": 8, "force_on_policy": True}
+
+
+def rllib_frame(msg: dict) -> bytes:
+    """A frame exactly as RLlib 2.48's client writes one."""
+    body = json.dumps(msg).encode("utf-8")
+    return f"{len(body):08d}".encode() + body
+
+
+def state_frame(seq: int, onnx_file: str = "abc") -> bytes:
+    return rllib_frame({"type": "SET_STATE", "onnx_file": onnx_file, "weights_seq_no": seq})
+
+
+def rllib_episodes(steps: int, seed: int = 0) -> list:
+    """``steps`` CartPole steps recorded as RLlib 2.48's _dummy_client records them: plain
+    lists (float32 ``.tolist()``), a new chunk at every episode end."""
+    env, rng = make_env("CartPole-v1"), np.random.default_rng(seed)
+    obs, _ = env.reset(seed=seed)
+    episodes, observations, actions, dist, logps, rewards = [], [obs.tolist()], [], [], [], []
+    for t in range(1, steps + 1):
+        logits = rng.normal(size=2).astype(np.float32)
+        probs = np.exp(logits.astype(np.float64)) / np.exp(logits.astype(np.float64)).sum()
+        action = int(rng.choice(2, p=probs))
+        obs, reward, terminated, truncated, _ = env.step(action)
+        observations.append(obs.tolist())
+        actions.append(action)
+        dist.append(logits.tolist())
+        logps.append(float(np.log(probs[action])))
+        rewards.append(reward)
+        if t == steps or terminated or truncated:
+            episodes.append({"obs": observations, "actions": actions, "action_dist_inputs": dist,
+                             "action_logp": logps, "rewards": rewards, "terminateds": terminated,
+                             "truncateds": truncated})
+            observations, actions, dist, logps, rewards = [observations[-1]], [], [], [], []
+            if terminated or truncated:
+                obs, _ = env.reset()
+                observations = [obs.tolist()]
+    return episodes
+
+
+def episodes_msg(steps: int = 8, seed: int = 0, kind: str = "EPISODES_AND_GET_STATE", count="timesteps"):
+    return {"type": kind, "episodes": rllib_episodes(steps, seed), count: steps}
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, f"EOF after {len(data)} of {n} bytes"
+        data += chunk
+    return data
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    header = recv_exactly(sock, 8)
+    return header + recv_exactly(sock, int(header))
+
+
+def read_to_eof(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything until the server closes the connection (a reset counts as closed)."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def conn_id_of(sock_or_client) -> str:
+    host, port = (sock_or_client.local_address if isinstance(sock_or_client, TcpClient)
+                  else sock_or_client.getsockname()[:2])
+    return f"tcp:{host}:{port}"
+
+
+def wait_until(cond, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def io_threads(server) -> list:
+    return [t for t in threading.enumerate() if t.name == f"shmrl-tcp-{server.address[1]}"]
+
+
+def log_lines(caplog, conn_id: str, level=logging.WARNING) -> list[str]:
+    messages = [r.getMessage() for r in caplog.records if r.levelno == level]
+    return [m for m in messages if m.startswith(conn_id + ":")]
+
+
+class HubLoop:
+    """The learner's side in a thread, as production runs it: the real Hub and EpisodeStore,
+    fed by server.poll() whenever server.fileno() is readable. With ``auto_publish`` it
+    publishes new weights as soon as a client waits for them (an instant training step)."""
+
+    def __init__(self, server: TcpServer, *, auto_publish: bool = True, onnx_file: str = "abc"):
+        self.server, self.auto_publish, self.onnx_file = server, auto_publish, onnx_file
+        self.store = EpisodeStore()
+        self.hub = Hub(SPEC, self.store, env_steps_per_sample=8, force_on_policy=True)
+        self.seq = 1
+        self.hub.set_state(self.seq, onnx_file)
+        self.received: list[tuple[str, str | None]] = []  # (conn_id, type), None: closed
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hub-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.server.fileno(), selectors.EVENT_READ)
+                while not self._stop.is_set():
+                    sel.select(0.05)
+                    for conn_id, msg in self.server.poll(0.0):
+                        self.received.append((conn_id, msg and msg["type"]))
+                        self.hub.handle(self.server, conn_id, msg)
+                    if self.auto_publish and self.hub.waiting:
+                        self.seq += 1
+                        self.hub.set_state(self.seq, self.onnx_file)
+        except BaseException as e:  # reported by stop()
+            self.error = e
+
+    def closed(self) -> list[str]:
+        return [c for c, kind in list(self.received) if kind is None]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        assert not self._thread.is_alive(), "hub loop did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+class Net:
+    """Servers, hub loops, sockets and threads of one test, all closed in teardown."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.servers, self.hubs, self.socks, self.threads, self.errors = [], [], [], [], []
+
+    def server(self, **kw) -> TcpServer:
+        self.servers.append(TcpServer("127.0.0.1", 0, **kw))
+        return self.servers[-1]
+
+    def hub(self, server, **kw) -> HubLoop:
+        self.hubs.append(HubLoop(server, **kw))
+        return self.hubs[-1]
+
+    def raw(self, server, timeout: float = 5.0, rcvbuf: int | None = None) -> socket.socket:
+        s = socket.socket()
+        self.socks.append(s)
+        if rcvbuf:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.settimeout(timeout)
+        s.connect(server.address)
+        return s
+
+    def client(self, server, **kw) -> TcpClient:
+        self.socks.append(TcpClient(*server.address, **kw))
+        return self.socks[-1]
+
+    def thread(self, fn, *args) -> threading.Thread:
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:
+                if not self.stop.is_set():  # failures after teardown began are expected
+                    self.errors.append(e)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.threads.append(t)
+        return t
+
+    def teardown(self):
+        self.stop.set()
+        for s in self.socks:
+            if isinstance(s, socket.socket):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
+                except OSError:
+                    pass
+            s.close()
+        for t in self.threads:
+            t.join(5)
+        for h in self.hubs:
+            h.stop()
+        for s in self.servers:
+            s.close()
+        assert not [t for t in self.threads if t.is_alive()], "threads left running"
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def net():
+    n = Net()
+    try:
+        yield n
+    finally:
+        n.teardown()
+
+
+def keep_sampling(net: Net, server: TcpServer, served: list) -> None:
+    """A good client in the background: EPISODES_AND_GET_STATE over and over; the
+    weights_seq_no of every SET_STATE it gets goes to ``served``."""
+    frame = rllib_frame(episodes_msg(8, seed=1))
+
+    def run():
+        s = net.raw(server)
+        while not net.stop.is_set():
+            s.sendall(frame)
+            reply = json.loads(recv_frame(s)[8:])
+            assert reply["type"] == "SET_STATE"
+            served.append(reply["weights_seq_no"])
+
+    net.thread(run)
+    wait_until(lambda: len(served) >= 3, what="the good client's first replies")
+
+
+# ---------------------------------------------------------------- exact bytes
+
+def test_every_message_type_byte_exact_over_a_raw_socket(net):
+    server = net.server()
+    hub = net.hub(server)
+    s = net.raw(server)
+    s.sendall(b'00000016{"type": "PING"}')
+    assert recv_frame(s) == b'00000016{"type": "PONG"}'
+    s.sendall(rllib_frame({"type": "GET_CONFIG"}))
+    assert recv_frame(s) == rllib_frame(CONFIG)
+    s.sendall(rllib_frame({"type": "GET_STATE"}))
+    assert recv_frame(s) == state_frame(1)
+
+    s.sendall(rllib_frame(episodes_msg(8, seed=1, kind="EPISODES")))  # no reply
+    wait_until(lambda: hub.store.steps_received == 8, what="the EPISODES steps")
+    s.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        s.recv(1)
+    s.settimeout(5)
+
+    s.sendall(rllib_frame(episodes_msg(8, seed=2)))                   # RLlib's "timesteps"
+    assert recv_frame(s) == state_frame(2)
+    s.sendall(rllib_frame(episodes_msg(8, seed=3, count="env_steps")))  # RLlib's docs: "env_steps"
+    assert recv_frame(s) == state_frame(3)
+    assert hub.store.steps_received == 24 and hub.store.steps_by_conn == {conn_id_of(s): 24}
+    assert [kind for _, kind in hub.received] == ["PING", "GET_CONFIG", "GET_STATE", "EPISODES",
+                                                  "EPISODES_AND_GET_STATE", "EPISODES_AND_GET_STATE"]
+
+
+def test_split_and_pipelined_frames(net):
+    """Frames may arrive a byte at a time or many in one segment; replies keep their order,
+    also beyond the requests one connection may have waiting for poll()."""
+    server = net.server()
+    net.hub(server)
+    s = net.raw(server)
+    for byte in b'00000016{"type": "PING"}':
+        s.sendall(bytes([byte]))
+        time.sleep(0.001)
+    assert recv_frame(s) == b'00000016{"type": "PONG"}'
+    s.sendall(b"".join(rllib_frame({"type": t}) for t in ("PING", "GET_CONFIG", "GET_STATE")))
+    assert [recv_frame(s) for _ in range(3)] == [rllib_frame({"type": "PONG"}), rllib_frame(CONFIG), state_frame(1)]
+    n = 3 * TcpServer.MAX_UNPOLLED
+    s.sendall(rllib_frame({"type": "PING"}) * n + rllib_frame({"type": "GET_STATE"}))
+    assert recv_exactly(s, 24 * n) == rllib_frame({"type": "PONG"}) * n
+    assert recv_frame(s) == state_frame(1)
+
+
+def test_a_connection_is_not_read_while_its_requests_wait_for_poll(net):
+    """Backpressure: a client that pipelines faster than the learner polls stops being read
+    (its data waits in the kernel) and is read again after the next poll()."""
+    server = net.server()
+    s = net.raw(server)
+    conn_id = conn_id_of(s)
+    n = 3 * TcpServer.MAX_UNPOLLED
+    s.sendall(rllib_frame({"type": "PING"}) * n)
+    time.sleep(0.2)
+    s.sendall(rllib_frame({"type": "GET_STATE"}))
+    time.sleep(0.2)
+    first = server.poll()
+    assert TcpServer.MAX_UNPOLLED <= len(first) <= n     # the GET_STATE has not been read
+    got = list(first)
+    wait_until(lambda: got.extend(server.poll(0.05)) or len(got) == n + 1)
+    assert got == [(conn_id, {"type": "PING"})] * n + [(conn_id, {"type": "GET_STATE"})]
+
+
+# ---------------------------------------------------------------- many clients
+
+def test_32_clients_at_once_on_one_port(net):
+    server = net.server()
+    hub = net.hub(server)
+    n = 32
+    clients = [net.client(server, timeout=10) for _ in range(n)]
+    start = threading.Barrier(n, timeout=10)
+    done = []
+
+    def session(i, client):
+        start.wait()
+        assert client.request({"type": "PING"}) == {"type": "PONG"}
+        seq = client.request({"type": "GET_STATE"})["weights_seq_no"]
+        for k in range(3):
+            reply = client.request(episodes_msg(8, seed=100 * i + k))
+            assert reply["type"] == "SET_STATE" and reply["weights_seq_no"] > seq
+            seq = reply["weights_seq_no"]
+        done.append(i)
+
+    threads = [net.thread(session, i, c) for i, c in enumerate(clients)]
+    for t in threads:
+        t.join(15)
+    assert sorted(done) == list(range(n)), net.errors
+    assert hub.store.steps_by_conn == {conn_id_of(c): 24 for c in clients}
+    assert len({conn_id_of(c) for c in clients}) == n
+
+
+# ---------------------------------------------------------------- hostile clients
+
+def stall(s):        # a header and half the body, then silence
+    s.sendall(b'00000016{"type":')
+
+
+def mid_frame_eof(s):  # a header and part of the body, then it hangs up (its reading side stays open)
+    s.sendall(b"00000100" + b"x" * 40)
+    s.shutdown(socket.SHUT_WR)
+
+
+def nan_rewards():
+    msg = episodes_msg(8, seed=5)
+    msg["episodes"][0]["rewards"][0] = math.nan  # json.dumps writes NaN, as Python's RLlib client would
+    return rllib_frame(msg)
+
+
+HOSTILE = {
+    "stalls mid-frame": (stall, "frame incomplete after 0.5 s: slow or stalled client (got 16 of 24 bytes)"),
+    "sends garbage": (b"hello world!!!!!", "frame header b'hello wo' is not 8 ASCII digits"),
+    "announces 99,999,999 bytes": (b"99999999", "frame of 99999999 bytes exceeds the maximum of 67108864"),
+    "disconnects mid-frame": (mid_frame_eof, "disconnected mid-frame after 48 of 108 bytes"),
+    "sends NaN rewards": (nan_rewards(), "non-finite value in 'rewards'"),
+    "sends an unknown type": (rllib_frame({"type": "HELLO"}), "unknown message type 'HELLO'"),
+    "sends a reply type": (rllib_frame({"type": "PONG"}), "'PONG' is a reply type, not a request"),
+    "sends a 3-dim obs": (rllib_frame({"type": "EPISODES", "episodes": [{
+        **rllib_episodes(2)[0], "obs": [[0.0, 1.0, 2.0]] * 3}]}), "obs shape (3,) does not match"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_client_is_dropped_while_a_good_one_goes_on(net, caplog, case):
+    send, reason = HOSTILE[case]
+    server = net.server(frame_timeout=0.5)
+    hub = net.hub(server)
+    served = []
+    keep_sampling(net, server, served)
+    bad = net.raw(server)
+    bad.sendall(rllib_frame({"type": "PING"}))
+    assert recv_frame(bad) == rllib_frame({"type": "PONG"})     # it starts out well
+    before = len(served)
+    send(bad) if callable(send) else bad.sendall(send)
+    assert read_to_eof(bad) == b""                              # dropped: EOF, nothing else
+    if case == "stalls mid-frame":
+        assert len(served) > before + 10                        # served all through the stall
+    conn_id = conn_id_of(bad)
+    lines = log_lines(caplog, conn_id)
+    assert len(lines) == 1 and lines[0].startswith(f"{conn_id}: closing connection: ") and reason in lines[0], lines
+    wait_until(lambda: conn_id in hub.closed())
+    n = len(served)
+    wait_until(lambda: len(served) >= n + 3, what="the good client to go on")
+    assert hub.closed() == [conn_id]                            # reported once; the good one untouched
+    assert hub.store.steps_by_conn.get(conn_id, 0) == 0
+
+
+def test_a_client_that_does_not_read_its_replies_is_dropped(net, caplog):
+    server = net.server(max_out_bytes=1 << 20)
+    hub = net.hub(server, onnx_file="x" * (256 << 10))          # 256 KiB per SET_STATE
+    served = []
+    keep_sampling(net, server, served)
+    slow = net.raw(server, rcvbuf=4096)
+    conn_id = conn_id_of(slow)
+    slow.sendall(rllib_frame({"type": "GET_STATE"}) * 64)       # 16 MiB of replies it never reads
+    wait_until(lambda: conn_id in hub.closed(), what="the slow reader to be dropped")
+    assert any("not reading its replies" in m for m in log_lines(caplog, conn_id)), caplog.text
+    n = len(served)
+    wait_until(lambda: len(served) >= n + 3, what="the good client to go on")
+    assert hub.closed() == [conn_id]
+
+
+def test_idle_timeout_spares_a_client_waiting_for_its_reply(net, caplog):
+    server = net.server(idle_timeout=0.3)
+    hub = net.hub(server, auto_publish=False)
+    idle, waiting = net.raw(server), net.raw(server)
+    idle.sendall(rllib_frame({"type": "PING"}))
+    assert recv_frame(idle) == rllib_frame({"type": "PONG"})
+    waiting.sendall(rllib_frame(episodes_msg(8)))               # on-policy: waits for a publish
+    assert read_to_eof(idle) == b""
+    assert any("idle for 0.3 s with no reply owed" in m for m in log_lines(caplog, conn_id_of(idle)))
+    time.sleep(0.5)
+    assert hub.closed() == [conn_id_of(idle)]
+    waiting.settimeout(0.1)
+    with pytest.raises(TimeoutError):                           # still open, still waiting
+        waiting.recv(1)
+
+
+def test_max_connections_refuses_the_excess_and_logs_once_per_burst(net, caplog):
+    server = net.server(max_connections=2)
+    hub = net.hub(server)
+    a, b = net.raw(server), net.raw(server)
+    a_id = conn_id_of(a)
+    for s in (a, b):
+        s.sendall(rllib_frame({"type": "PING"}))
+        assert recv_frame(s) == rllib_frame({"type": "PONG"})
+    for _ in range(3):
+        assert read_to_eof(net.raw(server)) == b""
+    assert sum("max_connections" in r.getMessage() for r in caplog.records) == 1
+    a.close()
+    wait_until(lambda: a_id in hub.closed())
+    c = net.raw(server)                                         # a place is free again
+    c.sendall(rllib_frame({"type": "PING"}))
+    assert recv_frame(c) == rllib_frame({"type": "PONG"})
+
+
+# ---------------------------------------------------------------- closing
+
+def test_clean_eof_logged_at_info_and_reported_once(net, caplog):
+    caplog.set_level(logging.INFO, logger="shmrl.transport")
+    server = net.server()
+    hub = net.hub(server)
+    s = net.raw(server)
+    conn_id = conn_id_of(s)
+    s.sendall(rllib_frame(episodes_msg(8, kind="EPISODES")))    # its last data, then it leaves
+    s.close()
+    wait_until(lambda: conn_id in hub.closed())
+    assert hub.received == [(conn_id, "EPISODES"), (conn_id, None)]  # the data is not lost
+    assert hub.store.steps_received == 8
+    assert log_lines(caplog, conn_id, logging.INFO) == [f"{conn_id}: connected",
+                                                        f"{conn_id}: closing connection: the client disconnected"]
+    assert log_lines(caplog, conn_id) == []
+
+
+def test_poll_fileno_drop_and_close_without_a_hub(net, caplog):
+    server = net.server()
+    s = net.raw(server)
+    conn_id = conn_id_of(s)
+    sel = selectors.DefaultSelector()
+    sel.register(server.fileno(), selectors.EVENT_READ)
+    try:
+        assert sel.select(0.05) == [] and server.poll(0.05) == []
+        s.sendall(rllib_frame({"type": "PING"}) + rllib_frame({"type": "GET_STATE"}))
+        assert sel.select(5)                                    # readable: requests wait
+        got = []
+        wait_until(lambda: got.extend(server.poll()) or len(got) == 2)
+        assert got == [(conn_id, {"type": "PING"}), (conn_id, {"type": "GET_STATE"})]
+        assert sel.select(0) == []                              # drained
+        server.reply(conn_id, {"type": "PONG"})
+        server.reply("tcp:127.0.0.1:1", {"type": "PONG"})       # unknown: ignored
+        assert recv_frame(s) == b'00000016{"type": "PONG"}'
+        server.drop(conn_id, "test: go away")
+        server.drop(conn_id, "test: twice")                     # already closing: ignored
+        server.reply(conn_id, {"type": "PONG"})                 # closed: ignored
+        assert read_to_eof(s) == b""
+        assert server.poll(5) == [(conn_id, None)] and server.poll(0.05) == []
+        assert log_lines(caplog, conn_id) == [f"{conn_id}: closing connection: test: go away"]
+        other = net.raw(server)
+        other.sendall(rllib_frame({"type": "PING"}) + b"0000")  # accepted, and mid-frame
+        assert server.poll(5) == [(conn_id_of(other), {"type": "PING"})]
+        server.close()
+        server.close()                                          # idempotent
+        assert read_to_eof(other) == b""                        # every socket closed
+        assert io_threads(server) == [] and server.poll(0.05) == []
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(server.address, timeout=1).close()
+    finally:
+        sel.close()
+
+
+# ---------------------------------------------------------------- fuzzing
+
+VALID = [rllib_frame({"type": "PING"}), rllib_frame({"type": "GET_CONFIG"}), rllib_frame(episodes_msg(4, seed=7))]
+numbers = st.integers(-2, 3) | st.floats(-10, 10, width=32)
+scalars = st.none() | st.booleans() | numbers | st.sampled_from([math.nan, math.inf, 1e300]) | st.text(max_size=3)
+junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=3), inner, max_size=2), max_leaves=8)
+
+
+@st.composite
+def mutated_frames(draw):
+    data = bytearray(draw(st.sampled_from(VALID)))
+    for _ in range(draw(st.integers(1, 4))):
+        op, pos = draw(st.sampled_from(["set", "insert", "delete", "cut"])), draw(st.integers(0, len(data)))
+        if op == "set" and pos < len(data):
+            data[pos] = draw(st.integers(0, 255))
+        elif op == "insert":
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "delete":
+            del data[pos:pos + draw(st.integers(1, 8))]
+        else:
+            del data[pos:]
+    return bytes(data)
+
+
+@st.composite
+def episode_frames(draw):
+    """EPISODES(_AND_GET_STATE) frames whose episodes are valid for CartPole, or have one
+    flaw: wrong for the environment (the Hub drops them), or breaking the schema."""
+    def episode():
+        n = draw(st.integers(0, 4))
+        def lists(of, length, width=None):
+            item = of if width is None else st.lists(of, min_size=width, max_size=width)
+            return draw(st.lists(item, min_size=length, max_size=length))
+
+        ep = {"obs": lists(numbers, n + 1, 4), "actions": lists(st.integers(0, 1), n), "rewards": lists(numbers, n),
+              "action_dist_inputs": lists(numbers, n, 2), "action_logp": lists(numbers, n),
+              "terminateds": draw(st.booleans()), "truncateds": False}
+        flaw = draw(st.sampled_from(["none", "none", "obs width", "action range", "not finite", "field"]))
+        if flaw == "obs width":
+            ep["obs"] = [o[:3] for o in ep["obs"]]
+        elif flaw == "action range" and n:
+            ep["actions"][draw(st.integers(0, n - 1))] = draw(st.sampled_from([-1, 2]))
+        elif flaw == "not finite" and n:
+            ep[draw(st.sampled_from(["rewards", "action_logp"]))][draw(st.integers(0, n - 1))] = \
+                draw(st.sampled_from([math.nan, -math.inf, 1e39]))
+        elif flaw == "field":
+            key = draw(st.sampled_from(sorted(ep) + ["extra", "episode_id"]))
+            if draw(st.booleans()):
+                ep[key] = draw(junk)
+            else:
+                ep.pop(key, None)
+        return ep
+
+    episodes = [episode() for _ in range(draw(st.integers(0, 2)))]
+    msg = {"type": draw(st.sampled_from(["EPISODES", "EPISODES_AND_GET_STATE"])), "episodes": episodes}
+    if draw(st.booleans()):
+        msg[draw(st.sampled_from(["timesteps", "env_steps"]))] = draw(st.integers(-1, 8))
+    return rllib_frame(msg)
+
+
+payloads = st.one_of(
+    st.binary(max_size=300).map(lambda b: b"%08d" % len(b) + b),  # random bytes after a valid header
+    mutated_frames(),
+    episode_frames(),
+    st.binary(max_size=40),
+)
+
+
+def test_fuzzed_connections_only_ever_get_closed(net):
+    server = net.server(frame_timeout=2.0)
+    hub = net.hub(server)
+    connections = 0
+
+    @settings(max_examples=120, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(payloads)
+    def exchange(payload):
+        nonlocal connections
+        s = socket.create_connection(server.address, timeout=5)
+        connections += 1
+        try:
+            try:
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused already
+            data = read_to_eof(s)
+        finally:
+            s.close()
+        while data:  # whatever came back is whole, valid replies: never garbage
+            n = int(data[:8])
+            assert json.loads(data[8:8 + n])["type"] in ("PONG", "SET_CONFIG", "SET_STATE")
+            data = data[8 + n:]
+
+    exchange()
+    wait_until(lambda: len(hub.closed()) == connections, what="every connection reported closed")
+    with TcpClient(*server.address, timeout=5) as client:
+        assert client.request({"type": "PING"}) == {"type": "PONG"}
+    assert hub.error is None and len(io_threads(server)) == 1
+
+
+# ---------------------------------------------------------------- TcpClient
+
+def test_client_request_send_and_timeout(net):
+    server = net.server()
+    hub = net.hub(server, auto_publish=False)
+    client = net.client(server, timeout=5)
+    assert client.request({"type": "PING"}) == {"type": "PONG"}
+    assert client.request({"type": "GET_CONFIG"}) == CONFIG
+    assert client.request({"type": "GET_STATE"}) == {"type": "SET_STATE", "onnx_file": "abc", "weights_seq_no": 1}
+    client.send(episodes_msg(8, kind="EPISODES"))
+    wait_until(lambda: hub.store.steps_received == 8)
+    client.timeout = 0.3
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no reply within 0.3 s"):
+        client.request(episodes_msg(8))                         # on-policy, and nobody trains
+    assert 0.25 < time.monotonic() - t0 < 2
+    with pytest.raises(ConnectionError, match="reconnect"):     # out of step now: refuses
+        client.request({"type": "PING"})
+    wait_until(lambda: conn_id_of(client) in hub.closed())
+
+
+def test_client_sees_connection_error_when_dropped_or_the_server_closes(net, caplog):
+    server = net.server()
+    hub = net.hub(server, auto_publish=False)
+    dropped, waiting = net.client(server, timeout=5), net.client(server, timeout=5)
+    assert dropped.request({"type": "PING"}) == {"type": "PONG"}
+    server.drop(conn_id_of(dropped), "test: go away")
+    with pytest.raises(ConnectionClosed, match="closed the connection"):
+        dropped.request({"type": "PING"})
+    errors = []
+
+    def wait_for_state():
+        try:
+            waiting.request(episodes_msg(8))
+        except ConnectionError as e:
+            errors.append(e)
+
+    t = net.thread(wait_for_state)
+    wait_until(lambda: hub.hub.waiting, what="the client to wait for SET_STATE")
+    hub.stop()
+    server.close()
+    t.join(5)
+    assert len(errors) == 1 and isinstance(errors[0], ConnectionClosed), errors
+    assert f"{conn_id_of(dropped)}: closing connection: test: go away" in caplog.text
+
+
+def test_client_connect_refused_and_bad_reply(net):
+    server = net.server()
+    port = server.address[1]
+    server.close()
+    with pytest.raises(ConnectionRefusedError):
+        TcpClient("127.0.0.1", port, connect_timeout=1)
+    with socket.create_server(("127.0.0.1", 0)) as fake:       # a server that answers garbage
+        client = TcpClient(*fake.getsockname()[:2], timeout=5)
+        net.socks.append(client)
+        peer, _ = fake.accept()
+        with peer:
+            peer.sendall(b"00000002{}")
+            with pytest.raises(ProtocolError, match="no 'type'"):
+                client.request({"type": "PING"})
+
+
+def test_parse_address():
+    assert parse_address("localhost:5556") == ("localhost", 5556)
+    assert parse_address("[::1]:80") == ("::1", 80)
+    for bad in ("localhost", ":5556", "host:", "host:http", "host:70000", "host:-1"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_address(bad)
