@@ -44,6 +44,10 @@ class RunConfig:
     ent_coef: float = 0.0
     clip: float = 0.2
     torch_threads: int = 1
+    transport: str = "shm"
+    tcp_host: str = "127.0.0.1"
+    tcp_port: int | None = None
+    max_frame_bytes: int = 64 << 20
 
 
 class RunFailed(RuntimeError):
@@ -65,7 +69,7 @@ def process_start_time() -> float:
         return time.time()
 
 
-def start_simulators(server, config: RunConfig) -> list:
+def start_simulators(addresses: list[str], config: RunConfig) -> list:
     """One process per simulator, forked from a server that has imported only the
     simulator's modules (numpy, onnxruntime): never torch, and a fork costs ms, not the
     hundreds of ms a fresh interpreter would."""
@@ -74,15 +78,40 @@ def start_simulators(server, config: RunConfig) -> list:
     from shmrl.sim import sim_process_main
 
     ctx = multiprocess.get_context("forkserver")
-    ctx.set_forkserver_preload(["shmrl.sim", "shmrl.transport.shm"])
+    ctx.set_forkserver_preload(["shmrl.sim", f"shmrl.transport.{config.transport}"])
     procs = []
-    for i in range(config.sims):
+    for i, address in enumerate(addresses):
         p = ctx.Process(target=sim_process_main, name=f"shmrl-sim{i}", daemon=True,
-                        args=(server.address(i), config.env, config.seed * 1000 + i,
-                              config.envs_per_sim, f"shmrl-sim{i}"))
+                        args=(address, config.env, config.seed * 1000 + i, config.envs_per_sim,
+                              f"shmrl-sim{i}"))
         p.start()
         procs.append(p)
     return procs
+
+
+def open_transports(config: RunConfig) -> tuple[list, list[str]]:
+    """The learner's servers, and the address each local simulator connects to."""
+    servers, addresses = [], []
+    if config.sims and config.transport == "shm":
+        from shmrl.transport.shm import ShmServer
+        shm = ShmServer(config.sims)
+        servers.append(shm)
+        addresses = [f"shm:{shm.address(i)}" for i in range(config.sims)]
+    if config.tcp_port is not None or (config.sims and config.transport == "tcp"):
+        from shmrl.transport.tcp import TcpServer
+        try:
+            tcp = TcpServer(config.tcp_host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes)
+        except BaseException:
+            for server in servers:
+                server.close()
+            raise
+        servers.append(tcp)
+        host, port = tcp.address
+        if config.tcp_port is not None:
+            print(f"listening for RLlink clients on {host}:{port}", flush=True)
+        if config.transport == "tcp":
+            addresses = [f"tcp:{host}:{port}"] * config.sims
+    return servers, addresses
 
 
 def stop_simulators(procs: list, timeout: float = 2.0) -> None:
@@ -101,11 +130,23 @@ def _terminate(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def progress_line(row: dict, n_returns: int) -> str:
+    clients = " ".join(f"{c}={_k(n)}" for c, n in sorted(row["env_steps_by_client"].items(),
+                                                        key=lambda kv: (len(kv[0]), kv[0])))
+    return (f"update {row['update']:4d} | steps {row['env_steps']:8d} | {row['env_steps_per_s']:8.0f} steps/s | "
+            f"return {row['return_mean']:7.1f} (n={n_returns}) | pi {row['pi_loss']:+.3f} "
+            f"v {row['v_loss']:.3f} ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} | "
+            f"{row['elapsed_s']:.1f}s | {clients}")
+
+
+def _k(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
 def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     """Run one training job; returns (exit status, summary)."""
     t_start = t_start if t_start is not None else time.time()
     from shmrl.envs import env_spec
-    from shmrl.transport.shm import ShmServer
 
     spec = env_spec(config.env)
     logdir = Path(config.logdir) if config.logdir else None
@@ -114,7 +155,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     procs: list = []
     summary: dict = {}
     status = EXIT_FAILED
-    server = ShmServer(config.sims) if config.sims > 0 else None
+    servers, addresses = open_transports(config)
     metrics_file = None
     try:
         # Simulators start (the fork server loads numpy and onnxruntime) on one core while
@@ -123,13 +164,12 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
 
         def launch():
             try:
-                procs.extend(start_simulators(server, config))
+                procs.extend(start_simulators(addresses, config))
             except BaseException as e:  # re-raised below, in the main thread
                 launch_error.append(e)
 
         launcher = threading.Thread(target=launch, name="shmrl-launcher", daemon=True)
-        if server is not None:
-            launcher.start()
+        launcher.start()
         import torch
 
         from shmrl.learner import Learner
@@ -141,11 +181,9 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                             clip=config.clip, epochs=config.epochs,
                             minibatch_size=config.minibatch_size, ent_coef=config.ent_coef),
                   seed=config.seed)
-        learner = Learner(spec, ppo, [server] if server else [],
-                          env_steps_per_sample=config.env_steps_per_sample,
+        learner = Learner(spec, ppo, servers, env_steps_per_sample=config.env_steps_per_sample,
                           train_batch_size=max(config.sims, 1) * config.env_steps_per_sample)
-        if server is not None:
-            launcher.join()
+        launcher.join()
         if launch_error:
             raise RunFailed(f"could not start the simulators: {launch_error[0]!r}")
         metrics_file = open(logdir / "metrics.jsonl", "w") if logdir else None
@@ -171,12 +209,9 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                        "return_mean": store.return_mean(), "episodes": store.episodes_completed,
                        **{k: stats[k] for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac",
                                                "train_s", "batch_steps", "weights_seq_no")},
+                       "env_steps_by_client": dict(store.steps_by_conn),
                        "elapsed_s": now - t_start}
-                print(f"update {row['update']:4d} | steps {row['env_steps']:8d} | "
-                      f"{row['env_steps_per_s']:8.0f} steps/s | return {row['return_mean']:7.1f} "
-                      f"(n={len(store.returns)}) | pi {row['pi_loss']:+.3f} v {row['v_loss']:.3f} "
-                      f"ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} | {row['elapsed_s']:.1f}s",
-                      flush=True)
+                print(progress_line(row, len(store.returns)), flush=True)
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()
@@ -185,6 +220,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                    "env_steps": store.steps_received, "env_steps_trained": store.steps_trained,
                    "return_mean": store.return_mean(), "episodes": store.episodes_completed,
                    "env_steps_per_s": store.steps_received / max(time.time() - t_learn, 1e-9),
+                   "env_steps_by_client": dict(store.steps_by_conn),
                    "updates": learner.updates, "weights_seq_no": learner.weights_seq_no,
                    "config": dataclasses.asdict(config)}
         verdict = "solved" if status == EXIT_SOLVED else "step budget exhausted"
@@ -201,7 +237,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
         if metrics_file:
             metrics_file.close()
         stop_simulators(procs)
-        if server is not None:
+        for server in servers:
             server.close()
 
 
@@ -220,6 +256,19 @@ def parse_args(argv=None) -> RunConfig:
                    help="give up (exit 1) after N env steps received (default: %(default)s)")
     p.add_argument("--logdir", default=None, metavar="DIR",
                    help="write metrics.jsonl (one line per update), summary.json and policy.onnx to DIR")
+    t = p.add_argument_group("transports")
+    t.add_argument("--transport", choices=("shm", "tcp"), default=d.transport,
+                   help="how the local simulators talk to the learner: shared-memory rings, or "
+                        "RLlink JSON over TCP loopback like an external client (default: %(default)s)")
+    t.add_argument("--tcp-port", type=int, default=None, metavar="PORT",
+                   help="also accept external RLlink clients (RLlib's JSON variant) on this port; "
+                        "they train the same policy as the local simulators")
+    t.add_argument("--tcp-host", default=d.tcp_host, metavar="HOST",
+                   help="address to listen on (default: %(default)s, loopback only; 0.0.0.0 exposes "
+                        "the learner to the network)")
+    t.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes, metavar="N",
+                   help="largest TCP frame body accepted; a bigger header closes that connection "
+                        "before its body is read (default: %(default)s)")
     g = p.add_argument_group("sampling and PPO")
     g.add_argument("--env-steps-per-sample", type=int, default=d.env_steps_per_sample, metavar="N",
                    help="env steps per EPISODES message of each simulator; one update trains on "
@@ -241,8 +290,8 @@ def parse_args(argv=None) -> RunConfig:
     config = RunConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(RunConfig)})
     if config.sims < 0 or min(config.env_steps_per_sample, config.max_env_steps, config.envs_per_sim) < 1:
         p.error("--sims must be >= 0; --env-steps-per-sample, --max-env-steps and --envs-per-sim >= 1")
-    if config.sims == 0:
-        p.error("--sims 0 needs external clients, which come with the TCP transport")
+    if config.sims == 0 and config.tcp_port is None:
+        p.error("--sims 0 runs no local simulator: give --tcp-port for external clients")
     return config
 
 

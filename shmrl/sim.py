@@ -5,15 +5,18 @@ It is written only against the client side of a transport (``request``, ``send``
 Simulator processes never import torch: they need numpy and onnxruntime only, like an
 external client in a game engine would.
 
-    python -m shmrl.sim --attach shmrl_1234_sim0     # attach to a learner's ring
+    python -m shmrl.sim --connect localhost:5556   # an RLlink JSON server (shmrl's or RLlib's)
+    python -m shmrl.sim --attach shmrl_1234_s0c0   # a slot of a running learner's shared memory
 """
 from __future__ import annotations
 
 import argparse
+from collections import deque
 import logging
 import math
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -81,10 +84,11 @@ def handshake(client) -> tuple[dict, dict]:
 
 
 def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_sim: int = 1,
-                  max_messages: int | None = None) -> int:
+                  max_messages: int | None = None, log_every_s: float | None = None) -> int:
     """Sample with the learner's latest policy until the connection ends.
 
-    Returns the number of env steps sent. ``max_messages`` bounds the loop (tests).
+    Returns the number of env steps sent. ``max_messages`` bounds the loop (tests);
+    ``log_every_s`` logs progress (steps sent, recent returns) that often.
     """
     config, state = handshake(client)
     steps_per_message = int(config["env_steps_per_sample"])
@@ -97,6 +101,9 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     running = [Episode(o, weights_seq_no=seq) for o in obs]
     steps_per_env = -(-steps_per_message // envs_per_sim)
     sent = messages = 0
+    returns = [0.0] * envs_per_sim               # running return of each env's episode
+    recent: deque = deque(maxlen=100)             # returns of the episodes completed lately
+    next_log = time.monotonic() + (log_every_s or 0.0)
 
     while max_messages is None or messages < max_messages:
         finished = []
@@ -108,7 +115,10 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
                 o, reward, terminated, truncated, _ = env.step(actions[k])
                 ep = running[k]
                 ep.add_step(actions[k], reward, o, logits[k], logps[k], terminated, truncated)
+                returns[k] += reward
                 if terminated or truncated:
+                    recent.append(returns[k])
+                    returns[k] = 0.0
                     finished.append(ep)
                     o = env.reset()[0]
                     running[k] = Episode(o, weights_seq_no=seq)
@@ -130,6 +140,11 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
         running = [ep.cut() if len(ep) else ep for ep in running]
         for ep in running:
             ep.weights_seq_no = seq
+        if log_every_s and time.monotonic() >= next_log:
+            next_log += log_every_s
+            mean = f"{sum(recent) / len(recent):.1f}" if recent else "n/a"
+            log.info("sent %d env steps; weights %s; mean return of the last %d episodes: %s",
+                     sent, seq, len(recent), mean)
     return sent
 
 
@@ -150,12 +165,12 @@ def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1
     simulator ignores SIGINT and ends when its learner closes the connection or
     sends SIGTERM.
     """
-    from shmrl.transport.shm import ShmClient
+    from shmrl.transport import connect
 
     set_process_name(name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    client = ShmClient(address)
+    client = connect(address)
     try:
         run_simulator(client, env_id, seed, envs_per_sim)
     except ConnectionError:
@@ -167,15 +182,35 @@ def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m shmrl.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--attach", metavar="NAME", required=True,
-                   help="shared-memory address of a learner's simulator slot")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--connect", metavar="HOST:PORT", help="RLlink JSON server to train against over TCP")
+    where.add_argument("--attach", metavar="SEGMENT", help="shared-memory slot of a running shmrl learner")
     p.add_argument("--env", default="CartPole-v1", help="environment id (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--envs-per-sim", type=int, default=1,
-                   help="environments stepped together with one batched ONNX call")
+                   help="environments stepped together with one batched ONNX call (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for any one reply; RLlib's server answers only after its "
+                        "training step (default: %(default)s)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    sim_process_main(args.attach, args.env, args.seed, args.envs_per_sim)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from shmrl.transport import connect
+
+    address = f"tcp:{args.connect}" if args.connect else f"shm:{args.attach}"
+    try:
+        client = connect(address, timeout=args.timeout)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot connect to {address}: {e}", file=sys.stderr)
+        return 1
+    try:
+        run_simulator(client, args.env, args.seed, args.envs_per_sim, log_every_s=10.0)
+    except KeyboardInterrupt:
+        return 130
+    except (ConnectionError, TimeoutError, rllink.ProtocolError) as e:
+        print(f"error: {address}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
     return 0
 
 

@@ -16,6 +16,19 @@ server (the learner)::
     server.drop(conn_id, reason)   # close one connection, logging why
     server.close()                 # release everything (segments, sockets)
 
-Implementations: ``shm`` (shared-memory rings, the default), ``inproc`` (threads, for
-tests).
+Implementations: ``shm`` (shared-memory rings, the default), ``tcp`` (RLlink's JSON
+variant over TCP, for external clients), ``inproc`` (threads, for tests).
 """
+
+
+def connect(address: str, timeout: float = 30.0):
+    """A client for ``address``: ``shm:SEGMENT`` (a learner's simulator slot) or
+    ``tcp:HOST:PORT`` (an RLlink JSON server)."""
+    kind, _, rest = address.partition(":")
+    if kind == "shm":
+        from shmrl.transport.shm import ShmClient
+        return ShmClient(rest, timeout=timeout)
+    if kind == "tcp":
+        from shmrl.transport.tcp import TcpClient, parse_address
+        return TcpClient(*parse_address(rest), timeout=timeout)
+    raise ValueError(f"unknown address {address!r}: expected shm:SEGMENT or tcp:HOST:PORT")

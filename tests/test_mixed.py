@@ -1,0 +1,63 @@
+"""Shared-memory simulators and external TCP clients training one policy together."""
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import descendants, shm_entries
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "external_client.py"
+
+
+def test_shm_sims_and_tcp_clients_train_one_policy(start_run, tmp_path):
+    logdir = tmp_path / "logs"
+    run = start_run("--sims", 2, "--tcp-port", 0, "--stop-return", 150, "--max-env-steps", 200_000,
+                    "--logdir", logdir)
+    run.wait_for("listening for RLlink clients on", timeout=30)
+    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    clients = [subprocess.Popen([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}",
+                                 "--seed", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+               subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port), "--max-retries", "0"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        run.proc.wait(timeout=120)
+        assert run.proc.returncode == 0, run.output()
+        for c in clients:   # the learner finished: both clients see it and exit
+            c.wait(timeout=30)
+    finally:
+        for c in clients:
+            c.kill()
+            c.wait(5)
+    summary = json.loads((logdir / "summary.json").read_text())
+    by_client = summary["env_steps_by_client"]
+    assert {c for c in by_client if c.startswith("shm:")} == {"shm:0", "shm:1"}
+    tcp = [c for c in by_client if c.startswith("tcp:")]
+    assert len(tcp) == 2 and all(by_client[c] > 0 for c in tcp), by_client
+    assert sum(by_client.values()) == summary["env_steps"]
+    assert summary["return_mean"] >= 150
+    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    assert "env_steps_by_client" in rows[-1] and "tcp:" in run.output()
+    assert shm_entries(run.proc.pid) == [] and descendants(run.proc.pid) == []
+
+
+def test_sims_over_tcp_learn_like_shm(start_run, tmp_path):
+    run = start_run("--sims", 2, "--transport", "tcp", "--stop-return", 150, "--max-env-steps", 200_000)
+    run.proc.wait(timeout=120)
+    assert run.proc.returncode == 0, run.output()
+    assert "tcp:127.0.0.1:" in run.output() and "shm:" not in run.output()
+
+
+def test_sims_zero_needs_a_tcp_port():
+    proc = subprocess.run([sys.executable, "-m", "shmrl.run", "--sims", "0"], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2 and "--tcp-port" in proc.stderr
+
+
+def test_external_client_example_imports_nothing_from_shmrl():
+    tree = ast.parse(EXAMPLE.read_text())
+    modules = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    modules |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "shmrl" not in modules
+    assert modules - set(sys.stdlib_module_names) == {"numpy", "onnxruntime"}
