@@ -7,6 +7,10 @@ environment (shapes, action range) because a client's input is never trusted.
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import selectors
+import threading
 import time
 from collections import deque
 
@@ -38,6 +42,7 @@ class EpisodeStore:
         self.episodes_completed = 0
         self.steps_received = 0
         self.steps_trained = 0
+        self.steps_dropped: dict[str, int] = {}
         self.steps_by_conn: dict[str, int] = {}
         self._open: dict[tuple, tuple[float, int]] = {}   # glue key -> (return, length) so far
 
@@ -66,14 +71,29 @@ class EpisodeStore:
         for key in [k for k in self._open if k[0] == conn_id]:
             del self._open[key]
 
-    def take(self) -> list[Episode]:
+    def drop(self, reason: str, steps: int) -> None:
+        """Count steps received but not trained on (never silently lost)."""
+        self.steps_received += steps
+        self.steps_dropped[reason] = self.steps_dropped.get(reason, 0) + steps
+
+    def take(self, version: int = 0, max_lag: int | None = None) -> list[Episode]:
+        """Every pending chunk, except those sampled with weights more than ``max_lag``
+        versions older than ``version`` (dropped as stale). Chunks without a version
+        (RLlib's client sends none) count as current."""
         chunks, self.chunks = self.chunks, []
-        self.steps_trained += self.pending_steps
         self.pending_steps = 0
+        if max_lag is not None:
+            fresh = [c for c in chunks if c.weights_seq_no is None or version - c.weights_seq_no <= max_lag]
+            if len(fresh) < len(chunks):
+                stale = sum(len(c) for c in chunks) - sum(len(c) for c in fresh)
+                self.steps_dropped["stale"] = self.steps_dropped.get("stale", 0) + stale
+            chunks = fresh
+        self.steps_trained += sum(len(c) for c in chunks)
         return chunks
 
     def return_mean(self) -> float:
-        return float(np.mean(self.returns)) if self.returns else float("nan")
+        returns = list(self.returns)   # one C-level copy: the serving thread may append
+        return float(np.mean(returns)) if returns else float("nan")
 
 
 def check_episode(ep: Episode, spec: EnvSpec) -> str | None:
@@ -100,8 +120,9 @@ class Hub:
     """
 
     def __init__(self, spec: EnvSpec, store: EpisodeStore, env_steps_per_sample: int,
-                 force_on_policy: bool = True):
+                 force_on_policy: bool = True, max_pending_steps: int | None = None):
         self.spec, self.store = spec, store
+        self.max_pending_steps = max_pending_steps
         self.config_msg = {"type": T.SET_CONFIG.value, "env_steps_per_sample": env_steps_per_sample,
                            "force_on_policy": force_on_policy}
         self.force_on_policy = force_on_policy
@@ -109,7 +130,6 @@ class Hub:
         self.servers: dict[str, object] = {}     # conn_id -> the server that owns it
         self.sampling: set[str] = set()          # connections that have asked for weights
         self.waiting: list[str] = []             # connections waiting for the next weights
-        self.steps_dropped: dict[str, int] = {}
 
     def set_state(self, weights_seq_no: int, onnx_file: str) -> None:
         """Publish new weights and release every client waiting for them."""
@@ -146,7 +166,10 @@ class Hub:
                 self.store.add(conn_id, ep)
             if kind == T.EPISODES_AND_GET_STATE.value:
                 self.sampling.add(conn_id)
-                if self.force_on_policy:
+                # Off-policy clients are answered at once, unless a whole batch already
+                # waits for the learner: then they wait for the next weights (bounds lag).
+                full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
+                if self.force_on_policy or full:
                     self.waiting.append(conn_id)
                 else:
                     self._reply(conn_id, self.state_msg)
@@ -155,7 +178,7 @@ class Hub:
         self.servers[conn_id].reply(conn_id, msg)
 
     def _drop(self, conn_id: str, reason: str, steps: int) -> None:
-        self.steps_dropped[reason.split(":")[0]] = self.steps_dropped.get(reason.split(":")[0], 0) + steps
+        self.store.drop("does not fit the environment", steps)
         self.servers[conn_id].drop(conn_id, reason)
         self._forget(conn_id)
 
@@ -168,53 +191,116 @@ class Hub:
 
 
 class Learner:
-    """Polls the transports, feeds the Hub, trains when a batch is ready, publishes."""
+    """Serves the transports from one thread while another trains.
+
+    The serving thread owns the Hub, the store and every server: it answers requests,
+    and when a batch is ready hands its chunks over through a queue. The training thread
+    runs PPO on them (torch releases the GIL, so requests keep being answered) and hands
+    the new ONNX model back the same way. No lock is shared; at most one batch is in
+    flight. With ``force_on_policy`` clients wait for each new version anyway; without
+    it they keep sampling, a client is held back only while a whole batch is already
+    waiting, and chunks more than ``max_policy_lag`` versions old are dropped as stale.
+    """
 
     def __init__(self, spec: EnvSpec, ppo, servers: list, *, env_steps_per_sample: int,
-                 train_batch_size: int, force_on_policy: bool = True, window: int = 100):
+                 train_batch_size: int, force_on_policy: bool = True, max_policy_lag: int = 2,
+                 window: int = 100):
         self.spec, self.ppo, self.servers = spec, ppo, servers
         self.train_batch_size = train_batch_size
+        self.max_policy_lag = max_policy_lag
         self.store = EpisodeStore(window)
-        self.hub = Hub(spec, self.store, env_steps_per_sample, force_on_policy)
+        self.hub = Hub(spec, self.store, env_steps_per_sample, force_on_policy,
+                       max_pending_steps=None if force_on_policy else train_batch_size)
         self.publisher = OnnxPublisher(ppo.actor_sizes, ppo.config.activation)
         self.weights_seq_no = 0
         self.updates = 0
         self.model_bytes = b""
+        self._batches: queue.Queue = queue.Queue(maxsize=1)
+        self._published: queue.Queue = queue.Queue()
+        self._batch_out = False                    # a batch was handed over, no new weights yet
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._selector = selectors.DefaultSelector()
+        for fd in [self._wake_r, *(server.fileno() for server in servers)]:
+            self._selector.register(fd, selectors.EVENT_READ)
         self.publish()
+        self.poll(0.0)
 
-    def publish(self) -> None:
-        self.weights_seq_no += 1
-        self.model_bytes = self.publisher.publish(self.ppo.actor_weights())
-        self.hub.set_state(self.weights_seq_no, encode_onnx_file(self.model_bytes))
-
+    # ------------------------------------------------------------ the serving thread
     def poll(self, timeout: float) -> int:
-        """Handle every request that arrives within ``timeout``; returns how many."""
-        import selectors
-        if not hasattr(self, "_selector"):
-            self._selector = selectors.DefaultSelector()
-            for s in self.servers:
-                self._selector.register(s.fileno(), selectors.EVENT_READ, s)
-        n = 0
+        """One round of serving: new weights out, requests in, a ready batch handed over.
+        Returns the number of requests handled."""
         if timeout > 0:
             self._selector.select(timeout)
+        try:
+            os.read(self._wake_r, 1 << 12)
+        except BlockingIOError:
+            pass
+        while not self._published.empty():
+            version, onnx_file = self._published.get_nowait()
+            self.hub.set_state(version, onnx_file)
+            self._batch_out = False
+        n = 0
         for server in self.servers:
             for conn_id, msg in server.poll(0.0):
                 self.hub.handle(server, conn_id, msg)
                 n += 1
+        if not self._batch_out and self.ready():
+            max_lag = None if self.hub.force_on_policy else self.max_policy_lag
+            self._batches.put((self.store.take(self.weights_seq_no, max_lag), self.weights_seq_no))
+            self._batch_out = True
         return n
 
     def ready(self) -> bool:
         pending = self.store.pending_steps
         return pending >= self.train_batch_size or (pending > 0 and self.hub.all_waiting())
 
-    def train(self) -> dict:
-        """One PPO update on everything pending, then publish the new weights."""
+    def start(self) -> None:
+        """Serve in a background thread until ``stop()``."""
+        self._thread = threading.Thread(target=self._serve, name="shmrl-hub", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            self.poll(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        self._selector.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    # ------------------------------------------------------------ the training thread
+    def next_batch(self, timeout: float) -> tuple[list[Episode], int] | None:
+        """The next batch of chunks and the weights version it was taken at, or None."""
+        try:
+            return self._batches.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def publish(self) -> None:
+        """Export the current actor; the serving thread sends it to the clients."""
+        self.model_bytes = self.publisher.publish(self.ppo.actor_weights())
+        self.weights_seq_no += 1
+        self._published.put((self.weights_seq_no, encode_onnx_file(self.model_bytes)))
+        os.write(self._wake_w, b"\0")
+
+    def train(self, chunks: list[Episode], version: int) -> dict | None:
+        """One PPO update on ``chunks``, then publish the new weights."""
         t0 = time.perf_counter()
-        chunks = self.store.take()
+        if not chunks:
+            self.publish()   # releases any client held back; nothing to learn from
+            return None
+        lags = [version - c.weights_seq_no for c in chunks if c.weights_seq_no is not None]
         batch = self.ppo.make_batch(chunks)
         stats = self.ppo.update(batch)
         self.updates += 1
         self.publish()
         stats.update(update=self.updates, batch_steps=len(batch),
+                     policy_lag=float(np.mean(lags)) if lags else 0.0,
                      train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no)
         return stats

@@ -48,6 +48,8 @@ class RunConfig:
     tcp_host: str = "127.0.0.1"
     tcp_port: int | None = None
     max_frame_bytes: int = 64 << 20
+    async_sampling: bool = False
+    max_policy_lag: int = 2
 
 
 class RunFailed(RuntimeError):
@@ -136,7 +138,7 @@ def progress_line(row: dict, n_returns: int) -> str:
     return (f"update {row['update']:4d} | steps {row['env_steps']:8d} | {row['env_steps_per_s']:8.0f} steps/s | "
             f"return {row['return_mean']:7.1f} (n={n_returns}) | pi {row['pi_loss']:+.3f} "
             f"v {row['v_loss']:.3f} ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} | "
-            f"{row['elapsed_s']:.1f}s | {clients}")
+            f"lag {row['policy_lag']:.1f} | {row['elapsed_s']:.1f}s | {clients}")
 
 
 def _k(n: int) -> str:
@@ -156,7 +158,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     summary: dict = {}
     status = EXIT_FAILED
     servers, addresses = open_transports(config)
-    metrics_file = None
+    metrics_file = learner = None
     try:
         # Simulators start (the fork server loads numpy and onnxruntime) on one core while
         # this process imports torch on the other.
@@ -182,15 +184,17 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                             minibatch_size=config.minibatch_size, ent_coef=config.ent_coef),
                   seed=config.seed)
         learner = Learner(spec, ppo, servers, env_steps_per_sample=config.env_steps_per_sample,
-                          train_batch_size=max(config.sims, 1) * config.env_steps_per_sample)
+                          train_batch_size=max(config.sims, 1) * config.env_steps_per_sample,
+                          force_on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag)
         launcher.join()
         if launch_error:
             raise RunFailed(f"could not start the simulators: {launch_error[0]!r}")
         metrics_file = open(logdir / "metrics.jsonl", "w") if logdir else None
         t_learn = time.time()
         store = learner.store
+        learner.start()
         while True:
-            learner.poll(0.05)
+            batch = learner.next_batch(0.05)
             dead = [p for p in procs if not p.is_alive()]
             if dead:
                 raise RunFailed(", ".join(f"simulator {p.name} (pid {p.pid}) exited with code {p.exitcode}"
@@ -201,14 +205,15 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             if store.steps_received >= config.max_env_steps:
                 status = EXIT_BUDGET
                 break
-            if learner.ready():
-                stats = learner.train()
+            stats = learner.train(*batch) if batch else None
+            if stats:
                 now = time.time()
                 row = {"update": stats["update"], "env_steps": store.steps_received,
                        "env_steps_per_s": store.steps_received / max(now - t_learn, 1e-9),
                        "return_mean": store.return_mean(), "episodes": store.episodes_completed,
                        **{k: stats[k] for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac",
-                                               "train_s", "batch_steps", "weights_seq_no")},
+                                               "train_s", "batch_steps", "weights_seq_no", "policy_lag")},
+                       "env_steps_trained": store.steps_trained, "env_steps_dropped": dict(store.steps_dropped),
                        "env_steps_by_client": dict(store.steps_by_conn),
                        "elapsed_s": now - t_start}
                 print(progress_line(row, len(store.returns)), flush=True)
@@ -218,6 +223,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
         wall = time.time() - t_start
         summary = {"solved": status == EXIT_SOLVED, "exit_status": status, "wall_s": wall,
                    "env_steps": store.steps_received, "env_steps_trained": store.steps_trained,
+                   "env_steps_dropped": dict(store.steps_dropped), "env_steps_pending": store.pending_steps,
                    "return_mean": store.return_mean(), "episodes": store.episodes_completed,
                    "env_steps_per_s": store.steps_received / max(time.time() - t_learn, 1e-9),
                    "env_steps_by_client": dict(store.steps_by_conn),
@@ -236,6 +242,8 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     finally:
         if metrics_file:
             metrics_file.close()
+        if learner is not None:
+            learner.stop()
         stop_simulators(procs)
         for server in servers:
             server.close()
@@ -276,6 +284,13 @@ def parse_args(argv=None) -> RunConfig:
     g.add_argument("--envs-per-sim", type=int, default=d.envs_per_sim, metavar="K",
                    help="environments each simulator steps together, one batched ONNX call per step "
                         "(default: %(default)s)")
+    g.add_argument("--async", dest="async_sampling", action="store_true",
+                   help="simulators keep sampling while the learner trains (SET_CONFIG force_on_policy "
+                        "false); PPO's ratio is taken against the behaviour policy the clients report. "
+                        "RLlib's own client refuses this mode")
+    g.add_argument("--max-policy-lag", type=int, default=d.max_policy_lag, metavar="V",
+                   help="with --async, drop (and count) chunks sampled with weights more than V "
+                        "versions old (default: %(default)s)")
     g.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate (default: %(default)s)")
     g.add_argument("--gamma", type=float, default=d.gamma, help="discount (default: %(default)s)")
     g.add_argument("--gae-lambda", type=float, default=d.gae_lambda, help="GAE lambda (default: %(default)s)")

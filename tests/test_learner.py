@@ -52,6 +52,7 @@ def learner_and_server():
     ppo = PPO(4, 2, PPOConfig(epochs=2, minibatch_size=64))
     learner = Learner(SPEC, ppo, [server], env_steps_per_sample=32, train_batch_size=64)
     yield learner, server
+    learner.stop()
     server.close()
 
 
@@ -72,11 +73,17 @@ def test_handshake_and_on_policy_wait(learner_and_server):
     t.start()
     while "state" not in replies:
         learner.poll(0.05)
-    # The episodes arrive; the client must wait until an update publishes new weights.
-    while learner.store.pending_steps < 32:
+    # The episodes arrive and are handed over as a batch; the client must wait until an
+    # update publishes new weights.
+    batch = None
+    while batch is None:
         learner.poll(0.05)
-    assert "next" not in replies and learner.hub.all_waiting() and learner.ready()
-    learner.train()
+        batch = learner.next_batch(timeout=0)
+    assert "next" not in replies and learner.hub.all_waiting()
+    chunks, version = batch
+    assert sum(len(c) for c in chunks) == 32 and version == 1
+    learner.train(chunks, version)
+    learner.poll(0.05)                                   # sends the new weights
     t.join(5)
     assert replies["pong"]["type"] == "PONG"
     assert replies["config"] == {"type": "SET_CONFIG", "env_steps_per_sample": 32, "force_on_policy": True}
@@ -103,7 +110,9 @@ def test_episodes_that_do_not_fit_the_env_close_only_that_connection(learner_and
     t.start()
     while "evil" not in out:
         learner.poll(0.05)
-    assert reason in caplog.text and learner.store.steps_received == 0
+    store = learner.store   # counted as received and dropped, never trained on
+    assert reason in caplog.text and store.pending_steps == 0 and store.steps_received == 4
+    assert store.steps_dropped == {"does not fit the environment": 4}
     t.join(5)
     g = threading.Thread(target=lambda: out.update(pong=good.request({"type": "PING"})), daemon=True)
     g.start()
@@ -131,10 +140,12 @@ def test_simulator_loop_learns_in_process():
     try:
         while learner.updates < 30:
             learner.poll(0.05)
-            if learner.ready():
-                learner.train()
+            batch = learner.next_batch(timeout=0)
+            if batch:
+                learner.train(*batch)
         assert learner.store.return_mean() > 100
     finally:
+        learner.stop()
         for c in clients:
             server.drop(c.conn_id, "test over")
         for t in threads:

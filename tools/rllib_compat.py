@@ -63,14 +63,21 @@ class SetupError(RuntimeError):
 
 # --------------------------------------------------------------------------- processes
 
-def _proc_stat(pid: int) -> tuple[int, int, int, int] | None:
-    """(ppid, pgrp, session, rss pages) of a live process, None if it is gone."""
+def _proc_stat(pid: int) -> tuple[int, int, int, int, int] | None:
+    """(ppid, pgrp, session, rss pages, cpu ticks) of a live process, None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[1]), int(fields[2]), int(fields[3]), int(fields[21])
+        return int(fields[1]), int(fields[2]), int(fields[3]), int(fields[21]), int(fields[11]) + int(fields[12])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _busy_ticks() -> int:
+    """CPU ticks spent busy on the whole machine (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return user + nice + system + irq + softirq + steal
 
 
 def _all_pids() -> list[int]:
@@ -80,12 +87,12 @@ def _all_pids() -> list[int]:
 def _family(leaders: list[int]) -> set[int]:
     """Every live process in the sessions of ``leaders`` or descended from them."""
     stats = {pid: s for pid in _all_pids() if (s := _proc_stat(pid))}
-    family = {pid for pid, (_, _, sid, _) in stats.items() if sid in leaders}
+    family = {pid for pid, (_, _, sid, _, _) in stats.items() if sid in leaders}
     family |= {pid for pid in leaders if pid in stats}
     grew = True
     while grew:
         grew = False
-        for pid, (ppid, _, _, _) in stats.items():
+        for pid, (ppid, *_) in stats.items():
             if ppid in family and pid not in family:
                 family.add(pid)
                 grew = True
@@ -94,12 +101,15 @@ def _family(leaders: list[int]) -> set[int]:
 
 
 class Children:
-    """Starts children in their own sessions, samples their summed RSS, kills them all."""
+    """Starts children in their own sessions, samples their summed RSS and CPU time (and the
+    CPU time of everything else on the machine: this machine is shared and noisy), kills them all."""
 
     def __init__(self, logdir: Path):
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
         self.peak_rss_mb = 0.0
+        self._cpu_ticks: dict[int, int] = {}  # pid -> CPU ticks last seen (approximate: sampled each second)
+        self._busy0, self._t0 = _busy_ticks(), time.monotonic()
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
         self._sampler.start()
@@ -124,8 +134,21 @@ class Children:
         page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
         while not self._stop.wait(1.0):
             leaders = [p.pid for p in self.procs.values()]
-            total = sum(s[3] for pid in _family(leaders) if (s := _proc_stat(pid))) * page_mb
-            self.peak_rss_mb = max(self.peak_rss_mb, total)
+            total = 0
+            for pid in _family(leaders):
+                if s := _proc_stat(pid):
+                    total += s[3]
+                    self._cpu_ticks[pid] = s[4]
+            self.peak_rss_mb = max(self.peak_rss_mb, total * page_mb)
+
+    def cpu_report(self) -> dict:
+        """CPU seconds used by our processes and by everything else since the start."""
+        hz = os.sysconf("SC_CLK_TCK")
+        ours = sum(self._cpu_ticks.values()) / hz
+        busy = (_busy_ticks() - self._busy0) / hz
+        span = time.monotonic() - self._t0
+        return {"own_cpu_s": round(ours, 1), "other_cpu_s": round(max(0.0, busy - ours), 1),
+                "span_s": round(span, 1), "cores": os.cpu_count(), "loadavg_end": os.getloadavg()[0]}
 
     def stop_all(self, grace: float = 5.0) -> list[int]:
         """SIGTERM every session, then SIGKILL whatever is left; returns pids that survived."""
@@ -649,6 +672,12 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
 
 def fmt_line(r: dict) -> str:
     f = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"
+    cpu = r.get("cpu") or {}
+    return _fmt_main(r, f) + (f" | CPU: ours {f(cpu.get('own_cpu_s'), '.0f')} s, other processes "
+                              f"{f(cpu.get('other_cpu_s'), '.0f')} s over {f(cpu.get('span_s'), '.0f')} s")
+
+
+def _fmt_main(r: dict, f) -> str:
     verdict = "solved" if r["solved"] else "NOT solved"
     if r["mode"] == "client":
         return (f"{r['mode']:8s} | {r['server']} <- {r['client']} | {verdict} | wall {f(r['wall_s'], '.1f')} s "
@@ -720,8 +749,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         result, status = {"mode": a.cmd, "solved": False, "failure": "interrupted"}, 130
     finally:
+        cpu = kids.cpu_report()
         survivors = kids.stop_all()
         result["peak_rss_mb"] = round(kids.peak_rss_mb, 1)
+        result["cpu"] = cpu
         if survivors:
             result["survivors"] = survivors
         result["scratch"] = str(work)

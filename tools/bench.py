@@ -1,0 +1,963 @@
+"""Benchmarks of shmrl: sampling throughput, transport cost, time to solve, weight
+synchronization latency, and memory.
+
+    python tools/bench.py throughput [--sims 1 2 4 8 16 32] [--seconds 5] [--envs-per-sim 1] [--repeat 3]
+    python tools/bench.py transport  [--steps 500] [--messages 200] [--repeat 3]
+    python tools/bench.py solve      [--seeds 0 1 2 3 4] [--sims 8] [-- extra shmrl.run args]
+    python tools/bench.py sync       [--sims 8] [--updates 50]
+    python tools/bench.py memory     [--sims 8] [--repeat 1]
+
+Every subcommand prints a table, or with ``--json`` one JSON object; both say what was
+measured and how. The machine may be shared: figures are medians of repetitions, and
+the load average before and after each run is reported with them.
+
+Every process started here is stopped, on failure too, and no ``shmrl_*`` file is left
+in /dev/shm. Sampling parts never import torch (simulators never do; the learner's
+torch would only take memory here).
+"""
+from __future__ import annotations
+
+# Only the standard library and numpy at module level: the fork server that starts the
+# simulators imports this file as __mp_main__, and its children should carry no more
+# than shmrl.run's simulators do.
+import argparse
+import json
+import math
+import os
+import queue
+import selectors
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ENV_ID = "CartPole-v1"
+ACTOR_SIZES = [4, 64, 64, 2]  # shmrl.ppo's actor for CartPole: obs 4, two hidden layers of 64, 2 logits
+ACTIVATION = "ReLU"
+WAIT_S = 60.0                 # the longest any single wait may take before the bench gives up
+HERE = Path(__file__).resolve()
+
+
+# ---------------------------------------------------------------- small helpers
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def percentile(xs, q: float) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=float), q))
+
+
+def host_info() -> dict:
+    return {"cpus": len(os.sched_getaffinity(0)), "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "python": sys.version.split()[0]}
+
+
+def started(name: str, method: str, **params) -> dict:
+    """The head of every result: what, how, when, and on what a machine in what state."""
+    return {"subcommand": name, "method": method, "params": params,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host_before": host_info()}
+
+
+def finished(result: dict) -> dict:
+    result["host_after"] = host_info()
+    result["torch_imported"] = "torch" in sys.modules  # must stay False: the bench is light
+    return result
+
+
+def random_actor_weights(rng: np.random.Generator, sizes=ACTOR_SIZES) -> list[np.ndarray]:
+    """w0, b0, w1, b1, ... in nn.Linear's layout and init range (uniform +-1/sqrt(fan_in))."""
+    params = []
+    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+        bound = 1.0 / math.sqrt(n_in)
+        params.append(rng.uniform(-bound, bound, (n_out, n_in)).astype(np.float32))
+        params.append(rng.uniform(-bound, bound, n_out).astype(np.float32))
+    return params
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL: a subprocess of ours never outlives the bench."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
+def own_shm_files(pid: int) -> list[str]:
+    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(f"shmrl_{pid}_"))
+
+
+def run_worker(args: list[str]) -> subprocess.Popen:
+    """This file as a fresh interpreter (a hidden subcommand), stdout piped for its JSON."""
+    return subprocess.Popen([sys.executable, str(HERE), *args], stdout=subprocess.PIPE, text=True)
+
+
+def worker_result(proc: subprocess.Popen, timeout: float) -> dict:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_process(proc)
+        raise TimeoutError(f"worker {proc.args[2]} gave no result within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {proc.args[2]} exited with code {proc.returncode}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- the pipeline
+
+class Pipeline:
+    """ShmServer + simulator processes started exactly as shmrl.run starts them, and a Hub
+    with its EpisodeStore in this process. The learner here only drains: chunks are
+    taken from the store and thrown away, nothing is trained."""
+
+    def __init__(self, sims: int, *, envs_per_sim: int = 1, env_steps_per_sample: int = 256,
+                 force_on_policy: bool, seed: int = 0, weights: list[np.ndarray] | None = None):
+        from shmrl.envs import env_spec
+        from shmrl.learner import EpisodeStore, Hub
+        from shmrl.onnx_policy import OnnxPublisher
+        from shmrl.run import RunConfig, start_simulators
+        from shmrl.transport.shm import ShmServer
+
+        self.sims, self.procs, self.seq = sims, [], 0
+        self.rng = np.random.default_rng(seed)
+        self.server = ShmServer(sims)
+        try:
+            config = RunConfig(sims=sims, env=ENV_ID, seed=seed, envs_per_sim=envs_per_sim,
+                               env_steps_per_sample=env_steps_per_sample)
+            self.store = EpisodeStore()
+            self.hub = Hub(env_spec(ENV_ID), self.store, env_steps_per_sample, force_on_policy)
+            self.publisher = OnnxPublisher(ACTOR_SIZES, ACTIVATION)
+            self.publish(weights)  # before any simulator asks: GET_STATE needs a state
+            addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
+            self.procs = start_simulators(addresses, config)
+        except BaseException:
+            self.close()
+            raise
+        self._next_alive_check = 0.0
+
+    def publish(self, weights: list[np.ndarray] | None = None) -> int:
+        """What the learner does after an update: patch the weights into the ONNX graph,
+        gzip+base64 it, hand it to the Hub (which releases waiting simulators)."""
+        from shmrl.onnx_policy import encode_onnx_file
+
+        weights = weights if weights is not None else random_actor_weights(self.rng)
+        t0 = time.perf_counter()
+        self.model_bytes = self.publisher.publish(weights)
+        t1 = time.perf_counter()
+        onnx_file = encode_onnx_file(self.model_bytes)
+        t2 = time.perf_counter()
+        self.seq += 1
+        self.hub.set_state(self.seq, onnx_file)
+        # Where a publish spends its time: patch+serialize, gzip+base64, SET_STATE to every ring.
+        self.publish_parts = {"onnx": t1 - t0, "encode": t2 - t1, "set_state": time.perf_counter() - t2}
+        return self.seq
+
+    def poll(self, timeout: float) -> list[tuple[str, dict]]:
+        """Handle every request that arrives within ``timeout``; returns them."""
+        msgs = self.server.poll(timeout)
+        for conn_id, msg in msgs:
+            self.hub.handle(self.server, conn_id, msg)
+        self.store.take()  # drain: the bench does not train
+        self._check_alive()
+        return msgs
+
+    def _check_alive(self) -> None:
+        now = time.monotonic()
+        if now < self._next_alive_check:
+            return
+        self._next_alive_check = now + 0.2  # waitpid per simulator: not on every message
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(", ".join(f"simulator {p.name} exited with code {p.exitcode}" for p in dead))
+
+    def run_until(self, condition, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what}: not within {timeout:.0f} s")
+            self.poll(min(left, 0.05))
+
+    def run_for(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self.poll(min(left, 0.05))
+
+    def close(self) -> None:
+        from shmrl.run import stop_simulators
+
+        try:
+            stop_simulators(self.procs)
+        finally:
+            self.server.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def stop_fork_server(timeout: float = 5.0) -> None:
+    """The fork server and resource tracker that multiprocess started for the simulators
+    would end with this process anyway (EOF on their pipes); end them now and reap them.
+    Their _stop() waits without a timeout, so it runs in a thread we can give up on."""
+    fs = sys.modules.get("multiprocess.forkserver")
+    rt = sys.modules.get("multiprocess.resource_tracker")
+    helpers = []  # private API of multiprocess; checked before use
+    if fs is not None and getattr(fs._forkserver, "_forkserver_pid", None) is not None:
+        helpers.append((fs._forkserver._stop, fs._forkserver._forkserver_pid))
+    if rt is not None and getattr(rt._resource_tracker, "_pid", None) is not None:
+        helpers.append((rt._resource_tracker._stop, rt._resource_tracker._pid))
+    for stop, pid in helpers:  # the fork server first: it uses the tracker
+        t = threading.Thread(target=stop, name="bench-stop-helper", daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            print(f"warning: helper process {pid} did not stop in {timeout:g} s; killing it", file=sys.stderr)
+            os.kill(pid, signal.SIGKILL)
+            t.join(timeout)
+
+
+# ---------------------------------------------------------------- throughput
+
+def throughput(args) -> dict:
+    result = started(
+        "throughput",
+        f"Pipeline: ShmServer(n) + n simulators started by shmrl.run.start_simulators (forkserver), "
+        f"{ENV_ID} with a random-init ONNX policy {ACTOR_SIZES}; in this process a Hub with "
+        f"force_on_policy=False answers each EPISODES_AND_GET_STATE at once and the chunks are "
+        f"drained (no training). Env steps received per second: after every simulator has sent "
+        f"episodes and a {args.warmup:g} s warm-up, --seconds {args.seconds:g} of measurement split "
+        f"into --repeat {args.repeat} consecutive windows; the figure is the median window. "
+        f"In-process limit: the same env + OnnxPolicy + CategoricalSampler in a plain loop "
+        f"(no episode recording, no transport), one process per core, windows on a common "
+        f"clock, rates summed per window, median window. CPU use (/proc/PID/stat, process_time) "
+        f"is measured in the same windows: steps per cpu-second discounts the time the bench's "
+        f"processes lost to other processes (not contention on the host or in caches).",
+        sims=args.sims, seconds=args.seconds, warmup=args.warmup, repeat=args.repeat,
+        envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample)
+    weights = random_actor_weights(np.random.default_rng(0))
+    result["limit"] = in_process_limit(weights, args)
+    limit = result["limit"]["steps_per_s"]
+    rows = []
+    for n in args.sims:
+        row = pipeline_throughput(n, weights, args)
+        row["ratio_to_limit"] = row["steps_per_s"] / limit
+        row["cpu_efficiency"] = row["steps_per_cpu_s"] / result["limit"]["steps_per_cpu_s"]
+        rows.append(row)
+        if not args.json:
+            print(f"  measured {n} sims: {row['steps_per_s']:,.0f} steps/s", file=sys.stderr, flush=True)
+    result["pipeline"] = rows
+    best = max(rows, key=lambda r: r["steps_per_s"])
+    result["best"] = {"sims": best["sims"], "steps_per_s": best["steps_per_s"],
+                      "ratio_to_limit": best["ratio_to_limit"]}
+    return finished(result)
+
+
+def pipeline_throughput(n: int, weights, args) -> dict:
+    t0 = time.monotonic()
+    with Pipeline(n, envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample,
+                  force_on_policy=False, weights=weights) as p:
+        p.run_until(lambda: len(p.store.steps_by_conn) == n, WAIT_S, f"{n} simulators sending episodes")
+        ready_s = time.monotonic() - t0
+        p.run_for(args.warmup)
+        rates, learner_cpu, sims_cpu = [], [], []
+        window = args.seconds / args.repeat
+        pids = [proc.pid for proc in p.procs]
+        for _ in range(args.repeat):
+            s0, w0, l0, c0 = p.store.steps_received, time.monotonic(), time.process_time(), cpu_s(pids)
+            p.run_for(window)
+            wall = time.monotonic() - w0
+            rates.append((p.store.steps_received - s0) / wall)
+            learner_cpu.append((time.process_time() - l0) / wall)
+            sims_cpu.append((cpu_s(pids) - c0) / wall)
+    # Where the cores went: the learner's share, and what the simulators make of theirs.
+    return {"sims": n, "steps_per_s": median(rates), "windows": rates, "ready_s": ready_s,
+            "learner_cpu_cores": median(learner_cpu), "sims_cpu_cores": median(sims_cpu),
+            "steps_per_sim_cpu_s": median(r / c for r, c in zip(rates, sims_cpu) if c > 0),
+            "steps_per_cpu_s": median(r / (c + l) for r, c, l in zip(rates, sims_cpu, learner_cpu))}
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by ``pids`` (/proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def in_process_limit(weights, args) -> dict:
+    """Sum of env steps/s of one plain sampling loop per core, measured in the same windows."""
+    from shmrl.onnx_policy import OnnxPublisher
+
+    cores = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="shmrl-bench-") as tmp:
+        model = Path(tmp) / "policy.onnx"
+        model.write_bytes(OnnxPublisher(ACTOR_SIZES, ACTIVATION).publish(weights))
+        start_at = time.time() + 2.0  # time for every worker to import numpy and onnxruntime
+        common = ["--model", str(model), "--start-at", repr(start_at), "--warmup", str(args.warmup),
+                  "--seconds", str(args.seconds), "--windows", str(args.repeat),
+                  "--envs-per-sim", str(args.envs_per_sim)]
+        timeout = 2.0 + args.warmup + args.seconds + WAIT_S
+        workers = [run_worker(["_limit-worker", "--seed", str(i), *common]) for i in range(cores)]
+        try:
+            outs = [worker_result(w, timeout) for w in workers]
+        finally:
+            for w in workers:
+                stop_process(w)
+    late = [o for o in outs if o["late"]]
+    if late:
+        print(f"warning: {len(late)} limit worker(s) were not ready at the common start", file=sys.stderr)
+    sums = [sum(o["windows"][k]["steps"] / o["windows"][k]["wall_s"] for o in outs) for k in range(args.repeat)]
+    # Steps per CPU second discount the time lost to other processes on a shared machine.
+    per_cpu = [sum(o["windows"][k]["steps"] for o in outs) / sum(o["windows"][k]["cpu_s"] for o in outs)
+               for k in range(args.repeat)]
+    return {"processes": cores, "steps_per_s": median(sums), "windows": sums,
+            "per_process": [median(w["steps"] / w["wall_s"] for w in o["windows"]) for o in outs],
+            "steps_per_cpu_s": median(per_cpu)}
+
+
+def limit_worker(args) -> int:
+    """Hidden: the in-process loop of one core. Mirrors shmrl.sim's stepping, minus the
+    Episode recording and the transport."""
+    from shmrl.envs import make_env
+    from shmrl.onnx_policy import OnnxPolicy
+    from shmrl.sim import CategoricalSampler
+
+    k = args.envs_per_sim
+    policy = OnnxPolicy(Path(args.model).read_bytes())
+    sampler = CategoricalSampler(np.random.default_rng(args.seed))
+    envs = [make_env(ENV_ID) for _ in range(k)]
+    obs = [env.reset(seed=args.seed * 1_000_003 + i)[0] for i, env in enumerate(envs)]
+    late = time.time() > args.start_at
+    window = args.seconds / args.windows
+    # Boundaries on the wall clock that every worker shares, so that their rates add up.
+    bounds = [args.start_at + args.warmup + i * window for i in range(args.windows + 1)]
+    counts, steps, b = [], 0, 0
+    while b < len(bounds):
+        for _ in range(16):  # a clock read per 16 steps is noise next to ~50 us per step
+            batch = obs[0][None] if k == 1 else np.stack(obs)
+            actions, _ = sampler.sample(policy.logits(batch))
+            for i, env in enumerate(envs):
+                o, _, terminated, truncated, _ = env.step(actions[i])
+                obs[i] = env.reset()[0] if terminated or truncated else o
+            steps += k
+        now = time.time()
+        if now >= bounds[b]:
+            counts.append((steps, now, time.process_time()))
+            b += 1
+    windows = [{"steps": s1 - s0, "wall_s": t1 - t0, "cpu_s": c1 - c0}
+               for (s0, t0, c0), (s1, t1, c1) in zip(counts, counts[1:])]
+    print(json.dumps({"windows": windows, "late": late}))
+    return 0
+
+
+def print_throughput(r: dict) -> None:
+    p = r["params"]
+    lim = r["limit"]
+    print(f"throughput: env steps/s received by a draining learner, {ENV_ID}, "
+          f"envs/sim {p['envs_per_sim']}, {p['env_steps_per_sample']} steps/message")
+    print(f"  windows: {p['seconds']:g} s after a {p['warmup']:g} s warm-up, split in {p['repeat']}; "
+          f"figure = median window")
+    print(f"  in-process limit ({lim['processes']} plain loops, no transport): "
+          f"{lim['steps_per_s']:,.0f} steps/s  (windows {_ints(lim['windows'])}; "
+          f"per process {_ints(lim['per_process'])}); {lim['steps_per_cpu_s']:,.0f} steps per cpu-s")
+    print(f"  {'sims':>5} | {'steps/s':>9} | {'pipeline/limit':>14} | {'learner cpu':>11} | "
+          f"{'sims cpu':>8} | {'steps/sim-cpu-s':>15} | {'cpu efficiency':>14} | {'ready s':>7} | windows")
+    for row in r["pipeline"]:
+        print(f"  {row['sims']:>5} | {row['steps_per_s']:>9,.0f} | {row['ratio_to_limit']:>14.2f} | "
+              f"{row['learner_cpu_cores']:>11.2f} | {row['sims_cpu_cores']:>8.2f} | "
+              f"{row['steps_per_sim_cpu_s']:>15,.0f} | {row['cpu_efficiency']:>14.2f} | "
+              f"{row['ready_s']:>7.2f} | {_ints(row['windows'])}")
+    print("  (cpu: cores used, median of the windows; cpu efficiency: steps per cpu-s of simulators "
+          "+ learner over the limit's steps per cpu-s, blind to time lost to other processes; "
+          "ready s: from creating the rings to every simulator's first episodes)")
+    b = r["best"]
+    print(f"  best: {b['sims']} sims, {b['steps_per_s']:,.0f} steps/s = {b['ratio_to_limit']:.2f} of the limit")
+
+
+def _ints(xs) -> str:
+    return " ".join(f"{x:,.0f}" for x in xs)
+
+
+# ---------------------------------------------------------------- transport
+
+VARIANTS = ("shm-binary", "shm-json", "tcp-json")
+
+
+def transport(args) -> dict:
+    from shmrl import rllink
+    from shmrl.transport.shm import ShmServer
+    from shmrl.transport.tcp import TcpServer
+
+    result = started(
+        "transport",
+        f"One client process (a fresh interpreter) sends EPISODES_AND_GET_STATE messages, each "
+        f"one {args.steps}-step CartPole-shaped episode of pre-built numpy arrays, and times "
+        f"client.request() (encode, transfer, server poll: decode + validate, a small SET_STATE "
+        f"reply, client decode). The servers (ShmServer with a binary and a JSON client slot, "
+        f"TcpServer) run in this process. Per repetition and variant: {args.warmup} untimed "
+        f"messages, then --messages {args.messages} timed; us/step = median round trip / steps; "
+        f"the figure is the median over --repeat {args.repeat} repetitions (variants interleaved).",
+        steps=args.steps, messages=args.messages, repeat=args.repeat, warmup=args.warmup)
+    sizes = {"binary": len(rllink.encode_binary(transport_message(args.steps))),
+             "json": len(rllink.encode_json(transport_message(args.steps)))}
+    # The request ring must hold a whole frame (at most about half the ring): size it to fit.
+    ring = 1 << max(20, (4 * (sizes["json"] + 64)).bit_length())
+    shm = ShmServer(2, request_ring_bytes=ring)
+    tcp = client = None
+    try:
+        tcp = TcpServer("127.0.0.1", 0, max_frame_bytes=ring)
+        host, port = tcp.address
+        client = run_worker(["_transport-client", "--shm-binary", shm.address(0), "--shm-json",
+                             shm.address(1), "--tcp", f"{host}:{port}", "--steps", str(args.steps),
+                             "--messages", str(args.messages), "--repeat", str(args.repeat),
+                             "--warmup", str(args.warmup)])
+        served = serve_transport(client, [shm, tcp], args.steps)
+        out = worker_result(client, WAIT_S)
+    finally:
+        if client is not None:
+            stop_process(client)
+        if tcp is not None:
+            tcp.close()
+        shm.close()
+    per_step = {v: median(out["rtt_s"][v]) / args.steps * 1e6 for v in VARIANTS}
+    result["variants"] = {
+        v: {"us_per_step": per_step[v], "rtt_ms": median(out["rtt_s"][v]) * 1e3,
+            "repeats_us_per_step": [x / args.steps * 1e6 for x in out["rtt_s"][v]],
+            "client_encode_us_per_step": out["encode_s"][codec_of(v)] / args.steps * 1e6,
+            "body_bytes": sizes[codec_of(v)]}
+        for v in VARIANTS}
+    result["ratios"] = {"tcp-json/shm-binary": per_step["tcp-json"] / per_step["shm-binary"],
+                        "shm-json/shm-binary": per_step["shm-json"] / per_step["shm-binary"]}
+    result["messages_served"] = served
+    return finished(result)
+
+
+def codec_of(variant: str) -> str:
+    return variant.rsplit("-", 1)[1]
+
+
+def transport_message(steps: int, seq: int = 1) -> dict:
+    """EPISODES_AND_GET_STATE with one CartPole-shaped chunk, as shmrl.sim would send it."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0.0, 0.01, (steps, 2)).astype(np.float32)
+    actions = rng.integers(0, 2, steps)
+    logp = logits[np.arange(steps), actions] - np.log(np.exp(logits).sum(axis=1))
+    episode = {"obs": rng.normal(0.0, 0.05, (steps + 1, 4)).astype(np.float32),
+               "actions": actions.astype(np.int64),
+               "rewards": np.ones(steps, np.float32),  # CartPole's: all 1.0
+               "action_dist_inputs": logits, "action_logp": logp.astype(np.float32),
+               "terminateds": True, "truncateds": False,
+               "episode_id": "bench-0", "weights_seq_no": seq}
+    return {"type": "EPISODES_AND_GET_STATE", "episodes": [episode], "timesteps": steps}
+
+
+def serve_transport(client: subprocess.Popen, servers: list, steps: int) -> int:
+    """Answer every request with a small SET_STATE until the client exits."""
+    reply = {"type": "SET_STATE", "onnx_file": "", "weights_seq_no": 1}
+    sel = selectors.DefaultSelector()
+    for s in servers:
+        sel.register(s.fileno(), selectors.EVENT_READ, s)
+    served, deadline = 0, time.monotonic() + 10 * WAIT_S
+    try:
+        while client.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"transport client still running after {10 * WAIT_S:.0f} s")
+            for key, _ in sel.select(0.1):
+                server = key.data
+                for conn_id, msg in server.poll(0.0):
+                    if msg is None:
+                        continue  # a client left (the end of a variant)
+                    if msg["timesteps"] != steps:
+                        raise RuntimeError(f"{conn_id}: {msg['timesteps']} steps, expected {steps}")
+                    server.reply(conn_id, reply)
+                    served += 1
+    finally:
+        sel.close()
+    return served
+
+
+def transport_client(args) -> int:
+    """Hidden: the client side of ``transport``. Prints per-variant, per-repetition medians."""
+    from shmrl import rllink
+    from shmrl.transport.shm import ShmClient
+    from shmrl.transport.tcp import TcpClient, parse_address
+
+    msg = transport_message(args.steps)
+    clients = {"shm-binary": ShmClient(args.shm_binary, codec="binary", timeout=WAIT_S),
+               "shm-json": ShmClient(args.shm_json, codec="json", timeout=WAIT_S),
+               "tcp-json": TcpClient(*parse_address(args.tcp), timeout=WAIT_S)}
+    rtt = {v: [] for v in VARIANTS}
+    try:
+        for r in range(args.repeat):
+            # Rotate the order so that no variant always runs first (or right after another).
+            for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+                times = []
+                for i in range(args.warmup + args.messages):
+                    t0 = time.perf_counter()
+                    reply = clients[v].request(msg)
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t0)
+                    assert reply["type"] == "SET_STATE"
+                rtt[v].append(median(times))
+    finally:
+        for c in clients.values():
+            c.close()
+    encode = {}
+    for name, codec in (("binary", rllink.encode_binary), ("json", rllink.encode_json)):
+        times = []  # what the client alone spends encoding, for the breakdown
+        for _ in range(50):
+            t0 = time.perf_counter()
+            codec(msg)
+            times.append(time.perf_counter() - t0)
+        encode[name] = median(times)
+    print(json.dumps({"rtt_s": rtt, "encode_s": encode}))
+    return 0
+
+
+def print_transport(r: dict) -> None:
+    p = r["params"]
+    print(f"transport: cost per env step of one EPISODES_AND_GET_STATE round trip "
+          f"({p['steps']}-step episode per message, {p['messages']} messages x {p['repeat']} repetitions)")
+    print(f"  {'variant':<11} | {'us/step':>8} | {'RTT ms':>7} | {'client encode us/step':>21} | "
+          f"{'body bytes':>10} | repetitions (us/step)")
+    for v, x in r["variants"].items():
+        print(f"  {v:<11} | {x['us_per_step']:>8.2f} | {x['rtt_ms']:>7.3f} | "
+              f"{x['client_encode_us_per_step']:>21.2f} | {x['body_bytes']:>10,} | "
+              f"{' '.join(f'{y:.2f}' for y in x['repeats_us_per_step'])}")
+    for k, v in r["ratios"].items():
+        print(f"  {k}: {v:.1f}x")
+
+
+# ---------------------------------------------------------------- solve
+
+def solve_bench(args) -> dict:
+    sys.path.insert(0, str(HERE.parent))
+    from solve import solve  # tools/solve.py: one timed `python -m shmrl.run` per seed
+
+    command = " ".join(["python -m shmrl.run", "--sims", str(args.sims), "--seed S --logdir TMP", *args.extra])
+    result = started(
+        "solve",
+        f"tools/solve.py's solve(): `{command}` per seed; wall time from launch to exit (bench "
+        f"clock), env steps from summary.json; median over seeds.",
+        seeds=args.seeds, sims=args.sims, extra=args.extra, timeout=args.timeout)
+    runs = []
+    for seed in args.seeds:
+        try:
+            r = solve(seed, args.sims, args.extra, args.timeout)
+        except subprocess.TimeoutExpired:
+            r = {"seed": seed, "exit": None, "wall_s": args.timeout, "solved": False,
+                 "env_steps": None, "return_mean": None}
+        runs.append(r)
+        if not args.json:
+            print(f"  seed {seed}: {'solved' if r['solved'] else 'NOT solved'} in {r['wall_s']:.2f} s",
+                  file=sys.stderr, flush=True)
+    result["runs"] = runs
+    result["median_wall_s"] = median(r["wall_s"] for r in runs)
+    steps = [r["env_steps"] for r in runs if r["env_steps"] is not None]
+    result["median_env_steps"] = median(steps) if steps else None
+    result["all_solved"] = all(r["solved"] for r in runs)
+    return finished(result)
+
+
+def print_solve(r: dict) -> None:
+    p = r["params"]
+    print(f"solve: wall time of `python -m shmrl.run --sims {p['sims']} {' '.join(p['extra'])}` "
+          f"from launch to exit, per seed")
+    print(f"  {'seed':>4} | {'result':<10} | {'wall s':>7} | {'env steps':>9} | return")
+    for x in r["runs"]:
+        ret = "n/a" if x["return_mean"] is None else f"{x['return_mean']:.1f}"
+        print(f"  {x['seed']:>4} | {'solved' if x['solved'] else 'NOT solved':<10} | {x['wall_s']:>7.2f} | "
+              f"{x['env_steps'] if x['env_steps'] is not None else 'n/a':>9} | {ret}")
+    steps = r["median_env_steps"]
+    print(f"  median {r['median_wall_s']:.2f} s, {steps if steps is None else f'{steps:.0f}'} env steps; "
+          f"all solved: {r['all_solved']}")
+
+
+# ---------------------------------------------------------------- sync
+
+def sync(args) -> dict:
+    from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
+
+    result = started(
+        "sync",
+        f"Pipeline as in throughput, but the Hub in on-policy mode (force_on_policy=True: each "
+        f"EPISODES_AND_GET_STATE waits for the next weights) and env_steps_per_sample=1. Once all "
+        f"{args.sims} simulators wait, a publish: new random weights -> OnnxPublisher.publish -> "
+        f"encode_onnx_file -> hub.set_state (writes SET_STATE to every reply ring). Latency: from "
+        f"the start of the publish until every simulator's next message, whose episodes carry the "
+        f"new weights_seq_no, has been received; it includes one env step and one ONNX call per "
+        f"simulator (tens of us) besides decoding and installing the model. "
+        f"{args.warmup} untimed publishes, then --updates {args.updates}; median and p90.",
+        sims=args.sims, updates=args.updates, warmup=args.warmup)
+    all_in, first_in, publish = [], [], []
+    parts: dict[str, list] = {"onnx": [], "encode": [], "set_state": []}
+    with Pipeline(args.sims, env_steps_per_sample=1, force_on_policy=True) as p:
+        everyone_waits = lambda: len(p.hub.sampling) == args.sims and p.hub.all_waiting()  # noqa: E731
+        p.run_until(everyone_waits, WAIT_S, f"{args.sims} simulators waiting for weights")
+        for u in range(args.warmup + args.updates):
+            t0 = time.perf_counter()
+            seq = p.publish()
+            t_published = time.perf_counter() - t0
+            arrived = wait_for_version(p, seq, t0)
+            if u >= args.warmup:
+                publish.append(t_published)
+                for k, v in p.publish_parts.items():
+                    parts[k].append(v)
+                all_in.append(max(arrived.values()))
+                first_in.append(min(arrived.values()))
+            p.run_until(everyone_waits, WAIT_S, "simulators waiting again")
+        onnx_file = p.hub.state_msg["onnx_file"]
+    # What one simulator spends installing a model, timed here alone (same code, one process).
+    install = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        OnnxPolicy(decode_onnx_file(onnx_file))
+        install.append(time.perf_counter() - t0)
+    ms = lambda xs: {"median": median(xs) * 1e3, "p90": percentile(xs, 90) * 1e3}  # noqa: E731
+    result["all_simulators_ms"] = ms(all_in)
+    result["first_simulator_ms"] = ms(first_in)
+    result["publish_ms"] = ms(publish)
+    result["publish_parts_ms"] = {k: ms(v) for k, v in parts.items()}
+    result["install_alone_ms"] = ms(install)
+    result["onnx_file_bytes"] = len(onnx_file)
+    return finished(result)
+
+
+def wait_for_version(p: Pipeline, seq: int, t0: float) -> dict[str, float]:
+    """Seconds from ``t0`` until each simulator's first message sampled with version ``seq``."""
+    arrived: dict[str, float] = {}
+    deadline = time.monotonic() + WAIT_S
+    while len(arrived) < p.sims:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(arrived)} of {p.sims} simulators ran version {seq} "
+                               f"within {WAIT_S:.0f} s")
+        for conn_id, msg in p.poll(0.05):
+            if msg is None or msg["type"] != "EPISODES_AND_GET_STATE" or not msg["episodes"]:
+                continue
+            if all(ep.get("weights_seq_no") == seq for ep in msg["episodes"]):
+                arrived.setdefault(conn_id, time.perf_counter() - t0)
+    return arrived
+
+
+def print_sync(r: dict) -> None:
+    p = r["params"]
+    f = lambda x: f"median {x['median']:7.2f} ms, p90 {x['p90']:7.2f} ms"  # noqa: E731
+    print(f"sync: weight publication until the simulators sample with it, {p['sims']} simulators, "
+          f"{p['updates']} publishes, env_steps_per_sample=1")
+    print(f"  every simulator's next message in : {f(r['all_simulators_ms'])}")
+    print(f"  first simulator's next message in : {f(r['first_simulator_ms'])}")
+    print(f"  of which publish+encode+set_state : {f(r['publish_ms'])}")
+    names = {"onnx": "OnnxPublisher.publish", "encode": "encode_onnx_file", "set_state": "hub.set_state"}
+    for k, x in r["publish_parts_ms"].items():
+        print(f"    {names[k]:<31} : {f(x)}")
+    print(f"  one model install alone (decode + onnxruntime session): {f(r['install_alone_ms'])}; "
+          f"onnx_file {r['onnx_file_bytes']:,} bytes")
+    print("  (latency counts from the start of the publish to the arrival of each simulator's "
+          "message tagged with the new weights_seq_no; one env step included)")
+
+
+# ---------------------------------------------------------------- memory
+
+def memory(args) -> dict:
+    result = started(
+        "memory",
+        f"`python -m shmrl.run --sims {args.sims} --max-env-steps 10000000 --stop-return 1e9 --logdir TMP` "
+        f"in its own process group; when it prints 'update    3 |', VmRSS (/proc/PID/status) and "
+        f"Pss (/proc/PID/smaps_rollup) of the learner and every descendant (ppid chains in "
+        f"/proc/*/stat); then SIGINT to the group. RSS counts pages shared between the forked "
+        f"simulators once per process; the Pss sum is the honest total. Start-up: seconds from "
+        f"launch to the first progress line ('update    1 |'), which comes after the first "
+        f"batch ({args.sims} x 256 steps) has arrived and one PPO update; the update's own "
+        f"train_s (metrics.jsonl) is reported to subtract. Median over --repeat {args.repeat}.",
+        sims=args.sims, repeat=args.repeat)
+    runs = [memory_run(args.sims) for _ in range(args.repeat)]
+    result["processes"] = runs[0]["processes"]
+    result["runs"] = [{k: v for k, v in r.items() if k != "processes"} for r in runs]
+    for key in ("rss_total_mib", "pss_total_mib", "first_progress_s", "first_update_train_s"):
+        values = [r[key] for r in runs if r[key] is not None]
+        result[key] = median(values) if values else None
+    return finished(result)
+
+
+def memory_run(sims: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="shmrl-bench-") as logdir:
+        cmd = [sys.executable, "-m", "shmrl.run", "--sims", str(sims), "--max-env-steps", "10000000",
+               "--stop-return", "1e9", "--logdir", logdir]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # its own group: SIGINT it like Ctrl-C
+        try:
+            lines = line_reader(proc)
+            first = wait_for_line(lines, proc, "update    1 |", t0)
+            wait_for_line(lines, proc, "update    3 |", t0)
+            processes = process_tree(proc.pid)
+            exit_code = interrupt_group(proc)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        rows = [json.loads(x) for x in (Path(logdir) / "metrics.jsonl").read_text().splitlines() if x]
+    left = own_shm_files(proc.pid)
+    if left:  # shmrl.run must unlink its segments; report it, and do not leave them
+        print(f"warning: shmrl.run left {left} in /dev/shm; removing them", file=sys.stderr)
+        for name in left:
+            os.unlink(f"/dev/shm/{name}")
+    return {"processes": processes, "exit_code": exit_code, "shm_files_left": left,
+            "rss_total_mib": sum(p["rss_mib"] for p in processes),
+            "pss_total_mib": sum(p["pss_mib"] or 0 for p in processes),
+            "first_progress_s": first,
+            "first_update_elapsed_s": rows[0]["elapsed_s"] if rows else None,
+            "first_update_train_s": rows[0]["train_s"] if rows else None}
+
+
+def line_reader(proc: subprocess.Popen) -> queue.Queue:
+    """Lines of ``proc``'s output as (seconds, line) on a queue, read by a thread so that
+    every wait on them can time out."""
+    lines: queue.Queue = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put((time.monotonic(), line))
+        lines.put((time.monotonic(), None))
+
+    threading.Thread(target=read, name="bench-reader", daemon=True).start()
+    return lines
+
+
+def wait_for_line(lines: queue.Queue, proc, text: str, t0: float, timeout: float = 2 * WAIT_S) -> float:
+    """Seconds from ``t0`` to the line holding ``text``."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while True:
+        try:
+            t, line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"{text!r} did not appear within {timeout:.0f} s") from None
+        if line is None:
+            raise RuntimeError(f"shmrl.run exited ({proc.wait(5)}) before {text!r}:\n{''.join(seen[-20:])}")
+        seen.append(line)
+        if text in line:
+            return t - t0
+
+
+def process_tree(root: int) -> list[dict]:
+    """The root and every descendant, with a role, VmRSS and Pss in MiB."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # comm may hold ") "
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        todo.extend(sorted(children.get(pid, [])))
+        rss = status_kib(pid, "VmRSS")
+        if rss is None:
+            continue  # gone meanwhile
+        pss = smaps_kib(pid, "Pss")
+        out.append({"pid": pid, "role": role_of(pid, root), "rss_mib": rss / 1024,
+                    "pss_mib": None if pss is None else pss / 1024})
+    return out
+
+
+def role_of(pid: int, root: int) -> str:
+    if pid == root:
+        return "learner"
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+    if comm.startswith("shmrl-sim"):
+        return f"simulator {comm[len('shmrl-sim'):]}"
+    if "forkserver" in cmdline:
+        return "fork server"
+    if "resource_tracker" in cmdline:
+        return "resource tracker"
+    return comm
+
+
+def status_kib(pid: int, field: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def smaps_kib(pid: int, field: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def interrupt_group(proc: subprocess.Popen, timeout: float = 15.0) -> int:
+    """Ctrl-C to the run's process group; its exit status (130 expected)."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+        raise TimeoutError(f"shmrl.run did not stop within {timeout:.0f} s of SIGINT") from None
+
+
+def print_memory(r: dict) -> None:
+    p = r["params"]
+    print(f"memory: `python -m shmrl.run --sims {p['sims']}` at its third update")
+    print(f"  {'pid':>7} | {'process':<18} | {'RSS MiB':>8} | {'PSS MiB':>8}")
+    for x in r["processes"]:
+        pss = "n/a" if x["pss_mib"] is None else f"{x['pss_mib']:.1f}"
+        print(f"  {x['pid']:>7} | {x['role']:<18} | {x['rss_mib']:>8.1f} | {pss:>8}")
+    print(f"  total: RSS {r['rss_total_mib']:.1f} MiB (shared pages counted per process), "
+          f"PSS {r['pss_total_mib']:.1f} MiB")
+    fp, tr = r["first_progress_s"], r["first_update_train_s"]
+    print(f"  start-up: first progress line {fp:.2f} s after launch (includes the first batch and "
+          f"one PPO update of {tr:.2f} s); the run's own clock put update 1 at "
+          f"{r['runs'][0]['first_update_elapsed_s']:.2f} s from its process start")
+    for run in r["runs"]:
+        print(f"  run: exit {run['exit_code']} after SIGINT, /dev/shm files left: {run['shm_files_left'] or 'none'}")
+
+
+# ---------------------------------------------------------------- command line
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # Arguments after "--" belong to shmrl.run (solve); split them off before argparse,
+    # which would otherwise mix them with --seeds' values.
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p = argparse.ArgumentParser(prog="python tools/bench.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+
+    s = sub.add_parser("throughput", parents=[common], help="sampling throughput of the pipeline vs the limit")
+    s.add_argument("--sims", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="simulator counts")
+    s.add_argument("--seconds", type=float, default=5.0, help="measurement per sims count, split into --repeat windows")
+    s.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring")
+    s.add_argument("--repeat", type=int, default=3, help="windows; the figure is their median")
+    s.add_argument("--envs-per-sim", type=int, default=1)
+    s.add_argument("--env-steps-per-sample", type=int, default=256)
+
+    s = sub.add_parser("transport", parents=[common], help="per-env-step cost of shm-binary, shm-json, tcp-json")
+    s.add_argument("--steps", type=int, default=500, help="env steps per message")
+    s.add_argument("--messages", type=int, default=200, help="timed messages per variant and repetition")
+    s.add_argument("--repeat", type=int, default=3)
+    s.add_argument("--warmup", type=int, default=10, help="untimed messages before each timed series")
+
+    s = sub.add_parser("solve", parents=[common], help="time to solve CartPole over seeds (tools/solve.py)")
+    s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    s.add_argument("--sims", type=int, default=8)
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+
+    s = sub.add_parser("sync", parents=[common], help="weight publication latency to every simulator")
+    s.add_argument("--sims", type=int, default=8)
+    s.add_argument("--updates", type=int, default=50, help="timed publishes")
+    s.add_argument("--warmup", type=int, default=5, help="untimed publishes first")
+
+    s = sub.add_parser("memory", parents=[common], help="memory of a training run, and its start-up")
+    s.add_argument("--sims", type=int, default=8)
+    s.add_argument("--repeat", type=int, default=1)
+
+    # Hidden workers: processes this tool starts for itself.
+    s = sub.add_parser("_limit-worker")
+    s.add_argument("--model", required=True)
+    s.add_argument("--start-at", type=float, required=True)
+    for name in ("--warmup", "--seconds"):
+        s.add_argument(name, type=float, required=True)
+    for name in ("--windows", "--envs-per-sim", "--seed"):
+        s.add_argument(name, type=int, required=True)
+    s = sub.add_parser("_transport-client")
+    for name in ("--shm-binary", "--shm-json", "--tcp"):
+        s.add_argument(name, required=True)
+    for name in ("--steps", "--messages", "--repeat", "--warmup"):
+        s.add_argument(name, type=int, required=True)
+
+    args = p.parse_args(argv)
+    if extra and args.command != "solve":
+        p.error("arguments after -- are for shmrl.run, only with solve")
+    args.extra = extra
+    for name in ("repeat", "seconds", "steps", "messages", "updates", "envs_per_sim", "env_steps_per_sample"):
+        if getattr(args, name, 1) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    sims = getattr(args, "sims", 1)
+    if min(sims if isinstance(sims, list) else [sims]) <= 0:
+        p.error("--sims must be > 0")
+    return args
+
+
+COMMANDS = {"throughput": (throughput, print_throughput), "transport": (transport, print_transport),
+            "solve": (solve_bench, print_solve), "sync": (sync, print_sync), "memory": (memory, print_memory)}
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through every finally: processes and segments go
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "_limit-worker":
+        return limit_worker(args)
+    if args.command == "_transport-client":
+        return transport_client(args)
+    signal.signal(signal.SIGTERM, _terminate)
+    measure, show = COMMANDS[args.command]
+    try:
+        result = measure(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"error: {args.command}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop_fork_server()
+        left = own_shm_files(os.getpid())
+        if left:  # ShmServer.close() unlinks them; never leave any behind even if it did not
+            print(f"warning: removing leftover {left} from /dev/shm", file=sys.stderr)
+            for name in left:
+                os.unlink(f"/dev/shm/{name}")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        show(result)
+        print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
+                            subsequent_indent="    "))
+        print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
+              f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
