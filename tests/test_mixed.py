@@ -61,3 +61,11 @@ def test_external_client_example_imports_nothing_from_shmrl():
     modules |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "shmrl" not in modules
     assert modules - set(sys.stdlib_module_names) == {"numpy", "onnxruntime"}
+
+
+def test_custom_transport_example_trains_next_to_tcp():
+    example = Path(__file__).parent.parent / "examples" / "custom_transport.py"
+    proc = subprocess.run([sys.executable, str(example), "--updates", "3"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "update 3: return" in proc.stdout and "RLlink clients may attach to 127.0.0.1:" in proc.stdout

@@ -704,22 +704,21 @@ def memory_run(sims: int) -> dict:
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # its own group: SIGINT it like Ctrl-C
+        left = []
         try:
             lines = line_reader(proc)
             first = wait_for_line(lines, proc, "update    1 |", t0)
             wait_for_line(lines, proc, "update    3 |", t0)
             processes = process_tree(proc.pid)
-            exit_code = interrupt_group(proc)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+            # Also on failure or when the bench is interrupted: the run stops as after Ctrl-C.
+            exit_code = interrupt_group(proc)
+            left = own_shm_files(proc.pid)
+            if left:  # shmrl.run must unlink its segments: report it, and leave none behind
+                print(f"warning: shmrl.run left {left} in /dev/shm; removing them", file=sys.stderr)
+                for name in left:
+                    os.unlink(f"/dev/shm/{name}")
         rows = [json.loads(x) for x in (Path(logdir) / "metrics.jsonl").read_text().splitlines() if x]
-    left = own_shm_files(proc.pid)
-    if left:  # shmrl.run must unlink its segments; report it, and do not leave them
-        print(f"warning: shmrl.run left {left} in /dev/shm; removing them", file=sys.stderr)
-        for name in left:
-            os.unlink(f"/dev/shm/{name}")
     return {"processes": processes, "exit_code": exit_code, "shm_files_left": left,
             "rss_total_mib": sum(p["rss_mib"] for p in processes),
             "pss_total_mib": sum(p["pss_mib"] or 0 for p in processes),
@@ -819,15 +818,37 @@ def smaps_kib(pid: int, field: str) -> int | None:
     return None
 
 
-def interrupt_group(proc: subprocess.Popen, timeout: float = 15.0) -> int:
-    """Ctrl-C to the run's process group; its exit status (130 expected)."""
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
+def interrupt_group(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:
+    """Ctrl-C to the run's process group, SIGKILL if it is not gone within ``timeout``;
+    the run's exit status (130 expected after SIGINT)."""
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)  # the group outlives its leader while members remain
+        except ProcessLookupError:
+            pass
+        try:
+            code = proc.wait(timeout)
+            break
+        except subprocess.TimeoutExpired:
+            print(f"warning: shmrl.run still running {timeout:g} s after {sig.name}", file=sys.stderr)
+    else:
+        return None
+    if sig is signal.SIGKILL:
+        return code
+    deadline = time.monotonic() + timeout  # the simulators and the fork server end after it
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if group_alive(proc.pid):
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-        raise TimeoutError(f"shmrl.run did not stop within {timeout:.0f} s of SIGINT") from None
+    return code
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def print_memory(r: dict) -> None:
@@ -952,7 +973,7 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         show(result)
-        print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
+        print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ", break_on_hyphens=False,
                             subsequent_indent="    "))
         print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
               f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")

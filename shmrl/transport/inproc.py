@@ -37,8 +37,11 @@ class InProcServer:
         return self._wake_r
 
     def _submit(self, conn_id: str, body: bytes) -> None:
-        self._requests.put((conn_id, body))
-        os.write(self._wake_w, b"\0")
+        with self._lock:
+            if conn_id in self._closed:
+                raise ConnectionError(f"{conn_id}: connection closed by the server")
+            self._requests.put((conn_id, body))
+            os.write(self._wake_w, b"\0")
 
     def poll(self, timeout: float = 0.0) -> list:
         if self._requests.empty() and timeout > 0:
@@ -67,10 +70,16 @@ class InProcServer:
 
     def drop(self, conn_id: str, reason: str) -> None:
         log.warning("%s: closing connection: %s", conn_id, reason)
-        self._closed.add(conn_id)
+        with self._lock:
+            self._closed.add(conn_id)
         self._replies[conn_id].put(None)
 
     def close(self) -> None:
+        with self._lock:
+            for conn_id, replies in self._replies.items():
+                if conn_id not in self._closed:
+                    self._closed.add(conn_id)
+                    replies.put(None)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
