@@ -109,3 +109,21 @@ def _cmdline_or_comm(pid):
             return f.read()
     except OSError:
         return b""
+
+
+def test_learner_killed_simulators_exit_and_next_run_sweeps_its_segments(start_run):
+    run = start_run("--sims", 3, "--stop-return", 500, "--max-env-steps", 10_000_000)
+    run.wait_for("update    2 |", timeout=60)
+    family = descendants(run.proc.pid)
+    dead_pid = run.proc.pid
+    assert shm_entries(dead_pid)
+    os.kill(dead_pid, signal.SIGKILL)      # only the learner: its children must notice
+    run.proc.wait(timeout=5)
+    deadline = time.monotonic() + 2.0
+    while [p for p in family if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in family if alive(p)] == []
+    assert shm_entries(dead_pid)           # nobody could unlink them...
+    nxt = start_run("--sims", 1, "--stop-return", 500, "--max-env-steps", 1000)
+    nxt.proc.wait(timeout=60)
+    assert shm_entries(dead_pid) == []     # ...until the next run swept them
