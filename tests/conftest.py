@@ -39,6 +39,37 @@ def shm_entries(pid: int) -> list[str]:
     return [e for e in os.listdir("/dev/shm") if e.startswith(f"shmrl_{pid}_")]
 
 
+def shmrl_files() -> set:
+    return {e for e in os.listdir("/dev/shm") if e.startswith("shmrl_")}
+
+
+def _pid_of(entry: str) -> int:
+    return int(entry.split("_")[1])
+
+
+@pytest.fixture
+def no_shm_leftovers():
+    """The test leaves /dev/shm as it found it. Files of other live processes (a run
+    going on beside the tests) are not ours: never judged, never touched."""
+    before = shmrl_files()
+    yield
+    left = {e for e in shmrl_files() - before if _pid_of(e) == os.getpid() or not alive(_pid_of(e))}
+    for e in left:  # clean up, so that one failure does not cascade
+        os.unlink(os.path.join("/dev/shm", e))
+    assert not left, f"left behind in /dev/shm: {sorted(left)}"
+
+
+@pytest.fixture
+def children():
+    """Processes a test starts; killed and joined in teardown."""
+    procs = []
+    yield procs
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+
+
 class Run:
     """``python -m shmrl.run`` in its own process group, always killed in teardown."""
 

@@ -4,7 +4,6 @@ import threading
 import numpy as np
 import pytest
 
-from shmrl import rllink
 from shmrl.envs import env_spec
 from shmrl.episode import Episode
 from shmrl.learner import EpisodeStore, Learner

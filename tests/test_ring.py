@@ -13,43 +13,16 @@ import multiprocess
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shmrl.transport.ring import (SHM_DIR, ClientSlot, Doorbell, PeerGone, Ring, RingCorrupt,
-                                  Segment, ShmSpaceError, _pid_alive, check_shm_space,
+from conftest import shmrl_files
+from shmrl.transport.ring import (ClientSlot, Doorbell, PeerGone, Ring, RingCorrupt,
+                                  Segment, ShmSpaceError, check_shm_space,
                                   fifo_path, segment_name, shm_free_bytes, sweep_stale)
 
 fork = multiprocess.get_context("fork")  # fast children; the owner's FIFO ends are closed in them
 _names = iter(range(10 ** 9))
 
 
-def shm_entries() -> set:
-    return {e for e in os.listdir(SHM_DIR) if e.startswith("shmrl_")}
-
-
-def pid_of(entry: str) -> int:
-    return int(entry.split("_")[1])
-
-
-@pytest.fixture(autouse=True)
-def no_leftovers():
-    """Every test leaves /dev/shm as it found it. Files of other live processes (a run
-    going on beside the tests) are not ours: never judged, never touched."""
-    before = shm_entries()
-    yield
-    ours = lambda e: pid_of(e) == os.getpid() or not _pid_alive(pid_of(e))  # noqa: E731
-    left = {e for e in shm_entries() - before if ours(e)}
-    for e in left:  # clean up, so that one failure does not cascade
-        os.unlink(os.path.join(SHM_DIR, e))
-    assert not left, f"left behind in {SHM_DIR}: {sorted(left)}"
-
-
-@pytest.fixture
-def children():
-    procs = []
-    yield procs
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(5)
+pytestmark = pytest.mark.usefixtures("no_shm_leftovers")
 
 
 def new_name() -> str:
@@ -292,13 +265,13 @@ def test_slot_and_doorbell_files_are_unlinked_on_close():
     bell = Doorbell.create(fifo_path(name))
     client_slot = ClientSlot.attach(name)
     client_bell = Doorbell.open(fifo_path(name), "r")
-    assert {name, name + ".fifo"} <= shm_entries()
+    assert {name, name + ".fifo"} <= shmrl_files()
     client_slot.client_pid = 1234
     assert slot.client_pid == 1234  # both see the same memory
     slot.close()  # the owner goes while a client is attached
     bell.close()
     bell.close()  # idempotent
-    assert not {name, name + ".fifo"} & shm_entries()
+    assert not {name, name + ".fifo"} & shmrl_files()
     client_slot.requests.try_write([b"still mapped"])  # the client's mapping lives on
     assert client_slot.requests.read() == b"still mapped"
     client_slot.close()
@@ -326,8 +299,8 @@ def test_sweep_stale_removes_only_files_of_dead_pids():
         dead_files = {made[0], made[0] + ".fifo"}
         assert dead_files <= set(removed)
         assert all(int(r.split("_")[1]) != live.pid for r in removed)
-        assert {made[1], made[1] + ".fifo"} <= shm_entries()
-        assert not dead_files & shm_entries()
+        assert {made[1], made[1] + ".fifo"} <= shmrl_files()
+        assert not dead_files & shmrl_files()
     finally:
         live.kill()
         live.wait()

@@ -13,8 +13,9 @@ import pytest
 
 from shmrl import rllink
 from shmrl.episode import Episode
-from shmrl.transport.ring import (SHM_DIR, ClientSlot, Doorbell, PeerGone, Ring, ShmSpaceError,
-                                  _pid_alive, fifo_path, sweep_stale)
+from conftest import shmrl_files
+from shmrl.transport.ring import (ClientSlot, Doorbell, PeerGone, Ring, ShmSpaceError, fifo_path,
+                                  sweep_stale)
 from shmrl.transport.shm import ConnectionClosed, ShmClient, ShmServer
 
 fork = multiprocess.get_context("fork")  # the server's FIFO ends are closed in the children
@@ -22,35 +23,7 @@ STATE = {"type": "SET_STATE", "onnx_file": base64.b64encode(gzip.compress(b"mode
          "weights_seq_no": 7}
 
 
-def shm_entries() -> set:
-    return {e for e in os.listdir(SHM_DIR) if e.startswith("shmrl_")}
-
-
-def pid_of(entry: str) -> int:
-    return int(entry.split("_")[1])
-
-
-@pytest.fixture(autouse=True)
-def no_leftovers():
-    """Every test leaves /dev/shm as it found it. Files of other live processes (a run
-    going on beside the tests) are not ours: never judged, never touched."""
-    before = shm_entries()
-    yield
-    ours = lambda e: pid_of(e) == os.getpid() or not _pid_alive(pid_of(e))  # noqa: E731
-    left = {e for e in shm_entries() - before if ours(e)}
-    for e in left:  # clean up, so that one failure does not cascade
-        os.unlink(os.path.join(SHM_DIR, e))
-    assert not left, f"left behind in {SHM_DIR}: {sorted(left)}"
-
-
-@pytest.fixture
-def children():
-    procs = []
-    yield procs
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(5)
+pytestmark = pytest.mark.usefixtures("no_shm_leftovers")
 
 
 @pytest.fixture
@@ -252,7 +225,7 @@ def test_client_sees_the_learner_killed(children):
 # ---------------------------------------------------------------- cleanup
 
 def test_close_leaves_nothing_in_dev_shm():
-    mine = lambda: {e for e in shm_entries() if pid_of(e) == os.getpid()}  # noqa: E731
+    mine = lambda: {e for e in shmrl_files() if int(e.split("_")[1]) == os.getpid()}  # noqa: E731
     before = mine()
     with ShmServer(3, request_ring_bytes=1 << 16, reply_ring_bytes=1 << 14) as server, \
             ShmServer(1, request_ring_bytes=1 << 16, reply_ring_bytes=1 << 14) as other:
