@@ -6,6 +6,7 @@ environment (shapes, action range) because a client's input is never trusted.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import queue
@@ -120,8 +121,11 @@ class Hub:
     """
 
     def __init__(self, spec: EnvSpec, store: EpisodeStore, env_steps_per_sample: int,
-                 force_on_policy: bool = True, max_pending_steps: int | None = None):
+                 force_on_policy: bool = True, max_pending_steps: int | None = None,
+                 auth_token: str | None = None):
         self.spec, self.store = spec, store
+        self.auth_token = auth_token
+        self.authenticated: set[str] = set()     # with an auth token: connections that showed it
         self.max_pending_steps = max_pending_steps
         self.config_msg = {"type": T.SET_CONFIG.value, "env_steps_per_sample": env_steps_per_sample,
                            "force_on_policy": force_on_policy}
@@ -148,6 +152,16 @@ class Hub:
             self._forget(conn_id)
             return
         kind = msg["type"]
+        if self.auth_token is not None and conn_id not in self.authenticated:
+            # Only a PING with the token opens a connection; anything else gets nothing
+            # but a closed connection (the reason is logged, never sent).
+            token = msg.get("auth_token", "") if kind == T.PING.value else ""
+            if not hmac.compare_digest(token.encode(), self.auth_token.encode()):
+                self.servers[conn_id].drop(conn_id, "authentication failed: PING without the right auth_token"
+                                           if kind == T.PING.value else f"{kind} before an authenticated PING")
+                self._forget(conn_id)
+                return
+            self.authenticated.add(conn_id)
         if kind == T.PING.value:
             self._reply(conn_id, {"type": T.PONG.value})
         elif kind == T.GET_CONFIG.value:
@@ -184,6 +198,7 @@ class Hub:
 
     def _forget(self, conn_id: str) -> None:
         self.sampling.discard(conn_id)
+        self.authenticated.discard(conn_id)
         if conn_id in self.waiting:
             self.waiting.remove(conn_id)
         self.store.forget(conn_id)
@@ -204,13 +219,14 @@ class Learner:
 
     def __init__(self, spec: EnvSpec, ppo, servers: list, *, env_steps_per_sample: int,
                  train_batch_size: int, force_on_policy: bool = True, max_policy_lag: int = 2,
-                 window: int = 100):
+                 auth_token: str | None = None, window: int = 100):
         self.spec, self.ppo, self.servers = spec, ppo, servers
         self.train_batch_size = train_batch_size
         self.max_policy_lag = max_policy_lag
         self.store = EpisodeStore(window)
         self.hub = Hub(spec, self.store, env_steps_per_sample, force_on_policy,
-                       max_pending_steps=None if force_on_policy else train_batch_size)
+                       max_pending_steps=None if force_on_policy else train_batch_size,
+                       auth_token=auth_token)
         self.publisher = OnnxPublisher(ppo.actor_sizes, ppo.config.activation)
         self.weights_seq_no = 0
         self.updates = 0

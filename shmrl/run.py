@@ -49,6 +49,7 @@ class RunConfig:
     tcp_port: int | None = None
     max_frame_bytes: int = 64 << 20
     async_sampling: bool = False
+    auth_token: str | None = None
     max_policy_lag: int = 2
 
 
@@ -85,7 +86,7 @@ def start_simulators(addresses: list[str], config: RunConfig) -> list:
     for i, address in enumerate(addresses):
         p = ctx.Process(target=sim_process_main, name=f"shmrl-sim{i}", daemon=True,
                         args=(address, config.env, config.seed * 1000 + i, config.envs_per_sim,
-                              f"shmrl-sim{i}"))
+                              f"shmrl-sim{i}", config.auth_token))
         p.start()
         procs.append(p)
     return procs
@@ -185,7 +186,8 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                   seed=config.seed)
         learner = Learner(spec, ppo, servers, env_steps_per_sample=config.env_steps_per_sample,
                           train_batch_size=max(config.sims, 1) * config.env_steps_per_sample,
-                          force_on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag)
+                          force_on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
+                          auth_token=config.auth_token)
         launcher.join()
         if launch_error:
             raise RunFailed(f"could not start the simulators: {launch_error[0]!r}")
@@ -228,7 +230,8 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                    "env_steps_per_s": store.steps_received / max(time.time() - t_learn, 1e-9),
                    "env_steps_by_client": dict(store.steps_by_conn),
                    "updates": learner.updates, "weights_seq_no": learner.weights_seq_no,
-                   "config": dataclasses.asdict(config)}
+                   "config": {**dataclasses.asdict(config),
+                              "auth_token": "(set)" if config.auth_token else None}}  # never the secret
         verdict = "solved" if status == EXIT_SOLVED else "step budget exhausted"
         print(f"{verdict}: return {summary['return_mean']:.1f} over the last {len(store.returns)} "
               f"episodes after {summary['env_steps']} env steps in {wall:.2f} s", flush=True)
@@ -274,6 +277,9 @@ def parse_args(argv=None) -> RunConfig:
     t.add_argument("--tcp-host", default=d.tcp_host, metavar="HOST",
                    help="address to listen on (default: %(default)s, loopback only; 0.0.0.0 exposes "
                         "the learner to the network)")
+    t.add_argument("--auth-token", default=os.environ.get("SHMRL_AUTH_TOKEN"), metavar="SECRET",
+                   help="require this shared secret in every client's PING (field auth_token); a client "
+                        "without it gets only a closed connection (default: $SHMRL_AUTH_TOKEN, else none)")
     t.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes, metavar="N",
                    help="largest TCP frame body accepted; a bigger header closes that connection "
                         "before its body is read (default: %(default)s)")

@@ -14,6 +14,7 @@ import argparse
 from collections import deque
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -69,9 +70,12 @@ class CategoricalSampler:
         return actions.tolist(), logp.tolist()
 
 
-def handshake(client) -> tuple[dict, dict]:
-    """PING, GET_CONFIG, GET_STATE: returns (SET_CONFIG, SET_STATE)."""
-    pong = client.request({"type": T.PING.value})
+def handshake(client, auth_token: str | None = None) -> tuple[dict, dict]:
+    """PING (with the shared secret, if any), GET_CONFIG, GET_STATE: returns (SET_CONFIG, SET_STATE)."""
+    ping = {"type": T.PING.value}
+    if auth_token is not None:
+        ping["auth_token"] = auth_token
+    pong = client.request(ping)
     if pong["type"] != T.PONG.value:
         raise ConnectionError(f"expected PONG, got {pong['type']}")
     config = client.request({"type": T.GET_CONFIG.value})
@@ -84,13 +88,14 @@ def handshake(client) -> tuple[dict, dict]:
 
 
 def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_sim: int = 1,
-                  max_messages: int | None = None, log_every_s: float | None = None) -> int:
+                  max_messages: int | None = None, log_every_s: float | None = None,
+                  auth_token: str | None = None) -> int:
     """Sample with the learner's latest policy until the connection ends.
 
     Returns the number of env steps sent. ``max_messages`` bounds the loop (tests);
     ``log_every_s`` logs progress (steps sent, recent returns) that often.
     """
-    config, state = handshake(client)
+    config, state = handshake(client, auth_token)
     steps_per_message = int(config["env_steps_per_sample"])
     seq = state["weights_seq_no"]
     policy = OnnxPolicy(decode_onnx_file(state["onnx_file"]))
@@ -158,7 +163,7 @@ def set_process_name(name: str) -> None:
 
 
 def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1,
-                     name: str = "shmrl-sim") -> None:
+                     name: str = "shmrl-sim", auth_token: str | None = None) -> None:
     """Entry point of a simulator process started by ``shmrl.run``.
 
     Ctrl-C reaches the whole process group; the learner decides how to stop, so the
@@ -172,7 +177,7 @@ def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     client = connect(address)
     try:
-        run_simulator(client, env_id, seed, envs_per_sim)
+        run_simulator(client, env_id, seed, envs_per_sim, auth_token=auth_token)
     except ConnectionError:
         pass  # the learner has finished or died: nothing left to do
     finally:
@@ -189,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--envs-per-sim", type=int, default=1,
                    help="environments stepped together with one batched ONNX call (default: %(default)s)")
+    p.add_argument("--auth-token", default=os.environ.get("SHMRL_AUTH_TOKEN"), metavar="SECRET",
+                   help="shared secret the server requires in PING (default: $SHMRL_AUTH_TOKEN)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for any one reply; RLlib's server answers only after its "
                         "training step (default: %(default)s)")
@@ -203,7 +210,8 @@ def main(argv=None) -> int:
         print(f"error: cannot connect to {address}: {e}", file=sys.stderr)
         return 1
     try:
-        run_simulator(client, args.env, args.seed, args.envs_per_sim, log_every_s=10.0)
+        run_simulator(client, args.env, args.seed, args.envs_per_sim, log_every_s=10.0,
+                      auth_token=args.auth_token)
     except KeyboardInterrupt:
         return 130
     except (ConnectionError, TimeoutError, rllink.ProtocolError) as e:

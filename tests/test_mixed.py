@@ -69,3 +69,41 @@ def test_custom_transport_example_trains_next_to_tcp():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "update 3: return" in proc.stdout and "RLlink clients may attach to 127.0.0.1:" in proc.stdout
+
+
+def _exchange(port: int, frame: bytes) -> bytes:
+    """Send one frame, return everything the server sends back until it closes or 2 s pass."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(frame)
+        sock.settimeout(2.0)
+        data = b""
+        try:
+            while chunk := sock.recv(4096):
+                data += chunk
+                if data.endswith(b"}"):
+                    break
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return data
+
+
+def test_auth_token_gates_every_client(start_run, tmp_path):
+    logdir = tmp_path / "logs"
+    run = start_run("--sims", 1, "--tcp-port", 0, "--auth-token", "s3cret", "--stop-return", 500,
+                    "--max-env-steps", 3000, "--logdir", logdir)
+    run.wait_for("listening for RLlink clients on", timeout=30)
+    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    assert _exchange(port, b'00000016{"type": "PING"}') == b""                      # no token: closed
+    wrong = b'{"type": "PING", "auth_token": "guess"}'
+    assert _exchange(port, b"%08d" % len(wrong) + wrong) == b""
+    early = b'{"type": "GET_STATE"}'
+    assert _exchange(port, b"%08d" % len(early) + early) == b""                     # not even state
+    right = b'{"type": "PING", "auth_token": "s3cret"}'
+    assert _exchange(port, b"%08d" % len(right) + right) == b'00000016{"type": "PONG"}'
+    run.proc.wait(timeout=60)              # the local simulator presents the token and trains
+    assert run.proc.returncode == 1, run.output()
+    assert "authentication failed" in run.output()
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["env_steps_by_client"].get("shm:0", 0) >= 3000
+    assert "s3cret" not in (logdir / "summary.json").read_text()
