@@ -324,7 +324,8 @@ def in_process_limit(weights, args) -> dict:
     late = [o for o in outs if o["late"]]
     if late:
         print(f"warning: {len(late)} limit worker(s) were not ready at the common start", file=sys.stderr)
-    sums = [sum(o["windows"][k]["steps"] / o["windows"][k]["wall_s"] for o in outs) for k in range(args.repeat)]
+    sums = [sum(o["windows"][k]["steps"] / o["windows"][k]["wall_s"] for o in outs)
+            for k in range(args.repeat)]
     # Steps per CPU second discount the time lost to other processes on a shared machine.
     per_cpu = [sum(o["windows"][k]["steps"] for o in outs) / sum(o["windows"][k]["cpu_s"] for o in outs)
                for k in range(args.repeat)]
@@ -579,8 +580,8 @@ def solve_bench(args) -> dict:
 
 def print_solve(r: dict) -> None:
     p = r["params"]
-    print(f"solve: wall time of `python -m shmrl.run --sims {p['sims']} {' '.join(p['extra'])}` "
-          f"from launch to exit, per seed")
+    command = " ".join(["python -m shmrl.run --sims", str(p["sims"]), *p["extra"]])
+    print(f"solve: wall time of `{command}` from launch to exit, per seed")
     print(f"  {'seed':>4} | {'result':<10} | {'wall s':>7} | {'env steps':>9} | return")
     for x in r["runs"]:
         ret = "n/a" if x["return_mean"] is None else f"{x['return_mean']:.1f}"
@@ -865,7 +866,8 @@ def print_memory(r: dict) -> None:
           f"one PPO update of {tr:.2f} s); the run's own clock put update 1 at "
           f"{r['runs'][0]['first_update_elapsed_s']:.2f} s from its process start")
     for run in r["runs"]:
-        print(f"  run: exit {run['exit_code']} after SIGINT, /dev/shm files left: {run['shm_files_left'] or 'none'}")
+        left = run["shm_files_left"] or "none"
+        print(f"  run: exit {run['exit_code']} after SIGINT, /dev/shm files left: {left}")
 
 
 # ---------------------------------------------------------------- command line
@@ -885,7 +887,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     s = sub.add_parser("throughput", parents=[common], help="sampling throughput of the pipeline vs the limit")
     s.add_argument("--sims", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="simulator counts")
-    s.add_argument("--seconds", type=float, default=5.0, help="measurement per sims count, split into --repeat windows")
+    s.add_argument("--seconds", type=float, default=5.0,
+                   help="measurement per sims count, split into --repeat windows")
     s.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring")
     s.add_argument("--repeat", type=int, default=3, help="windows; the figure is their median")
     s.add_argument("--envs-per-sim", type=int, default=1)
@@ -973,8 +976,8 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         show(result)
-        print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ", break_on_hyphens=False,
-                            subsequent_indent="    "))
+        print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
+                            subsequent_indent="    ", break_on_hyphens=False))
         print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
               f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")
     return 0

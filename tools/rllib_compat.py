@@ -426,8 +426,9 @@ def rllib_server_main(a) -> int:
         "metrics_num_episodes_for_smoothing": config.metrics_num_episodes_for_smoothing,
         "torch_onnx_export": "dynamo=False (legacy exporter, patched)", "seed": a.seed,
     }
+    _emit("config", {"config": described})
     algo = config.build()
-    _emit("ready", {"config": described, "startup_s": time.time() - t_proc})
+    _emit("ready", {"startup_s": time.time() - t_proc})
     solved, result, it, stalled, last_steps = False, {}, 0, 0, 0
     t_train0 = time.time()
     while it < a.max_iters:
@@ -561,6 +562,7 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
     iters: list[dict] = []
     ready = threading.Event()
     errors: dict[str, list[str]] = {"traceback": [], "connection_errors": []}
+    listener_died = threading.Event()
 
     def note_error(text: str):
         """Keep RLlib's first traceback and its 'Messaging/connection error' lines (what
@@ -570,6 +572,9 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
             errors["connection_errors"].append(clean)
         tb = errors["traceback"]
         bare = re.sub(r"^\(\S+ pid=\d+\) ", "", clean)  # without Ray's "(Actor pid=N) " prefix
+        if "Exception in thread" in bare and "_client_message_listener" in bare and not listener_died.is_set():
+            tb.clear()  # the traceback that follows is the one that matters
+            listener_died.set()
         if not tb:
             if bare.startswith("Traceback (most recent call last)"):
                 tb.append(clean)
@@ -633,10 +638,17 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
         if client.poll() is not None:
             failure = f"the client ({client_kind}) exited with code {client.returncode} while RLlib was training"
             break
+        if listener_died.is_set() and errors["traceback"] and errors["traceback"][-1] == "":
+            # RLlib's listener thread is dead for good: that port never answers again.
+            failure = f"RLlib's TCP listener thread died: {errors['traceback'][-2]}"
+            break
         time.sleep(0.2)
     wall = time.time() - t0
     if "result" in events:
-        driver.wait(max(1.0, min(30.0, deadline - time.time())))  # let it shut Ray down
+        try:
+            driver.wait(max(1.0, min(30.0, deadline - time.time())))  # let it shut Ray down
+        except subprocess.TimeoutExpired:
+            pass  # stop_all() ends it
     if proxy:
         proxy.close()
     res = events.get("result", {})
@@ -653,7 +665,7 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
            "env_steps": res.get("env_steps", last.get("env_steps")),
            "return_mean": res.get("return_mean", last.get("return_mean")),
            "iterations": res.get("iterations", last.get("iter")),
-           "rllib_config": events.get("ready", {}).get("config")}
+           "rllib_config": events.get("config", {}).get("config")}
     if not res.get("solved") and failure is None:
         failure = ("RLlib received no env steps for several iterations (its listener thread died?)"
                    if "stalled" in events else "RLlib stopped before the stop return (iteration or env-step budget)")
