@@ -31,7 +31,8 @@ def main() -> None:
     spec = env_spec("CartPole-v1")
     inproc, tcp = InProcServer(), TcpServer("127.0.0.1", args.tcp_port)
     print(f"RLlink clients may attach to {tcp.address[0]}:{tcp.address[1]}")
-    learner = Learner(spec, PPO(4, 2, PPOConfig()), [inproc, tcp],
+    ppo = PPO(4, 2, PPOConfig())
+    learner = Learner(spec, [inproc, tcp], actor_sizes=ppo.actor_sizes, initial_weights=ppo.actor_weights(),
                       env_steps_per_sample=256, train_batch_size=512)
     clients = [inproc.connect() for _ in range(2)]
 
@@ -49,7 +50,7 @@ def main() -> None:
         while learner.updates < args.updates:
             batch = learner.next_batch(timeout=1.0)
             if batch:
-                learner.train(*batch)
+                learner.train(ppo, *batch)
                 print(f"update {learner.updates}: return {learner.store.return_mean():.1f}, "
                       f"{learner.store.steps_received} env steps", flush=True)
     finally:

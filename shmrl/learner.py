@@ -217,17 +217,20 @@ class Learner:
     waiting, and chunks more than ``max_policy_lag`` versions old are dropped as stale.
     """
 
-    def __init__(self, spec: EnvSpec, ppo, servers: list, *, env_steps_per_sample: int,
-                 train_batch_size: int, force_on_policy: bool = True, max_policy_lag: int = 2,
-                 auth_token: str | None = None, window: int = 100):
-        self.spec, self.ppo, self.servers = spec, ppo, servers
+    def __init__(self, spec: EnvSpec, servers: list, *, actor_sizes: list[int], initial_weights: list,
+                 activation: str = "ReLU", env_steps_per_sample: int, train_batch_size: int,
+                 force_on_policy: bool = True, max_policy_lag: int = 2, auth_token: str | None = None,
+                 window: int = 100):
+        """Publishes ``initial_weights`` (an MLP of ``actor_sizes``) at once: clients can sample
+        before the trainer (torch) is even loaded."""
+        self.spec, self.servers = spec, servers
         self.train_batch_size = train_batch_size
         self.max_policy_lag = max_policy_lag
         self.store = EpisodeStore(window)
         self.hub = Hub(spec, self.store, env_steps_per_sample, force_on_policy,
                        max_pending_steps=None if force_on_policy else train_batch_size,
                        auth_token=auth_token)
-        self.publisher = OnnxPublisher(ppo.actor_sizes, ppo.config.activation)
+        self.publisher = OnnxPublisher(actor_sizes, activation)
         self.weights_seq_no = 0
         self.updates = 0
         self.model_bytes = b""
@@ -241,7 +244,7 @@ class Learner:
         self._selector = selectors.DefaultSelector()
         for fd in [self._wake_r, *(server.fileno() for server in servers)]:
             self._selector.register(fd, selectors.EVENT_READ)
-        self.publish()
+        self.publish(initial_weights)
         self.poll(0.0)
 
     # ------------------------------------------------------------ the serving thread
@@ -298,24 +301,24 @@ class Learner:
         except queue.Empty:
             return None
 
-    def publish(self) -> None:
-        """Export the current actor; the serving thread sends it to the clients."""
-        self.model_bytes = self.publisher.publish(self.ppo.actor_weights())
+    def publish(self, actor_weights: list) -> None:
+        """Export ``actor_weights`` as the next version; the serving thread sends it out."""
+        self.model_bytes = self.publisher.publish(actor_weights)
         self.weights_seq_no += 1
         self._published.put((self.weights_seq_no, encode_onnx_file(self.model_bytes)))
         os.write(self._wake_w, b"\0")
 
-    def train(self, chunks: list[Episode], version: int) -> dict | None:
+    def train(self, ppo, chunks: list[Episode], version: int) -> dict | None:
         """One PPO update on ``chunks``, then publish the new weights."""
         t0 = time.perf_counter()
         if not chunks:
-            self.publish()   # releases any client held back; nothing to learn from
+            self.publish(ppo.actor_weights())   # releases any client held back; nothing to learn from
             return None
         lags = [version - c.weights_seq_no for c in chunks if c.weights_seq_no is not None]
-        batch = self.ppo.make_batch(chunks)
-        stats = self.ppo.update(batch)
+        batch = ppo.make_batch(chunks)
+        stats = ppo.update(batch)
         self.updates += 1
-        self.publish()
+        self.publish(ppo.actor_weights())
         stats.update(update=self.updates, batch_steps=len(batch),
                      policy_lag=float(np.mean(lags)) if lags else 0.0,
                      train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no)

@@ -1,16 +1,24 @@
 """The policy as an ONNX model: built once by the learner, weights patched per version,
-run by simulators with onnxruntime. This module never imports torch.
+run by simulators with onnxruntime. This module never imports torch, nor the onnx
+package: the learner publishes its first model before torch is even imported.
 
 The graph is an MLP (Gemm + activation layers) whose single input is named
 ``onnx::Gemm_0`` (float32, shape [batch, obs_dim]) and whose output 0 is the action
 distribution inputs (the logits), which is exactly what RLlib's own client feeds and
 reads (RLLINK.md). Weights use torch's ``nn.Linear`` layout ([out, in]; Gemm transB=1),
 so the learner hands over its parameters without transposing.
+
+The model file is written here directly as protobuf: the graph never changes shape, so
+its bytes are fixed pieces with the weights' raw bytes in between, and publishing a new
+version is one ``bytes.join`` (a few µs). The bytes are those ``onnx.helper`` would
+write for the same graph (a test compares them), and importing onnx would cost the
+learner about 0.3 s of start-up.
 """
 from __future__ import annotations
 
 import base64
 import gzip
+import math
 
 import numpy as np
 
@@ -18,56 +26,118 @@ INPUT_NAME = "onnx::Gemm_0"
 OUTPUT_NAME = "action_dist_inputs"
 # torch.nn activation class name -> ONNX operator.
 ONNX_ACTIVATIONS = {"ReLU": "Relu", "Tanh": "Tanh", "Sigmoid": "Sigmoid", "ELU": "Elu"}
+IR_VERSION, OPSET = 8, 17   # old enough for every onnxruntime RLlib 2.48 ships with
+_FLOAT = 1                  # onnx TensorProto.FLOAT
+_INT_ATTRIBUTE = 2          # onnx AttributeProto.INT
 
 
-def build_mlp(sizes: list[int], activation: str = "ReLU"):
-    """An ONNX ModelProto for an MLP with layer sizes ``sizes`` (input first), zero weights."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    nodes, initializers = [], []
-    x = INPUT_NAME
-    n_layers = len(sizes) - 1
+def init_mlp_weights(sizes: list[int], out_gain: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """(w0, b0, w1, b1, ...) for an MLP: orthogonal weights with gain sqrt(2) in the hidden
+    layers and ``out_gain`` in the last, zero biases (as torch.nn.init.orthogonal_ does,
+    in numpy, so that the first policy exists before torch is loaded)."""
+    params = []
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        initializers.append(numpy_helper.from_array(np.zeros((n_out, n_in), np.float32), f"w{i}"))
-        initializers.append(numpy_helper.from_array(np.zeros(n_out, np.float32), f"b{i}"))
-        last = i == n_layers - 1
-        pre = OUTPUT_NAME if last else f"z{i}"
-        nodes.append(helper.make_node("Gemm", [x, f"w{i}", f"b{i}"], [pre], transB=1))
-        if not last:
+        gain = out_gain if i == len(sizes) - 2 else math.sqrt(2)
+        a = rng.standard_normal((max(n_out, n_in), min(n_out, n_in)))
+        q, r = np.linalg.qr(a)
+        q *= np.sign(np.diag(r))        # a uniformly distributed orthogonal matrix
+        w = q if n_out >= n_in else q.T
+        params += [(gain * w).astype(np.float32), np.zeros(n_out, np.float32)]
+    return params
+
+
+# ---------------------------------------------------------------- protobuf, by hand
+
+class _Slot:
+    """Where the raw bytes of parameter ``index`` go in the serialized model."""
+
+    def __init__(self, index: int, nbytes: int):
+        self.index, self.nbytes = index, nbytes
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _int(field: int, value: int) -> list:
+    return [_varint(field << 3) + _varint(value)]
+
+
+def _str(field: int, value: str | bytes) -> list:
+    raw = value.encode() if isinstance(value, str) else value
+    return [_varint(field << 3 | 2) + _varint(len(raw)) + raw]
+
+
+def _msg(field: int, *pieces: list) -> list:
+    """A length-delimited sub-message made of ``pieces`` (lists of bytes and _Slots)."""
+    flat = [p for piece in pieces for p in piece]
+    n = sum(p.nbytes if isinstance(p, _Slot) else len(p) for p in flat)
+    return [_varint(field << 3 | 2) + _varint(n), *flat]
+
+
+def _value_info(field: int, name: str, dims: list) -> list:
+    shape = [_msg(1, _str(2, d) if isinstance(d, str) else _int(1, d)) for d in dims]
+    tensor_type = _msg(1, _int(1, _FLOAT), _msg(2, *shape))
+    return _msg(field, _str(1, name), _msg(2, tensor_type))
+
+
+def _mlp_pieces(sizes: list[int], activation: str) -> list:
+    """ModelProto of the MLP, fields in number order as protobuf writes them."""
+    if activation not in ONNX_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {sorted(ONNX_ACTIVATIONS)}")
+    nodes, initializers = [], []
+    x, last = INPUT_NAME, len(sizes) - 2
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        for k, (name, dims) in enumerate(((f"w{i}", [n_out, n_in]), (f"b{i}", [n_out]))):
+            initializers.append(_msg(5, *(_int(1, d) for d in dims), _int(2, _FLOAT), _str(8, name),
+                                     [_varint(9 << 3 | 2) + _varint(4 * math.prod(dims)),
+                                      _Slot(2 * i + k, 4 * math.prod(dims))]))
+        pre = OUTPUT_NAME if i == last else f"z{i}"
+        transB = _msg(5, _str(1, "transB"), _int(3, 1), _int(20, _INT_ATTRIBUTE))
+        nodes.append(_msg(1, _str(1, x), _str(1, f"w{i}"), _str(1, f"b{i}"), _str(2, pre),
+                          _str(4, "Gemm"), transB))
+        if i != last:
             x = f"h{i}"
-            nodes.append(helper.make_node(ONNX_ACTIVATIONS[activation], [pre], [x]))
-    graph = helper.make_graph(
-        nodes, "shmrl_policy",
-        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, ["batch", sizes[0]])],
-        [helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["batch", sizes[-1]])],
-        initializers)
-    # Opset 17 / IR 8: old enough for every onnxruntime RLlib 2.48 ships with.
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
-                              producer_name="shmrl")
-    model.ir_version = 8
-    return model
+            nodes.append(_msg(1, _str(1, pre), _str(2, x), _str(4, ONNX_ACTIVATIONS[activation])))
+    graph = _msg(7, *nodes, _str(2, "shmrl_policy"), *initializers,
+                 _value_info(11, INPUT_NAME, ["batch", sizes[0]]),
+                 _value_info(12, OUTPUT_NAME, ["batch", sizes[-1]]))
+    opset = _msg(8, _str(1, ""), _int(2, OPSET))
+    return [*_int(1, IR_VERSION), *_str(2, "shmrl"), *graph, *opset]
 
 
 class OnnxPublisher:
-    """Holds the exported graph; ``publish`` rewrites only the initializers' bytes."""
+    """The serialized graph as fixed pieces; ``publish`` puts the weights' bytes between them."""
 
     def __init__(self, sizes: list[int], activation: str = "ReLU"):
-        import onnx
-
-        self.model = build_mlp(sizes, activation)
-        onnx.checker.check_model(self.model)
-        self._initializers = list(self.model.graph.initializer)
+        self.sizes, self.activation = list(sizes), activation
+        pieces = []  # merge the fixed bytes between slots
+        for p in _mlp_pieces(self.sizes, activation):
+            if isinstance(p, bytes) and pieces and isinstance(pieces[-1], bytes):
+                pieces[-1] += p
+            else:
+                pieces.append(p)
+        self._pieces = pieces
+        self._slots = [p for p in pieces if isinstance(p, _Slot)]
+        self.shapes = [shape for n_in, n_out in zip(self.sizes[:-1], self.sizes[1:])
+                       for shape in ((n_out, n_in), (n_out,))]
 
     def publish(self, params: list[np.ndarray]) -> bytes:
-        """Serialized model with ``params`` (w0, b0, w1, b1, ...) patched in."""
-        if len(params) != len(self._initializers):
-            raise ValueError(f"expected {len(self._initializers)} arrays, got {len(params)}")
-        for init, p in zip(self._initializers, params):
+        """The model file with ``params`` (w0, b0, w1, b1, ...; float32-able) patched in."""
+        if len(params) != len(self.shapes):
+            raise ValueError(f"expected {len(self.shapes)} arrays, got {len(params)}")
+        raw = []
+        for i, (p, shape) in enumerate(zip(params, self.shapes)):
             p = np.ascontiguousarray(p, dtype="<f4")
-            if tuple(p.shape) != tuple(init.dims):
-                raise ValueError(f"{init.name}: shape {p.shape} != {tuple(init.dims)}")
-            init.raw_data = p.tobytes()
-        return self.model.SerializeToString()
+            if tuple(p.shape) != shape:
+                raise ValueError(f"{'wb'[i % 2]}{i // 2}: shape {tuple(p.shape)} != {shape}")
+            raw.append(p.tobytes())
+        return b"".join(raw[p.index] if isinstance(p, _Slot) else p for p in self._pieces)
 
 
 def encode_onnx_file(model_bytes: bytes) -> str:

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from shmrl.onnx_policy import init_mlp_weights
+
 
 @dataclass
 class PPOConfig:
@@ -28,15 +30,16 @@ class PPOConfig:
     activation: str = "ReLU"
 
 
-def mlp(sizes: list[int], out_std: float, activation: str = "ReLU") -> nn.Sequential:
+def mlp(sizes: list[int], weights: list[np.ndarray], activation: str = "ReLU") -> nn.Sequential:
+    """Linear layers (with ``activation`` between them) holding ``weights``: w0, b0, w1, b1, ..."""
     layers = []
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         linear = nn.Linear(n_in, n_out)
-        last = i == len(sizes) - 2
-        nn.init.orthogonal_(linear.weight, out_std if last else np.sqrt(2))
-        nn.init.zeros_(linear.bias)
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(weights[2 * i]))
+            linear.bias.copy_(torch.from_numpy(weights[2 * i + 1]))
         layers.append(linear)
-        if not last:
+        if i < len(sizes) - 2:
             layers.append(getattr(nn, activation)())
     return nn.Sequential(*layers)
 
@@ -108,14 +111,21 @@ class Batch:
 
 
 class PPO:
-    def __init__(self, obs_dim: int, n_actions: int, config: PPOConfig, seed: int = 0):
-        torch.manual_seed(seed)
+    def __init__(self, obs_dim: int, n_actions: int, config: PPOConfig, seed: int = 0,
+                 actor_weights: list[np.ndarray] | None = None):
+        """``actor_weights``: the policy to start from (``shmrl.run`` publishes the first one
+        before torch is loaded); by default orthogonal weights drawn from ``seed``, with a
+        small last layer, so that the first policy's actions are near uniform."""
         self.config = config
         self.rng = np.random.default_rng(seed)
         h = config.hidden
         self.actor_sizes = [obs_dim, h, h, n_actions]
-        self.actor = mlp(self.actor_sizes, out_std=0.01, activation=config.activation)
-        self.critic = mlp([obs_dim, h, h, 1], out_std=1.0, activation=config.activation)
+        if actor_weights is None:
+            actor_weights = init_mlp_weights(self.actor_sizes, 0.01, np.random.default_rng(seed))
+        self.actor = mlp(self.actor_sizes, actor_weights, config.activation)
+        critic_sizes = [obs_dim, h, h, 1]
+        self.critic = mlp(critic_sizes, init_mlp_weights(critic_sizes, 1.0, np.random.default_rng([seed, 1])),
+                          config.activation)
         self.optimizer = FlatAdam([*self.actor.parameters(), *self.critic.parameters()], lr=config.lr)
 
     def actor_weights(self) -> list[np.ndarray]:
@@ -170,44 +180,49 @@ class PPO:
         )
 
     def update(self, batch: Batch) -> dict:
+        """``epochs`` passes of clipped-surrogate minibatch steps over ``batch``. Returns the
+        losses and diagnostics averaged over the last epoch's minibatches."""
         cfg = self.config
-        obs = torch.from_numpy(batch.obs)
-        actions = torch.from_numpy(batch.actions).long()
-        logp_behaviour = torch.from_numpy(batch.logp)
-        advantages = torch.from_numpy(batch.advantages)
-        returns = torch.from_numpy(batch.returns)
         n = len(batch)
         mb = min(cfg.minibatch_size, n)
-        stats = {"pi_loss": 0.0, "v_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clip_frac": 0.0}
-        count = 0
-        for _ in range(cfg.epochs):
+        obs, actions, logp_behaviour, returns = (torch.from_numpy(x) for x in (
+            batch.obs, batch.actions.astype(np.int64, copy=False), batch.logp, batch.returns))
+        advantages = torch.from_numpy(batch.advantages)
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        stats = torch.zeros(5)  # pi_loss, v_loss, entropy, approx_kl, clip_frac
+        for epoch in range(cfg.epochs):
+            # One gather per epoch: each minibatch below is a slice (a view), not a copy.
             perm = torch.from_numpy(self.rng.permutation(n))
+            e_obs, e_actions, e_logp_b, e_adv, e_returns = (
+                x[perm] for x in (obs, actions, logp_behaviour, advantages, returns))
+            last_epoch = epoch == cfg.epochs - 1
             for start in range(0, n - mb + 1, mb):
-                idx = perm[start:start + mb]
-                logp_all = torch.log_softmax(self.actor(obs[idx]), dim=-1)
-                logp = logp_all.gather(1, actions[idx, None]).squeeze(1)
-                entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
+                s = slice(start, start + mb)
+                logp_all = torch.log_softmax(self.actor(e_obs[s]), dim=-1)
+                logp = logp_all.gather(1, e_actions[s, None]).squeeze(1)
                 # Ratio against the behaviour policy the client sampled with; the clamp
                 # keeps a client's absurd log-probability from producing inf.
-                log_ratio = torch.clamp(logp - logp_behaviour[idx], -20.0, 20.0)
+                log_ratio = torch.clamp(logp - e_logp_b[s], -20.0, 20.0)
                 ratio = log_ratio.exp()
-                adv = advantages[idx]
-                adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-                pi_loss = torch.max(-adv * ratio,
-                                    -adv * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)).mean()
-                v_loss = 0.5 * (self.critic(obs[idx]).squeeze(-1) - returns[idx]).pow(2).mean()
-                loss = pi_loss - cfg.ent_coef * entropy + cfg.vf_coef * v_loss
+                adv = e_adv[s]
+                pi_loss = -torch.min(adv * ratio, adv * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)).mean()
+                v_loss = 0.5 * (self.critic(e_obs[s]).squeeze(-1) - e_returns[s]).pow(2).mean()
+                loss = pi_loss + cfg.vf_coef * v_loss
+                entropy = None
+                if cfg.ent_coef:
+                    entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
+                    loss = loss - cfg.ent_coef * entropy
                 self.optimizer.zero_grad()
                 loss.backward()
                 self.optimizer.step(cfg.max_grad_norm)
-                with torch.no_grad():
-                    stats["pi_loss"] += pi_loss.item()
-                    stats["v_loss"] += v_loss.item()
-                    stats["entropy"] += entropy.item()
-                    stats["approx_kl"] += ((ratio - 1) - log_ratio).mean().item()
-                    stats["clip_frac"] += ((ratio - 1).abs() > cfg.clip).float().mean().item()
-                count += 1
-        return {k: v / max(count, 1) for k, v in stats.items()}
+                if last_epoch:
+                    with torch.no_grad():
+                        if entropy is None:
+                            entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
+                        stats += torch.stack([pi_loss, v_loss, entropy, ((ratio - 1) - log_ratio).mean(),
+                                              ((ratio - 1).abs() > cfg.clip).float().mean()])
+        stats /= max(n // mb, 1)
+        return dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac"), stats.tolist()))
 
     def state_dict(self) -> dict:
         return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict(),

@@ -43,6 +43,7 @@ class RunConfig:
     minibatch_size: int = 512
     ent_coef: float = 0.0
     clip: float = 0.2
+    hidden: int = 64
     torch_threads: int = 1
     transport: str = "shm"
     tcp_host: str = "127.0.0.1"
@@ -161,8 +162,24 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     servers, addresses = open_transports(config)
     metrics_file = learner = None
     try:
-        # Simulators start (the fork server loads numpy and onnxruntime) on one core while
-        # this process imports torch on the other.
+        # The first policy is published and served before torch is imported (about 2 s):
+        # the simulators start (their fork server loads numpy and onnxruntime) and sample
+        # on one core while this process loads torch on the other.
+        import numpy as np
+
+        from shmrl.learner import Learner
+        from shmrl.onnx_policy import init_mlp_weights
+
+        actor_sizes = [spec.obs_shape[0], config.hidden, config.hidden, spec.action_space.n]
+        first_policy = init_mlp_weights(actor_sizes, 0.01, np.random.default_rng(config.seed))
+        learner = Learner(spec, servers, actor_sizes=actor_sizes, initial_weights=first_policy,
+                          env_steps_per_sample=config.env_steps_per_sample,
+                          train_batch_size=max(config.sims, 1) * config.env_steps_per_sample,
+                          force_on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
+                          auth_token=config.auth_token)
+        t_learn = time.time()
+        store = learner.store
+        learner.start()
         launch_error: list = []
 
         def launch():
@@ -175,26 +192,18 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
         launcher.start()
         import torch
 
-        from shmrl.learner import Learner
         from shmrl.ppo import PPO, PPOConfig
 
         torch.set_num_threads(config.torch_threads)
         ppo = PPO(spec.obs_shape[0], spec.action_space.n,
                   PPOConfig(lr=config.lr, gamma=config.gamma, gae_lambda=config.gae_lambda,
-                            clip=config.clip, epochs=config.epochs,
-                            minibatch_size=config.minibatch_size, ent_coef=config.ent_coef),
-                  seed=config.seed)
-        learner = Learner(spec, ppo, servers, env_steps_per_sample=config.env_steps_per_sample,
-                          train_batch_size=max(config.sims, 1) * config.env_steps_per_sample,
-                          force_on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
-                          auth_token=config.auth_token)
+                            clip=config.clip, epochs=config.epochs, minibatch_size=config.minibatch_size,
+                            ent_coef=config.ent_coef, hidden=config.hidden),
+                  seed=config.seed, actor_weights=first_policy)
         launcher.join()
         if launch_error:
             raise RunFailed(f"could not start the simulators: {launch_error[0]!r}")
         metrics_file = open(logdir / "metrics.jsonl", "w") if logdir else None
-        t_learn = time.time()
-        store = learner.store
-        learner.start()
         while True:
             batch = learner.next_batch(0.05)
             dead = [p for p in procs if not p.is_alive()]
@@ -207,7 +216,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             if store.steps_received >= config.max_env_steps:
                 status = EXIT_BUDGET
                 break
-            stats = learner.train(*batch) if batch else None
+            stats = learner.train(ppo, *batch) if batch else None
             if stats:
                 now = time.time()
                 row = {"update": stats["update"], "env_steps": store.steps_received,
@@ -305,6 +314,9 @@ def parse_args(argv=None) -> RunConfig:
                    help="steps per gradient step (default: %(default)s)")
     g.add_argument("--ent-coef", type=float, default=d.ent_coef, help="entropy bonus (default: %(default)s)")
     g.add_argument("--clip", type=float, default=d.clip, help="PPO ratio clip (default: %(default)s)")
+    g.add_argument("--hidden", type=int, default=d.hidden,
+                   help="units in each of the two hidden layers of the policy and value networks "
+                        "(default: %(default)s)")
     g.add_argument("--torch-threads", type=int, default=d.torch_threads,
                    help="torch threads of the learner; the simulators need the other cores (default: %(default)s)")
     a = p.parse_args(argv)

@@ -49,14 +49,15 @@ def test_store_glues_continuations_by_obs_and_by_id():
 def learner_and_server():
     server = InProcServer()
     ppo = PPO(4, 2, PPOConfig(epochs=2, minibatch_size=64))
-    learner = Learner(SPEC, ppo, [server], env_steps_per_sample=32, train_batch_size=64)
-    yield learner, server
+    learner = Learner(SPEC, [server], actor_sizes=ppo.actor_sizes, initial_weights=ppo.actor_weights(),
+                      env_steps_per_sample=32, train_batch_size=64)
+    yield learner, server, ppo
     learner.stop()
     server.close()
 
 
 def test_handshake_and_on_policy_wait(learner_and_server):
-    learner, server = learner_and_server
+    learner, server, ppo = learner_and_server
     client = server.connect(timeout=5)
     replies = {}
 
@@ -81,7 +82,7 @@ def test_handshake_and_on_policy_wait(learner_and_server):
     assert "next" not in replies and learner.hub.all_waiting()
     chunks, version = batch
     assert sum(len(c) for c in chunks) == 32 and version == 1
-    learner.train(chunks, version)
+    learner.train(ppo, chunks, version)
     learner.poll(0.05)                                   # sends the new weights
     t.join(5)
     assert replies["pong"]["type"] == "PONG"
@@ -94,7 +95,7 @@ def test_handshake_and_on_policy_wait(learner_and_server):
     (dict(action=2), "out of range"),
 ])
 def test_episodes_that_do_not_fit_the_env_close_only_that_connection(learner_and_server, bad, reason, caplog):
-    learner, server = learner_and_server
+    learner, server, _ = learner_and_server
     good, evil = server.connect(timeout=5), server.connect(timeout=5)
     out = {}
 
@@ -124,7 +125,8 @@ def test_simulator_loop_learns_in_process():
     """Simulators in threads + the learner: the return climbs well above random (~22)."""
     server = InProcServer()
     ppo = PPO(4, 2, PPOConfig(lr=3e-3, epochs=6, minibatch_size=256), seed=0)
-    learner = Learner(SPEC, ppo, [server], env_steps_per_sample=256, train_batch_size=512)
+    learner = Learner(SPEC, [server], actor_sizes=ppo.actor_sizes, initial_weights=ppo.actor_weights(),
+                      env_steps_per_sample=256, train_batch_size=512)
     clients = [server.connect(timeout=10) for _ in range(2)]
 
     def simulate(client, seed):
@@ -141,7 +143,7 @@ def test_simulator_loop_learns_in_process():
             learner.poll(0.05)
             batch = learner.next_batch(timeout=0)
             if batch:
-                learner.train(*batch)
+                learner.train(ppo, *batch)
         assert learner.store.return_mean() > 100
     finally:
         learner.stop()

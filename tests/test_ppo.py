@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from shmrl.episode import Episode
-from shmrl.onnx_policy import INPUT_NAME, OnnxPolicy, OnnxPublisher, decode_onnx_file, encode_onnx_file
+from shmrl.onnx_policy import (INPUT_NAME, ONNX_ACTIVATIONS, OUTPUT_NAME, OnnxPolicy, OnnxPublisher,
+                               decode_onnx_file, encode_onnx_file, init_mlp_weights)
 from shmrl.ppo import PPO, PPOConfig
 
 
@@ -83,6 +84,55 @@ def test_onnx_publication_matches_torch_actor_and_rllib_input_name():
     np.testing.assert_allclose(OnnxPolicy(model2).logits(obs), expected, rtol=1e-5, atol=1e-6)
 
 
+def onnx_helper_model(sizes, params, activation):
+    """The same graph built with the onnx package: the reference for the bytes shmrl writes."""
+    from onnx import TensorProto, helper, numpy_helper
+    nodes, x = [], INPUT_NAME
+    inits = [numpy_helper.from_array(p, f"{'wb'[k % 2]}{k // 2}") for k, p in enumerate(params)]
+    for i in range(len(sizes) - 1):
+        last = i == len(sizes) - 2
+        pre = OUTPUT_NAME if last else f"z{i}"
+        nodes.append(helper.make_node("Gemm", [x, f"w{i}", f"b{i}"], [pre], transB=1))
+        if not last:
+            x = f"h{i}"
+            nodes.append(helper.make_node(ONNX_ACTIVATIONS[activation], [pre], [x]))
+    graph = helper.make_graph(
+        nodes, "shmrl_policy", [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, ["batch", sizes[0]])],
+        [helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["batch", sizes[-1]])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="shmrl")
+    model.ir_version = 8
+    return model
+
+
+@pytest.mark.parametrize("sizes, activation", [([4, 64, 64, 2], "ReLU"), ([3, 200, 2], "Tanh"), ([17, 5], "ReLU")])
+def test_hand_written_onnx_is_what_the_onnx_package_writes(sizes, activation):
+    import onnx
+    params = init_mlp_weights(sizes, 0.5, np.random.default_rng(len(sizes)))
+    model = OnnxPublisher(sizes, activation).publish(params)
+    reference = onnx_helper_model(sizes, params, activation)
+    assert model == reference.SerializeToString()
+    onnx.checker.check_model(onnx.load_from_string(model), full_check=True)
+    x = np.random.default_rng(0).normal(size=(3, sizes[0])).astype(np.float32)
+    h = x
+    for i in range(len(sizes) - 1):
+        h = h @ params[2 * i].T + params[2 * i + 1]
+        if i < len(sizes) - 2:
+            h = np.maximum(h, 0) if activation == "ReLU" else np.tanh(h)
+    np.testing.assert_allclose(OnnxPolicy(model).logits(x), h, rtol=1e-5, atol=1e-6)
+
+
+def test_initial_weights_are_orthogonal_with_the_given_gains():
+    w0, b0, w1, b1, w2, b2 = init_mlp_weights([4, 64, 64, 2], 0.01, np.random.default_rng(1))
+    np.testing.assert_allclose(w0.T @ w0, 2 * np.eye(4), atol=1e-5)       # gain sqrt(2), columns
+    np.testing.assert_allclose(w1 @ w1.T, 2 * np.eye(64), atol=1e-5)
+    np.testing.assert_allclose(w2 @ w2.T, 1e-4 * np.eye(2), atol=1e-8)     # the small last layer
+    assert not (b0.any() or b1.any() or b2.any()) and w0.dtype == np.float32
+    again = init_mlp_weights([4, 64, 64, 2], 0.01, np.random.default_rng(1))
+    assert all((a == b).all() for a, b in zip(again, [w0, b0, w1, b1, w2, b2]))
+    ppo = PPO(4, 2, PPOConfig(), seed=1)                                     # PPO's default actor
+    assert all((a == b).all() for a, b in zip(ppo.actor_weights(), again))
+
+
 def test_publish_rejects_wrong_shapes():
     publisher = OnnxPublisher([4, 8, 2])
     with pytest.raises(ValueError, match="shape"):
@@ -92,9 +142,9 @@ def test_publish_rejects_wrong_shapes():
 def test_flat_adam_matches_torch_adam_with_clipping():
     from shmrl.ppo import FlatAdam, mlp
     torch.manual_seed(0)
-    net_a = mlp([4, 16, 3], out_std=1.0)
-    net_b = mlp([4, 16, 3], out_std=1.0)
-    net_b.load_state_dict(net_a.state_dict())
+    weights = init_mlp_weights([4, 16, 3], 1.0, np.random.default_rng(0))
+    net_a = mlp([4, 16, 3], weights)
+    net_b = mlp([4, 16, 3], weights)
     ours = FlatAdam(net_a.parameters(), lr=1e-2)
     ref = torch.optim.Adam(net_b.parameters(), lr=1e-2, eps=1e-5)
     for step in range(20):
