@@ -106,7 +106,7 @@ class CartPole:
 # ---------------------------------------------------------------- the client loop
 def new_chunk(obs: list[float]) -> dict:
     return {"obs": [obs], "actions": [], "rewards": [], "action_dist_inputs": [], "action_logp": [],
-            "terminateds": False, "truncateds": False}
+            "is_terminated": False, "is_truncated": False}
 
 
 def run_session(host: str, port: int, on_connected) -> None:
@@ -129,15 +129,16 @@ def run_session(host: str, port: int, on_connected) -> None:
                     chunk[key].append(value)
                 episode_return += reward
                 if terminated or truncated:
-                    chunk["terminateds"], chunk["truncateds"] = terminated, truncated
+                    chunk["is_terminated"], chunk["is_truncated"] = terminated, truncated
                     chunks.append(chunk)
                     returns.append(episode_return)
                     chunk, episode_return = new_chunk(env.reset()), 0.0
             if chunk["actions"]:              # still running: send what we have, continue after
                 chunks.append(chunk)
                 chunk = new_chunk(chunk["obs"][-1])
-            # With force_on_policy the answer comes after the next update; otherwise at once,
-            # with the current weights. The client does the same either way.
+            # force_on_policy: wait for SET_STATE before sampling on. A strict learner answers
+            # after its next update, shmrl's asynchronous one at once with its latest weights
+            # (it corrects for the lag with action_logp); the client does the same either way.
             msg = {"type": "EPISODES_AND_GET_STATE", "episodes": chunks, "timesteps": steps_per_sample}
             session = load_policy(request(sock, msg, "SET_STATE"))
             if returns:

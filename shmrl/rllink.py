@@ -47,16 +47,17 @@ _T = MessageType
 REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE})
 REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE})
 
-# Episode keys. RLlib's code sends "terminateds"/"truncateds" (its Columns constants); its
-# docs say "is_terminated"/"is_truncated": both are accepted, the former is canonical.
+# Episode keys. RLlib 2.48's client writes, and its server reads, "is_terminated" and
+# "is_truncated" (tcp_client_inference_env_runner.py); "terminateds"/"truncateds" (RLlib's
+# column names, which shmrl sent before) are accepted too.
 OBS = "obs"
 ACTIONS = "actions"
 REWARDS = "rewards"
 ACTION_DIST_INPUTS = "action_dist_inputs"
 ACTION_LOGP = "action_logp"
-TERMINATED = "terminateds"
-TRUNCATED = "truncateds"
-FLAG_ALIASES = {"is_terminated": TERMINATED, "is_truncated": TRUNCATED}
+TERMINATED = "is_terminated"
+TRUNCATED = "is_truncated"
+FLAG_ALIASES = {"terminateds": TERMINATED, "truncateds": TRUNCATED}
 # Optional shmrl extensions, never required from a client.
 EPISODE_ID = "episode_id"
 WEIGHTS_SEQ_NO = "weights_seq_no"

@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 
@@ -55,7 +57,18 @@ def test_round_trip_through_rllink_json_and_binary():
 def test_rllib_style_dict_without_id_or_optional_fields():
     d = {"obs": [[0.0] * 4, [1.0] * 4], "actions": [1], "rewards": [1.0],
          "action_dist_inputs": [[0.2, 0.3]], "action_logp": [-0.6],
-         "terminateds": False, "truncateds": False}
+         "is_terminated": False, "is_truncated": False}
     msg = rllink.decode_request(rllink.encode_json({"type": "EPISODES", "episodes": [d]}))
     ep = Episode.from_rllink(msg["episodes"][0])
     assert ep.id is None and len(ep) == 1 and not ep.is_done
+
+
+def test_chunks_carry_every_key_rllibs_server_reads():
+    """RLlib 2.48's TcpClientInferenceEnvRunner builds its episodes from exactly these keys
+    (tcp_client_inference_env_runner.py, lines 318-333); a missing one kills its listener."""
+    ep = make_chunk(3)
+    ep.add_step(1, 1.0, np.zeros(4, np.float32), np.zeros(2, np.float32), -0.7, terminated=True)
+    d = json.loads(rllink.encode_json(ep.to_rllink()))
+    rllib_reads = {"obs", "actions", "rewards", "action_dist_inputs", "action_logp", "is_terminated", "is_truncated"}
+    assert rllib_reads <= set(d) and d["is_terminated"] is True and d["is_truncated"] is False
+    assert len(d["obs"]) == len(d["actions"]) + 1

@@ -27,8 +27,8 @@ def rllib_episode(t: int, seed: int = 0, terminated: bool = True) -> dict:
         "action_dist_inputs": [rng.normal(size=2).astype(np.float32).tolist() for _ in range(t)],
         "action_logp": [float(np.log(np.float32(0.5))) for _ in range(t)],
         "rewards": [1.0] * t,
-        "terminateds": terminated,
-        "truncateds": False,
+        "is_terminated": terminated,
+        "is_truncated": False,
     }
 
 
@@ -40,8 +40,8 @@ def np_episode(t: int, continuous: bool = False, obs_shape=(3, 2), seed: int = 0
         "rewards": rng.normal(size=t).astype(np.float32),
         "action_dist_inputs": rng.normal(size=(t, 4 if continuous else 3)).astype(np.float32),
         "action_logp": rng.normal(size=t).astype(np.float32),
-        "terminateds": False,
-        "truncateds": True,
+        "is_terminated": False,
+        "is_truncated": True,
         "episode_id": "ab-1",
         "weights_seq_no": 3,
     }
@@ -172,7 +172,7 @@ def test_numpy_episodes_round_trip(codec, type):
             np.testing.assert_array_equal(g[key].ravel(), w[key].ravel())
             # JSON cannot say that an empty list has a shape (0, 3); the binary codec keeps it.
             assert g[key].shape == (w[key].shape if codec == "binary" or len(w[key]) else (0,))
-        assert (g["terminateds"], g["truncateds"], g["episode_id"], g["weights_seq_no"]) == (False, True, "ab-1", 3)
+        assert (g["is_terminated"], g["is_truncated"], g["episode_id"], g["weights_seq_no"]) == (False, True, "ab-1", 3)
     assert got["episodes"][0]["actions"].dtype == np.int64 and got["episodes"][0]["actions"].shape == (6,)
     assert got["episodes"][1]["actions"].dtype == np.float32 and got["episodes"][1]["actions"].shape == (4, 2)
     assert got["episodes"][2]["obs"].shape == (1, 3, 2) and got["episodes"][2]["actions"].shape == (0,)
@@ -180,19 +180,19 @@ def test_numpy_episodes_round_trip(codec, type):
 
 def test_rllib_json_episodes_validate_to_float32_and_int64():
     ep = rllib_episode(20)
-    alias = {("is_terminated" if k == "terminateds" else "is_truncated" if k == "truncateds" else k): v
+    alias = {("terminateds" if k == "is_terminated" else "truncateds" if k == "is_truncated" else k): v
              for k, v in ep.items()}
     for sent in (ep, alias):
         got = decode_request(rllink.encode_json(episodes_msg(sent, timesteps=20)))
         out = got["episodes"][0]
         assert list(out) == ["obs", "actions", "rewards", "action_dist_inputs", "action_logp",
-                             "terminateds", "truncateds"]
+                             "is_terminated", "is_truncated"]
         assert out["obs"].dtype == np.float32 and out["obs"].shape == (21, 4)
         assert out["actions"].dtype == np.int64 and out["actions"].shape == (20,)
         assert out["action_dist_inputs"].shape == (20, 2) and out["rewards"].shape == (20,)
-        assert out["terminateds"] is True and out["truncateds"] is False
+        assert out["is_terminated"] is True and out["is_truncated"] is False
         np.testing.assert_array_equal(out["obs"], np.asarray(ep["obs"], np.float32))  # float32 exactly preserved
-    assert validate(episodes_msg(dict(ep, is_terminated=True)))["episodes"][0]["terminateds"] is True
+    assert validate(episodes_msg(dict(ep, terminateds=True)))["episodes"][0]["is_terminated"] is True
 
 
 def test_counts_are_normalized_to_timesteps():
@@ -307,13 +307,13 @@ NAN, INF = float("nan"), float("inf")
 
 @pytest.mark.parametrize("msg, match", [
     (bad_episode(rewards=DELETE), "episode 0: missing field 'rewards'"),
-    (bad_episode(terminateds=DELETE), "missing field 'terminateds' \\(or 'is_terminated'\\)"),
+    (bad_episode(is_terminated=DELETE), "missing field 'is_terminated' \\(or 'terminateds'\\)"),
     (bad_episode(foo=1), "episode 0: unexpected field 'foo'"),
     (bad_episode(actions="0101"), "'actions' is not an array of numbers \\(got strings\\)"),
     (bad_episode(actions=3), "'actions' is a single value"),
-    (bad_episode(terminateds=1), "'terminateds' must be true or false, got 1"),
-    (bad_episode(truncateds=None), "'truncateds' must be true or false"),
-    (bad_episode(is_terminated=False), "'terminateds' and its alias 'is_terminated' disagree"),
+    (bad_episode(is_terminated=1), "'is_terminated' must be true or false, got 1"),
+    (bad_episode(is_truncated=None), "'is_truncated' must be true or false"),
+    (bad_episode(terminateds=False), "'is_terminated' and its alias 'terminateds' disagree"),
     (bad_episode(obs=[[0.0] * 4] * 3), "'obs' has 3 entries, expected len\\(actions\\)\\+1 = 4"),
     (bad_episode(obs=[[0.0] * 4] * 5), "'obs' has 5 entries, expected len\\(actions\\)\\+1 = 4"),
     (bad_episode(obs=[]), "'obs' has 0 entries"),
@@ -506,7 +506,7 @@ def episode_dicts(draw):
     ep = {"obs": arr((t + 1, *obs_shape)),
           "actions": arr((t,), ints=True) if draw(st.booleans()) else arr((t, 2)),
           "rewards": arr((t,)), "action_dist_inputs": arr((t, 2)), "action_logp": arr((t,)),
-          "terminateds": draw(st.booleans()), "truncateds": draw(st.booleans())}
+          "is_terminated": draw(st.booleans()), "is_truncated": draw(st.booleans())}
     corrupted = False
     for key in draw(st.lists(st.sampled_from(sorted(ep) + ["extra"]), max_size=2)):
         corrupted = True
@@ -553,4 +553,4 @@ def test_fuzz_episode_validation(ep_and_flag, codec):
     assert e["action_dist_inputs"].dtype == np.float32 and len(e["action_dist_inputs"]) == t
     for key in ("obs", "rewards", "action_dist_inputs", "action_logp"):
         assert np.isfinite(e[key]).all()
-    assert type(e["terminateds"]) is bool and type(e["truncateds"]) is bool
+    assert type(e["is_terminated"]) is bool and type(e["is_truncated"]) is bool
