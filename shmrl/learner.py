@@ -24,6 +24,7 @@ from shmrl.onnx_policy import OnnxPublisher, encode_onnx_file
 
 log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
+PENDING_AT_CHECKPOINT = "not yet trained when the checkpoint was taken"
 
 
 class EpisodeStore:
@@ -44,6 +45,7 @@ class EpisodeStore:
         self.steps_received = 0
         self.steps_trained = 0
         self.steps_dropped: dict[str, int] = {}
+        self.steps_lost = 0        # stepped by a simulator that died before sending them: never received
         self.steps_by_conn: dict[str, int] = {}
         self._open: dict[tuple, tuple[float, int]] = {}   # glue key -> (return, length) so far
 
@@ -92,6 +94,26 @@ class EpisodeStore:
         self.steps_trained += sum(len(c) for c in chunks)
         return chunks
 
+    def counters(self) -> dict:
+        """The counts and the return window, for a checkpoint. Chunks still pending count
+        as dropped: a run resumed from the checkpoint never trains on them."""
+        dropped = dict(self.steps_dropped)
+        if self.pending_steps:
+            dropped[PENDING_AT_CHECKPOINT] = dropped.get(PENDING_AT_CHECKPOINT, 0) + self.pending_steps
+        return {"steps_received": self.steps_received, "steps_trained": self.steps_trained,
+                "steps_dropped": dropped, "steps_lost": self.steps_lost,
+                "steps_by_conn": dict(self.steps_by_conn), "episodes_completed": self.episodes_completed,
+                "returns": list(self.returns), "lengths": list(self.lengths)}
+
+    def restore(self, counters: dict) -> None:
+        """Continue from ``counters()`` of an earlier run."""
+        for key in ("steps_received", "steps_trained", "steps_lost", "episodes_completed"):
+            setattr(self, key, int(counters[key]))
+        self.steps_dropped = {k: int(v) for k, v in counters["steps_dropped"].items()}
+        self.steps_by_conn = {k: int(v) for k, v in counters["steps_by_conn"].items()}
+        self.returns.extend(counters["returns"])
+        self.lengths.extend(counters["lengths"])
+
     def return_mean(self) -> float:
         returns = list(self.returns)   # one C-level copy: the serving thread may append
         return float(np.mean(returns)) if returns else float("nan")
@@ -116,20 +138,23 @@ class Hub:
     """Answers RLlink requests from any transport alike.
 
     PING, GET_CONFIG and GET_STATE are answered at once. Episodes go to the store.
-    With ``force_on_policy`` an EPISODES_AND_GET_STATE is answered with the *next*
-    weights (the client waits, as RLlib's does); otherwise at once with the current ones.
+    SET_CONFIG always says ``force_on_policy: true``: every client waits for SET_STATE
+    after each batch (RLlib's client refuses anything else), which is what lets the Hub
+    pace it. ``on_policy``: an EPISODES_AND_GET_STATE is answered with the *next* weights,
+    as RLlib's server does; otherwise at once with the current ones, unless
+    ``max_pending_steps`` already wait for the learner (that bounds the policy lag).
     """
 
     def __init__(self, spec: EnvSpec, store: EpisodeStore, env_steps_per_sample: int,
-                 force_on_policy: bool = True, max_pending_steps: int | None = None,
+                 on_policy: bool = True, max_pending_steps: int | None = None,
                  auth_token: str | None = None):
         self.spec, self.store = spec, store
         self.auth_token = auth_token
         self.authenticated: set[str] = set()     # with an auth token: connections that showed it
         self.max_pending_steps = max_pending_steps
         self.config_msg = {"type": T.SET_CONFIG.value, "env_steps_per_sample": env_steps_per_sample,
-                           "force_on_policy": force_on_policy}
-        self.force_on_policy = force_on_policy
+                           "force_on_policy": True}
+        self.on_policy = on_policy
         self.state_msg: dict | None = None
         self.servers: dict[str, object] = {}     # conn_id -> the server that owns it
         self.sampling: set[str] = set()          # connections that have asked for weights
@@ -149,7 +174,7 @@ class Hub:
     def handle(self, server, conn_id: str, msg: dict | None) -> None:
         self.servers[conn_id] = server
         if msg is None:
-            self._forget(conn_id)
+            self.forget(conn_id)
             return
         kind = msg["type"]
         if self.auth_token is not None and conn_id not in self.authenticated:
@@ -159,7 +184,7 @@ class Hub:
             if not hmac.compare_digest(token.encode(), self.auth_token.encode()):
                 self.servers[conn_id].drop(conn_id, "authentication failed: PING without the right auth_token"
                                            if kind == T.PING.value else f"{kind} before an authenticated PING")
-                self._forget(conn_id)
+                self.forget(conn_id)
                 return
             self.authenticated.add(conn_id)
         if kind == T.PING.value:
@@ -180,10 +205,8 @@ class Hub:
                 self.store.add(conn_id, ep)
             if kind == T.EPISODES_AND_GET_STATE.value:
                 self.sampling.add(conn_id)
-                # Off-policy clients are answered at once, unless a whole batch already
-                # waits for the learner: then they wait for the next weights (bounds lag).
                 full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
-                if self.force_on_policy or full:
+                if self.on_policy or full:
                     self.waiting.append(conn_id)
                 else:
                     self._reply(conn_id, self.state_msg)
@@ -194,9 +217,10 @@ class Hub:
     def _drop(self, conn_id: str, reason: str, steps: int) -> None:
         self.store.drop("does not fit the environment", steps)
         self.servers[conn_id].drop(conn_id, reason)
-        self._forget(conn_id)
+        self.forget(conn_id)
 
-    def _forget(self, conn_id: str) -> None:
+    def forget(self, conn_id: str) -> None:
+        """The connection is closed: nothing is owed to it, its open episodes never complete."""
         self.sampling.discard(conn_id)
         self.authenticated.discard(conn_id)
         if conn_id in self.waiting:
@@ -212,26 +236,28 @@ class Learner:
     and when a batch is ready hands its chunks over through a queue. The training thread
     runs PPO on them (torch releases the GIL, so requests keep being answered) and hands
     the new ONNX model back the same way. No lock is shared; at most one batch is in
-    flight. With ``force_on_policy`` clients wait for each new version anyway; without
-    it they keep sampling, a client is held back only while a whole batch is already
+    flight. ``on_policy``: clients wait for each new version; otherwise they keep sampling
+    while the learner trains, a client is held back only while a whole batch is already
     waiting, and chunks more than ``max_policy_lag`` versions old are dropped as stale.
     """
 
     def __init__(self, spec: EnvSpec, servers: list, *, actor_sizes: list[int], initial_weights: list,
                  activation: str = "ReLU", env_steps_per_sample: int, train_batch_size: int,
-                 force_on_policy: bool = True, max_policy_lag: int = 2, auth_token: str | None = None,
-                 window: int = 100):
-        """Publishes ``initial_weights`` (an MLP of ``actor_sizes``) at once: clients can sample
-        before the trainer (torch) is even loaded."""
+                 on_policy: bool = True, max_policy_lag: int = 2, auth_token: str | None = None,
+                 window: int = 100, first_weights_seq_no: int = 1, housekeeping=None):
+        """Publishes ``initial_weights`` (an MLP of ``actor_sizes``) at once, as version
+        ``first_weights_seq_no``: clients can sample before the trainer (torch) is even
+        loaded. ``housekeeping(learner)``, if given, runs in the serving thread after every
+        round of requests (the supervisor watches the simulators from there)."""
         self.spec, self.servers = spec, servers
         self.train_batch_size = train_batch_size
         self.max_policy_lag = max_policy_lag
         self.store = EpisodeStore(window)
-        self.hub = Hub(spec, self.store, env_steps_per_sample, force_on_policy,
-                       max_pending_steps=None if force_on_policy else train_batch_size,
-                       auth_token=auth_token)
+        self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy,
+                       max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token)
         self.publisher = OnnxPublisher(actor_sizes, activation)
-        self.weights_seq_no = 0
+        self.housekeeping = housekeeping
+        self.weights_seq_no = first_weights_seq_no - 1
         self.updates = 0
         self.model_bytes = b""
         self._batches: queue.Queue = queue.Queue(maxsize=1)
@@ -261,16 +287,30 @@ class Learner:
             version, onnx_file = self._published.get_nowait()
             self.hub.set_state(version, onnx_file)
             self._batch_out = False
+        n = self.serve_requests()
+        if self.housekeeping is not None:
+            self.housekeeping(self)
+        if not self._batch_out and self.ready():
+            max_lag = None if self.hub.on_policy else self.max_policy_lag
+            self._batches.put((self.store.take(self.weights_seq_no, max_lag), self.weights_seq_no))
+            self._batch_out = True
+        return n
+
+    def serve_requests(self) -> int:
+        """Answer every request waiting in the transports; returns how many there were."""
         n = 0
         for server in self.servers:
             for conn_id, msg in server.poll(0.0):
                 self.hub.handle(server, conn_id, msg)
                 n += 1
-        if not self._batch_out and self.ready():
-            max_lag = None if self.hub.force_on_policy else self.max_policy_lag
-            self._batches.put((self.store.take(self.weights_seq_no, max_lag), self.weights_seq_no))
-            self._batch_out = True
         return n
+
+    def disconnect(self, conn_id: str, reason: str) -> None:
+        """Close one connection from the learner's side (serving thread only)."""
+        server = self.hub.servers.get(conn_id)
+        if server is not None:
+            server.drop(conn_id, reason)
+        self.hub.forget(conn_id)
 
     def ready(self) -> bool:
         pending = self.store.pending_steps

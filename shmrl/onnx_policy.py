@@ -46,6 +46,18 @@ def init_mlp_weights(sizes: list[int], out_gain: float, rng: np.random.Generator
     return params
 
 
+def split_mlp_weights(flat: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """(w0, b0, w1, b1, ...) of an MLP of ``sizes`` from the start of a flat array (the
+    layout of PPO's parameter buffer, whose actor comes first)."""
+    out, offset = [], 0
+    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+        for shape in ((n_out, n_in), (n_out,)):
+            n = math.prod(shape)
+            out.append(np.asarray(flat[offset:offset + n], np.float32).reshape(shape))
+            offset += n
+    return out
+
+
 # ---------------------------------------------------------------- protobuf, by hand
 
 class _Slot:

@@ -87,14 +87,6 @@ class FlatAdam:
         self.flat.addcdiv_(self.exp_avg, denom, value=-self.lr / (1 - self.beta1 ** self.t))
         return norm
 
-    def state_dict(self) -> dict:
-        return {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(), "t": self.t,
-                "lr": self.lr}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.exp_avg.copy_(state["exp_avg"])
-        self.exp_avg_sq.copy_(state["exp_avg_sq"])
-        self.t, self.lr = state["t"], state["lr"]
 
 
 @dataclass
@@ -224,6 +216,20 @@ class PPO:
         stats /= max(n // mb, 1)
         return dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac"), stats.tolist()))
 
-    def state_dict(self) -> dict:
-        return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict(),
-                "optimizer": self.optimizer.state_dict()}
+    def get_state(self) -> tuple[dict[str, np.ndarray], dict]:
+        """Everything training needs to go on, as arrays and JSON-able values (no pickle):
+        every parameter and both Adam moments are flat buffers of the optimizer."""
+        opt = self.optimizer
+        arrays = {"params": opt.flat.numpy().copy(), "exp_avg": opt.exp_avg.numpy().copy(),
+                  "exp_avg_sq": opt.exp_avg_sq.numpy().copy()}
+        return arrays, {"adam_t": opt.t, "rng": self.rng.bit_generator.state}
+
+    def set_state(self, arrays: dict[str, np.ndarray], values: dict) -> None:
+        opt = self.optimizer
+        for name, buf in (("params", opt.flat), ("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
+            if arrays[name].shape != tuple(buf.shape):
+                raise ValueError(f"checkpoint {name!r} has {arrays[name].shape[0]} values, this network "
+                                 f"{buf.shape[0]}: was it saved with other layer sizes?")
+            buf.copy_(torch.from_numpy(arrays[name]))
+        opt.t = values["adam_t"]
+        self.rng.bit_generator.state = values["rng"]

@@ -1,11 +1,16 @@
 """Train a policy with PPO from simulator processes that talk RLlink through shared memory.
 
     python -m shmrl.run --sims 8                  # CartPole-v1 until the 100-episode mean is >= 475
-    python -m shmrl.run --sims 8 --logdir runs/a  # also write metrics.jsonl, summary.json, policy.onnx
+    python -m shmrl.run --sims 8 --logdir runs/a  # metrics.jsonl, summary.json, policy.onnx, checkpoints
+    python -m shmrl.run --resume runs/a           # go on from the last checkpoint in runs/a
+
+Simulators that die or hang are restarted (and the env steps they lose are counted); a
+simulator that keeps failing fails the run. Ctrl-C and SIGTERM stop everything within
+seconds and write a checkpoint first.
 
 Exit status: 0 when the stop return is reached, 1 when the env-step budget runs out
-first, 3 when a part of the run fails (a simulator dies, a transport breaks),
-130 after Ctrl-C, 143 after SIGTERM.
+first, 3 when a part of the run fails (a simulator that keeps dying, a transport that
+breaks, too little shared memory), 130 after Ctrl-C, 143 after SIGTERM.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from pathlib import Path
 
 log = logging.getLogger("shmrl.run")
 
-EXIT_SOLVED, EXIT_BUDGET, EXIT_FAILED = 0, 1, 3
+EXIT_SOLVED, EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 3, 130
 
 
 @dataclass
@@ -33,7 +38,7 @@ class RunConfig:
     seed: int = 0
     stop_return: float = 475.0
     max_env_steps: int = 1_000_000
-    logdir: str | None = None
+    logdir: str | None = None  # None: runs/<env>-<date>-<time>-<pid>
     env_steps_per_sample: int = 256
     envs_per_sim: int = 1
     lr: float = 1e-3
@@ -52,6 +57,10 @@ class RunConfig:
     async_sampling: bool = False
     auth_token: str | None = None
     max_policy_lag: int = 2
+    hang_timeout: float = 10.0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: str | None = None
 
 
 class RunFailed(RuntimeError):
@@ -73,29 +82,10 @@ def process_start_time() -> float:
         return time.time()
 
 
-def start_simulators(addresses: list[str], config: RunConfig) -> list:
-    """One process per simulator, forked from a server that has imported only the
-    simulator's modules (numpy, onnxruntime): never torch, and a fork costs ms, not the
-    hundreds of ms a fresh interpreter would."""
-    import multiprocess
-
-    from shmrl.sim import sim_process_main
-
-    ctx = multiprocess.get_context("forkserver")
-    ctx.set_forkserver_preload(["shmrl.sim", f"shmrl.transport.{config.transport}"])
-    procs = []
-    for i, address in enumerate(addresses):
-        p = ctx.Process(target=sim_process_main, name=f"shmrl-sim{i}", daemon=True,
-                        args=(address, config.env, config.seed * 1000 + i, config.envs_per_sim,
-                              f"shmrl-sim{i}", config.auth_token))
-        p.start()
-        procs.append(p)
-    return procs
-
-
-def open_transports(config: RunConfig) -> tuple[list, list[str]]:
-    """The learner's servers, and the address each local simulator connects to."""
-    servers, addresses = [], []
+def open_transports(config: RunConfig) -> tuple[list, list[str], object]:
+    """The learner's servers, the address each local simulator connects to, and the
+    shared-memory server (None if the simulators use TCP or there are none)."""
+    servers, addresses, shm = [], [], None
     if config.sims and config.transport == "shm":
         from shmrl.transport.shm import ShmServer
         shm = ShmServer(config.sims)
@@ -115,19 +105,7 @@ def open_transports(config: RunConfig) -> tuple[list, list[str]]:
             print(f"listening for RLlink clients on {host}:{port}", flush=True)
         if config.transport == "tcp":
             addresses = [f"tcp:{host}:{port}"] * config.sims
-    return servers, addresses
-
-
-def stop_simulators(procs: list, timeout: float = 2.0) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
+    return servers, addresses, shm
 
 
 def _terminate(signum, frame):
@@ -147,49 +125,99 @@ def _k(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
 
 
+def saved_config(config: RunConfig) -> dict:
+    """The configuration as written to summaries and checkpoints: never the secret."""
+    return {**dataclasses.asdict(config), "auth_token": "(set)" if config.auth_token else None}
+
+
+def counts(learner, supervisor) -> dict:
+    """Where every env step went: received = trained + pending + dropped (by reason); lost:
+    stepped by simulators that died before sending them, never received. A frame that could
+    not be decoded has no steps to count: it counts as a bad frame."""
+    store = learner.store
+    return {"env_steps": store.steps_received, "env_steps_trained": store.steps_trained,
+            "env_steps_pending": store.pending_steps, "env_steps_dropped": dict(store.steps_dropped),
+            "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),
+            "bad_frames": sum(getattr(server, "frames_rejected", 0) for server in learner.servers),
+            "simulator_restarts": supervisor.restarts if supervisor else 0}
+
+
+def save_checkpoint(config: RunConfig, learner, ppo, keep: int) -> Path:
+    from shmrl import checkpoint
+
+    arrays, ppo_values = ppo.get_state()
+    return checkpoint.save(Path(config.logdir), learner.updates, arrays, keep=keep, state={
+        "weights_seq_no": learner.weights_seq_no, "config": {**saved_config(config), "auth_token": None},
+        "counters": learner.store.counters(), "ppo": ppo_values})
+
+
 def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
-    """Run one training job; returns (exit status, summary)."""
+    """Run one training job; returns (exit status, summary). Whatever happens (Ctrl-C and
+    SIGTERM included) every process it started is stopped, every segment it made is
+    unlinked, and the summary and a checkpoint are written."""
     t_start = t_start if t_start is not None else time.time()
+    import numpy as np
+
+    from shmrl import checkpoint
     from shmrl.envs import env_spec
+    from shmrl.learner import Learner
+    from shmrl.onnx_policy import init_mlp_weights, split_mlp_weights
+    from shmrl.supervisor import Supervisor
+    from shmrl.transport.ring import ShmSpaceError
 
     spec = env_spec(config.env)
-    logdir = Path(config.logdir) if config.logdir else None
-    if logdir:
-        logdir.mkdir(parents=True, exist_ok=True)
-    procs: list = []
-    summary: dict = {}
-    status = EXIT_FAILED
-    servers, addresses = open_transports(config)
-    metrics_file = learner = None
+    logdir = Path(config.logdir)
+    logdir.mkdir(parents=True, exist_ok=True)
+    resumed = None
+    if config.resume:
+        path = checkpoint.latest(Path(config.resume))
+        resumed = (path, *checkpoint.load(path))
+    try:
+        servers, addresses, shm = open_transports(config)
+    except ShmSpaceError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED, {}
+    status, summary = EXIT_FAILED, {}
+    learner = supervisor = ppo = metrics = None
+    steps_at_start, t_learn = 0, time.time()
     try:
         # The first policy is published and served before torch is imported (about 2 s):
         # the simulators start (their fork server loads numpy and onnxruntime) and sample
         # on one core while this process loads torch on the other.
-        import numpy as np
-
-        from shmrl.learner import Learner
-        from shmrl.onnx_policy import init_mlp_weights
-
         actor_sizes = [spec.obs_shape[0], config.hidden, config.hidden, spec.action_space.n]
-        first_policy = init_mlp_weights(actor_sizes, 0.01, np.random.default_rng(config.seed))
+        if resumed:
+            path, arrays, state = resumed
+            first_policy, first_seq = split_mlp_weights(arrays["params"], actor_sizes), state["weights_seq_no"] + 1
+        else:
+            first_policy, first_seq = init_mlp_weights(actor_sizes, 0.01, np.random.default_rng(config.seed)), 1
+        if addresses:
+            supervisor = Supervisor(addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim,
+                                    auth_token=config.auth_token, shm_server=shm, hang_timeout=config.hang_timeout)
         learner = Learner(spec, servers, actor_sizes=actor_sizes, initial_weights=first_policy,
                           env_steps_per_sample=config.env_steps_per_sample,
                           train_batch_size=max(config.sims, 1) * config.env_steps_per_sample,
-                          force_on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
-                          auth_token=config.auth_token)
-        t_learn = time.time()
+                          on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
+                          auth_token=config.auth_token, first_weights_seq_no=first_seq,
+                          housekeeping=supervisor.check if supervisor else None)
         store = learner.store
+        if resumed:
+            store.restore(state["counters"])
+            learner.updates = state["update"]
+            print(f"resuming from {path} (update {state['update']}, {store.steps_received} env steps, "
+                  f"weights {first_seq - 1})", flush=True)
+        steps_at_start, t_learn = store.steps_received, time.time()
         learner.start()
         launch_error: list = []
 
         def launch():
             try:
-                procs.extend(start_simulators(addresses, config))
+                supervisor.start_all()
             except BaseException as e:  # re-raised below, in the main thread
                 launch_error.append(e)
 
         launcher = threading.Thread(target=launch, name="shmrl-launcher", daemon=True)
-        launcher.start()
+        if supervisor:
+            launcher.start()
         import torch
 
         from shmrl.ppo import PPO, PPOConfig
@@ -200,16 +228,17 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                             clip=config.clip, epochs=config.epochs, minibatch_size=config.minibatch_size,
                             ent_coef=config.ent_coef, hidden=config.hidden),
                   seed=config.seed, actor_weights=first_policy)
-        launcher.join()
+        if resumed:
+            ppo.set_state(arrays, state["ppo"])
+        if supervisor:
+            launcher.join()
         if launch_error:
             raise RunFailed(f"could not start the simulators: {launch_error[0]!r}")
-        metrics_file = open(logdir / "metrics.jsonl", "w") if logdir else None
+        metrics = open(logdir / "metrics.jsonl", "a" if resumed else "w")
         while True:
             batch = learner.next_batch(0.05)
-            dead = [p for p in procs if not p.is_alive()]
-            if dead:
-                raise RunFailed(", ".join(f"simulator {p.name} (pid {p.pid}) exited with code {p.exitcode}"
-                                          for p in dead))
+            if supervisor and supervisor.failure:
+                raise RunFailed(supervisor.failure)
             if len(store.returns) >= store.returns.maxlen and store.return_mean() >= config.stop_return:
                 status = EXIT_SOLVED
                 break
@@ -219,50 +248,57 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             stats = learner.train(ppo, *batch) if batch else None
             if stats:
                 now = time.time()
-                row = {"update": stats["update"], "env_steps": store.steps_received,
-                       "env_steps_per_s": store.steps_received / max(now - t_learn, 1e-9),
-                       "return_mean": store.return_mean(), "episodes": store.episodes_completed,
+                row = {"update": stats["update"], "return_mean": store.return_mean(),
+                       "episodes": store.episodes_completed,
+                       "env_steps_per_s": (store.steps_received - steps_at_start) / max(now - t_learn, 1e-9),
                        **{k: stats[k] for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac",
                                                "train_s", "batch_steps", "weights_seq_no", "policy_lag")},
-                       "env_steps_trained": store.steps_trained, "env_steps_dropped": dict(store.steps_dropped),
-                       "env_steps_by_client": dict(store.steps_by_conn),
-                       "elapsed_s": now - t_start}
+                       **counts(learner, supervisor), "elapsed_s": now - t_start}
                 print(progress_line(row, len(store.returns)), flush=True)
-                if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-        wall = time.time() - t_start
-        summary = {"solved": status == EXIT_SOLVED, "exit_status": status, "wall_s": wall,
-                   "env_steps": store.steps_received, "env_steps_trained": store.steps_trained,
-                   "env_steps_dropped": dict(store.steps_dropped), "env_steps_pending": store.pending_steps,
-                   "return_mean": store.return_mean(), "episodes": store.episodes_completed,
-                   "env_steps_per_s": store.steps_received / max(time.time() - t_learn, 1e-9),
-                   "env_steps_by_client": dict(store.steps_by_conn),
-                   "updates": learner.updates, "weights_seq_no": learner.weights_seq_no,
-                   "config": {**dataclasses.asdict(config),
-                              "auth_token": "(set)" if config.auth_token else None}}  # never the secret
-        verdict = "solved" if status == EXIT_SOLVED else "step budget exhausted"
-        print(f"{verdict}: return {summary['return_mean']:.1f} over the last {len(store.returns)} "
-              f"episodes after {summary['env_steps']} env steps in {wall:.2f} s", flush=True)
-        if logdir:
-            (logdir / "policy.onnx").write_bytes(learner.model_bytes)
-            (logdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return status, summary
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                if config.checkpoint_every and learner.updates % config.checkpoint_every == 0:
+                    save_checkpoint(config, learner, ppo, config.keep_checkpoints)
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_FAILED, summary
+    except KeyboardInterrupt:
+        status = EXIT_INTERRUPTED
+    except SystemExit as e:  # SIGTERM (see _terminate)
+        status = e.code if isinstance(e.code, int) else EXIT_FAILED
     finally:
-        if metrics_file:
-            metrics_file.close()
         if learner is not None:
-            learner.stop()
-        stop_simulators(procs)
-        for server in servers:
-            server.close()
+            learner.stop()   # from here on the store stands still
+        if supervisor is not None:
+            supervisor.stop()
+        try:
+            if learner is not None:
+                wall = time.time() - t_start
+                steps_here = learner.store.steps_received - steps_at_start
+                summary = {"solved": status == EXIT_SOLVED, "exit_status": status, "wall_s": wall,
+                           "return_mean": learner.store.return_mean(), "episodes": learner.store.episodes_completed,
+                           **counts(learner, supervisor),
+                           "env_steps_per_s": steps_here / max(time.time() - t_learn, 1e-9),
+                           "updates": learner.updates, "weights_seq_no": learner.weights_seq_no,
+                           "resumed_from": str(resumed[0]) if resumed else None, "config": saved_config(config)}
+                (logdir / "policy.onnx").write_bytes(learner.model_bytes)
+                if ppo is not None:
+                    summary["checkpoint"] = str(save_checkpoint(config, learner, ppo, config.keep_checkpoints))
+                (logdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                verdict = {EXIT_SOLVED: "solved", EXIT_BUDGET: "step budget exhausted", EXIT_FAILED: "failed",
+                           EXIT_INTERRUPTED: "interrupted"}.get(status, "terminated")
+                print(f"{verdict}: return {summary['return_mean']:.1f} over the last {len(learner.store.returns)} "
+                      f"episodes after {summary['env_steps']} env steps in {wall:.2f} s; wrote {logdir}",
+                      flush=True)
+        finally:
+            if metrics:
+                metrics.close()
+            for server in servers:
+                server.close()
+    return status, summary
 
 
-def parse_args(argv=None) -> RunConfig:
-    d = RunConfig()
+def build_parser(d: RunConfig) -> argparse.ArgumentParser:
+    """The command line, with ``d`` as the defaults (a resumed run's are its saved configuration)."""
     p = argparse.ArgumentParser(prog="python -m shmrl.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sims", type=int, default=d.sims,
@@ -273,14 +309,26 @@ def parse_args(argv=None) -> RunConfig:
     p.add_argument("--stop-return", type=float, default=d.stop_return, metavar="R",
                    help="stop when the mean return of the last 100 complete episodes reaches R (default: %(default)s)")
     p.add_argument("--max-env-steps", type=int, default=d.max_env_steps, metavar="N",
-                   help="give up (exit 1) after N env steps received (default: %(default)s)")
-    p.add_argument("--logdir", default=None, metavar="DIR",
-                   help="write metrics.jsonl (one line per update), summary.json and policy.onnx to DIR")
+                   help="give up (exit 1) after N env steps received, counting those before a --resume "
+                        "(default: %(default)s)")
+    r = p.add_argument_group("logs, checkpoints and resuming")
+    r.add_argument("--logdir", default=d.logdir, metavar="DIR",
+                   help="write metrics.jsonl (one line per update), summary.json, policy.onnx and "
+                        "checkpoints/ to DIR (default: runs/<env>-<date>-<time>-<pid>)")
+    r.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
+                   help="also write a checkpoint every N updates; one is always written when the run ends, "
+                        "Ctrl-C and SIGTERM included (default: %(default)s, only at the end)")
+    r.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, metavar="K",
+                   help="keep the last K checkpoints (default: %(default)s)")
+    r.add_argument("--resume", default=None, metavar="DIR",
+                   help="go on from the last checkpoint in DIR (weights, optimizer, env-step counts, "
+                        "weights_seq_no, return window), with its configuration except for the flags given "
+                        "here; logs are appended to DIR")
     t = p.add_argument_group("transports")
     t.add_argument("--transport", choices=("shm", "tcp"), default=d.transport,
                    help="how the local simulators talk to the learner: shared-memory rings, or "
                         "RLlink JSON over TCP loopback like an external client (default: %(default)s)")
-    t.add_argument("--tcp-port", type=int, default=None, metavar="PORT",
+    t.add_argument("--tcp-port", type=int, default=d.tcp_port, metavar="PORT",
                    help="also accept external RLlink clients (RLlib's JSON variant) on this port; "
                         "they train the same policy as the local simulators")
     t.add_argument("--tcp-host", default=d.tcp_host, metavar="HOST",
@@ -292,6 +340,9 @@ def parse_args(argv=None) -> RunConfig:
     t.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes, metavar="N",
                    help="largest TCP frame body accepted; a bigger header closes that connection "
                         "before its body is read (default: %(default)s)")
+    t.add_argument("--hang-timeout", type=float, default=d.hang_timeout, metavar="S",
+                   help="restart a local simulator whose env has not stepped for S seconds while the "
+                        "learner was not holding it back (default: %(default)s)")
     g = p.add_argument_group("sampling and PPO")
     g.add_argument("--env-steps-per-sample", type=int, default=d.env_steps_per_sample, metavar="N",
                    help="env steps per EPISODES message of each simulator; one update trains on "
@@ -299,10 +350,10 @@ def parse_args(argv=None) -> RunConfig:
     g.add_argument("--envs-per-sim", type=int, default=d.envs_per_sim, metavar="K",
                    help="environments each simulator steps together, one batched ONNX call per step "
                         "(default: %(default)s)")
-    g.add_argument("--async", dest="async_sampling", action="store_true",
-                   help="simulators keep sampling while the learner trains (SET_CONFIG force_on_policy "
-                        "false); PPO's ratio is taken against the behaviour policy the clients report. "
-                        "RLlib's own client refuses this mode")
+    g.add_argument("--async", dest="async_sampling", action="store_true", default=d.async_sampling,
+                   help="simulators keep sampling while the learner trains: each EPISODES_AND_GET_STATE "
+                        "is answered at once with the latest weights, not after the next update; PPO's "
+                        "ratio is taken against the behaviour log-probabilities the clients report")
     g.add_argument("--max-policy-lag", type=int, default=d.max_policy_lag, metavar="V",
                    help="with --async, drop (and count) chunks sampled with weights more than V "
                         "versions old (default: %(default)s)")
@@ -319,25 +370,47 @@ def parse_args(argv=None) -> RunConfig:
                         "(default: %(default)s)")
     g.add_argument("--torch-threads", type=int, default=d.torch_threads,
                    help="torch threads of the learner; the simulators need the other cores (default: %(default)s)")
+    return p
+
+
+def parse_args(argv=None) -> RunConfig:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    p = build_parser(RunConfig())
     a = p.parse_args(argv)
+    if a.resume:
+        from shmrl import checkpoint
+
+        path = checkpoint.latest(Path(a.resume))
+        if path is None:
+            p.error(f"--resume {a.resume}: no checkpoint in {checkpoint.checkpoints_dir(Path(a.resume))}")
+        saved = json.loads((path / "state.json").read_text())["config"]
+        fields = {f.name for f in dataclasses.fields(RunConfig)}
+        defaults = RunConfig(**{k: v for k, v in saved.items() if k in fields and k != "auth_token"})
+        defaults.logdir = a.resume
+        p = build_parser(defaults)  # the flags given now override the saved configuration
+        a = p.parse_args(argv)
     config = RunConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(RunConfig)})
     if config.sims < 0 or min(config.env_steps_per_sample, config.max_env_steps, config.envs_per_sim) < 1:
         p.error("--sims must be >= 0; --env-steps-per-sample, --max-env-steps and --envs-per-sim >= 1")
+    if config.checkpoint_every < 0 or config.keep_checkpoints < 1 or config.hang_timeout <= 0:
+        p.error("--checkpoint-every must be >= 0, --keep-checkpoints >= 1 and --hang-timeout > 0")
     if config.sims == 0 and config.tcp_port is None:
         p.error("--sims 0 runs no local simulator: give --tcp-port for external clients")
+    if config.logdir is None:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in config.env)
+        config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     return config
 
 
 def main(argv=None) -> int:
     t_start = process_start_time()
-    config = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _terminate)
     try:
+        config = parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        signal.signal(signal.SIGTERM, _terminate)
         status, _ = train(config, t_start)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # before train() had anything to clean up
+        return EXIT_INTERRUPTED
     return status
 
 

@@ -105,7 +105,7 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     obs = [env.reset(seed=seed * 1_000_003 + k)[0] for k, env in enumerate(envs)]
     running = [Episode(o, weights_seq_no=seq) for o in obs]
     steps_per_env = -(-steps_per_message // envs_per_sim)
-    sent = messages = 0
+    sent = messages = stepped = 0
     returns = [0.0] * envs_per_sim               # running return of each env's episode
     recent: deque = deque(maxlen=100)             # returns of the episodes completed lately
     next_log = time.monotonic() + (log_every_s or 0.0)
@@ -128,6 +128,8 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
                     o = env.reset()[0]
                     running[k] = Episode(o, weights_seq_no=seq)
                 obs[k] = o
+            stepped += envs_per_sim
+            client.heartbeat(stepped)  # a simulator whose env hangs stops counting
         chunks = finished + [ep for ep in running if len(ep)]
         n_steps = sum(len(c) for c in chunks)
         reply = client.request({

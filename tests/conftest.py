@@ -76,8 +76,9 @@ class Run:
     def __init__(self, args, tmp_path):
         self.log_path = tmp_path / "run.log"
         self.log = open(self.log_path, "w")
+        # In the test's own folder: a run without --logdir writes runs/... where it starts.
         self.proc = subprocess.Popen([sys.executable, "-m", "shmrl.run", *args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
 
     def output(self) -> str:
         self.log.flush()

@@ -41,8 +41,9 @@ def test_budget_exhausted_exits_1(start_run):
     assert "step budget exhausted" in run.output()
 
 
-def test_ctrl_c_stops_everything_and_leaves_no_segment(start_run):
-    run = start_run("--sims", 4, "--stop-return", 500, "--max-env-steps", 10_000_000)
+def test_ctrl_c_stops_everything_and_leaves_no_segment(start_run, tmp_path):
+    logdir = tmp_path / "logs"
+    run = start_run("--sims", 4, "--stop-return", 500, "--max-env-steps", 10_000_000, "--logdir", logdir)
     run.wait_for("update    2 |", timeout=60)
     family = descendants(run.proc.pid)
     assert len(family) >= 4 and shm_entries(run.proc.pid)
@@ -54,6 +55,9 @@ def test_ctrl_c_stops_everything_and_leaves_no_segment(start_run):
     time.sleep(0.2)
     assert [p for p in family if alive(p)] == []
     assert shm_entries(run.proc.pid) == []
+    summary = json.loads((logdir / "summary.json").read_text())    # nothing lost: what it did is written
+    assert summary["exit_status"] == 130 and summary["updates"] >= 2
+    assert (logdir / "checkpoints" / f"{summary['updates']:06d}" / "weights.npz").exists()
 
 
 def test_sigterm_stops_everything(start_run):
@@ -65,17 +69,6 @@ def test_sigterm_stops_everything(start_run):
     assert run.proc.returncode == 143, run.output()
     time.sleep(0.2)
     assert [p for p in family if alive(p)] == [] and shm_entries(run.proc.pid) == []
-
-
-def test_a_simulator_killed_fails_the_run_with_its_name(start_run):
-    run = start_run("--sims", 3, "--stop-return", 500, "--max-env-steps", 10_000_000)
-    run.wait_for("update    1 |", timeout=60)
-    sims = [p for p in descendants(run.proc.pid) if b"shmrl-sim" in _cmdline_or_comm(p)]
-    assert sims, "no simulator processes found"
-    os.kill(sims[0], signal.SIGKILL)
-    run.proc.wait(timeout=15)
-    assert run.proc.returncode == 3 and "exited with code -9" in run.output()
-    assert shm_entries(run.proc.pid) == []
 
 
 def test_simulators_never_import_torch(start_run):
@@ -101,14 +94,6 @@ def test_help_explains_every_flag():
                          timeout=30).stdout
     for flag in ("--sims", "--env", "--seed", "--stop-return", "--max-env-steps", "--logdir"):
         assert flag in out
-
-
-def _cmdline_or_comm(pid):
-    try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def test_learner_killed_simulators_exit_and_next_run_sweeps_its_segments(start_run):

@@ -53,8 +53,8 @@ def rllib_episodes(steps: int, seed: int = 0) -> list:
         rewards.append(reward)
         if t == steps or terminated or truncated:
             episodes.append({"obs": observations, "actions": actions, "action_dist_inputs": dist,
-                             "action_logp": logps, "rewards": rewards, "terminateds": terminated,
-                             "truncateds": truncated})
+                             "action_logp": logps, "rewards": rewards, "is_terminated": terminated,
+                             "is_truncated": truncated})
             observations, actions, dist, logps, rewards = [observations[-1]], [], [], [], []
             if terminated or truncated:
                 obs, _ = env.reset()
@@ -122,7 +122,7 @@ class HubLoop:
     def __init__(self, server: TcpServer, *, auto_publish: bool = True, onnx_file: str = "abc"):
         self.server, self.auto_publish, self.onnx_file = server, auto_publish, onnx_file
         self.store = EpisodeStore()
-        self.hub = Hub(SPEC, self.store, env_steps_per_sample=8, force_on_policy=True)
+        self.hub = Hub(SPEC, self.store, env_steps_per_sample=8, on_policy=True)
         self.seq = 1
         self.hub.set_state(self.seq, onnx_file)
         self.received: list[tuple[str, str | None]] = []  # (conn_id, type), None: closed
@@ -406,6 +406,29 @@ def test_a_client_that_does_not_read_its_replies_is_dropped(net, caplog):
     assert hub.closed() == [conn_id]
 
 
+def test_big_incomplete_frames_of_many_clients_stay_within_a_memory_budget(net, caplog):
+    server = net.server(max_frame_bytes=8 << 20, max_buffered_bytes=3 << 20)
+    hub = net.hub(server)
+    served = []
+    keep_sampling(net, server, served)
+    hogs = [net.raw(server) for _ in range(4)]
+    total = 0
+    for k, hog in enumerate(hogs):                              # each announces 8 MiB and sends ~1 MiB
+        part = b"%08d" % (8 << 20) + b"x" * ((1 << 20) - 4096 * k)
+        hog.sendall(part)
+        total += len(part)
+        if k < 3:                                               # in order: the first is the largest
+            wait_until(lambda: server._buffered() == total, what=f"hog {k}'s bytes to arrive")
+    biggest = conn_id_of(hogs[0])
+    wait_until(lambda: biggest in hub.closed(), what="the largest incomplete frame to be dropped")
+    assert any("exceed max_buffered_bytes (3145728): this one is the largest" in m
+               for m in log_lines(caplog, biggest)), caplog.text
+    assert server._buffered() <= 3 << 20
+    assert hub.closed() == [biggest]                            # the others fit again: kept
+    n = len(served)
+    wait_until(lambda: len(served) >= n + 3, what="the good client to go on")
+
+
 def test_idle_timeout_spares_a_client_waiting_for_its_reply(net, caplog):
     server = net.server(idle_timeout=0.3)
     hub = net.hub(server, auto_publish=False)
@@ -531,7 +554,7 @@ def episode_frames(draw):
 
         ep = {"obs": lists(numbers, n + 1, 4), "actions": lists(st.integers(0, 1), n), "rewards": lists(numbers, n),
               "action_dist_inputs": lists(numbers, n, 2), "action_logp": lists(numbers, n),
-              "terminateds": draw(st.booleans()), "truncateds": False}
+              "is_terminated": draw(st.booleans()), "is_truncated": False}
         flaw = draw(st.sampled_from(["none", "none", "obs width", "action range", "not finite", "field"]))
         if flaw == "obs width":
             ep["obs"] = [o[:3] for o in ep["obs"]]

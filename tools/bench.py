@@ -121,25 +121,25 @@ class Pipeline:
     taken from the store and thrown away, nothing is trained."""
 
     def __init__(self, sims: int, *, envs_per_sim: int = 1, env_steps_per_sample: int = 256,
-                 force_on_policy: bool, seed: int = 0, weights: list[np.ndarray] | None = None):
+                 on_policy: bool, seed: int = 0, weights: list[np.ndarray] | None = None):
         from shmrl.envs import env_spec
         from shmrl.learner import EpisodeStore, Hub
         from shmrl.onnx_policy import OnnxPublisher
-        from shmrl.run import RunConfig, start_simulators
+        from shmrl.supervisor import Supervisor
         from shmrl.transport.shm import ShmServer
 
-        self.sims, self.procs, self.seq = sims, [], 0
+        self.sims, self.seq, self.supervisor = sims, 0, None
         self.rng = np.random.default_rng(seed)
         self.server = ShmServer(sims)
         try:
-            config = RunConfig(sims=sims, env=ENV_ID, seed=seed, envs_per_sim=envs_per_sim,
-                               env_steps_per_sample=env_steps_per_sample)
             self.store = EpisodeStore()
-            self.hub = Hub(env_spec(ENV_ID), self.store, env_steps_per_sample, force_on_policy)
+            self.hub = Hub(env_spec(ENV_ID), self.store, env_steps_per_sample, on_policy)
             self.publisher = OnnxPublisher(ACTOR_SIZES, ACTIVATION)
             self.publish(weights)  # before any simulator asks: GET_STATE needs a state
             addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
-            self.procs = start_simulators(addresses, config)
+            self.supervisor = Supervisor(addresses, env=ENV_ID, seed=seed, envs_per_sim=envs_per_sim)
+            self.supervisor.start_all()
+            self.procs = [sim.proc for sim in self.supervisor.sims]
         except BaseException:
             self.close()
             raise
@@ -194,10 +194,9 @@ class Pipeline:
             self.poll(min(left, 0.05))
 
     def close(self) -> None:
-        from shmrl.run import stop_simulators
-
         try:
-            stop_simulators(self.procs)
+            if self.supervisor is not None:
+                self.supervisor.stop()
         finally:
             self.server.close()
 
@@ -234,9 +233,9 @@ def stop_fork_server(timeout: float = 5.0) -> None:
 def throughput(args) -> dict:
     result = started(
         "throughput",
-        f"Pipeline: ShmServer(n) + n simulators started by shmrl.run.start_simulators (forkserver), "
+        f"Pipeline: ShmServer(n) + n simulators started by shmrl.supervisor.Supervisor (forkserver), "
         f"{ENV_ID} with a random-init ONNX policy {ACTOR_SIZES}; in this process a Hub with "
-        f"force_on_policy=False answers each EPISODES_AND_GET_STATE at once and the chunks are "
+        f"on_policy=False answers each EPISODES_AND_GET_STATE at once and the chunks are "
         f"drained (no training). Env steps received per second: after every simulator has sent "
         f"episodes and a {args.warmup:g} s warm-up, --seconds {args.seconds:g} of measurement split "
         f"into --repeat {args.repeat} consecutive windows; the figure is the median window. "
@@ -268,7 +267,7 @@ def throughput(args) -> dict:
 def pipeline_throughput(n: int, weights, args) -> dict:
     t0 = time.monotonic()
     with Pipeline(n, envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample,
-                  force_on_policy=False, weights=weights) as p:
+                  on_policy=False, weights=weights) as p:
         p.run_until(lambda: len(p.store.steps_by_conn) == n, WAIT_S, f"{n} simulators sending episodes")
         ready_s = time.monotonic() - t0
         p.run_for(args.warmup)
@@ -465,7 +464,7 @@ def transport_message(steps: int, seq: int = 1) -> dict:
                "actions": actions.astype(np.int64),
                "rewards": np.ones(steps, np.float32),  # CartPole's: all 1.0
                "action_dist_inputs": logits, "action_logp": logp.astype(np.float32),
-               "terminateds": True, "truncateds": False,
+               "is_terminated": True, "is_truncated": False,
                "episode_id": "bench-0", "weights_seq_no": seq}
     return {"type": "EPISODES_AND_GET_STATE", "episodes": [episode], "timesteps": steps}
 
@@ -599,7 +598,7 @@ def sync(args) -> dict:
 
     result = started(
         "sync",
-        f"Pipeline as in throughput, but the Hub in on-policy mode (force_on_policy=True: each "
+        f"Pipeline as in throughput, but the Hub in on-policy mode (on_policy=True: each "
         f"EPISODES_AND_GET_STATE waits for the next weights) and env_steps_per_sample=1. Once all "
         f"{args.sims} simulators wait, a publish: new random weights -> OnnxPublisher.publish -> "
         f"encode_onnx_file -> hub.set_state (writes SET_STATE to every reply ring). Latency: from "
@@ -610,7 +609,7 @@ def sync(args) -> dict:
         sims=args.sims, updates=args.updates, warmup=args.warmup)
     all_in, first_in, publish = [], [], []
     parts: dict[str, list] = {"onnx": [], "encode": [], "set_state": []}
-    with Pipeline(args.sims, env_steps_per_sample=1, force_on_policy=True) as p:
+    with Pipeline(args.sims, env_steps_per_sample=1, on_policy=True) as p:
         everyone_waits = lambda: len(p.hub.sampling) == args.sims and p.hub.all_waiting()  # noqa: E731
         p.run_until(everyone_waits, WAIT_S, f"{args.sims} simulators waiting for weights")
         for u in range(args.warmup + args.updates):

@@ -6,6 +6,7 @@ client (a simulator or an external program)::
 
     reply = client.request(msg)    # send a request, wait for its reply (a validated dict)
     client.send(msg)               # send a request that gets no reply (EPISODES)
+    client.heartbeat(env_steps)    # env steps stepped so far: liveness where the medium needs it
     client.close()
 
 server (the learner)::

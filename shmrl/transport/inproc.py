@@ -27,6 +27,7 @@ class InProcServer:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._lock = threading.Lock()
+        self.frames_rejected = 0
 
     def connect(self, timeout: float = 30.0) -> "InProcClient":
         conn_id = f"inproc:{next(self._ids)}"
@@ -61,6 +62,7 @@ class InProcServer:
             try:
                 out.append((conn_id, rllink.decode_request(body)))
             except rllink.ProtocolError as e:
+                self.frames_rejected += 1
                 self.drop(conn_id, str(e))
                 out.append((conn_id, None))
 
@@ -103,6 +105,9 @@ class InProcClient:
         if body is None:
             raise ConnectionError(f"{self.conn_id}: connection closed by the server")
         return rllink.decode_reply(body)
+
+    def heartbeat(self, env_steps: int) -> None:
+        pass
 
     def close(self) -> None:
         pass

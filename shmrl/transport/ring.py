@@ -475,7 +475,7 @@ class ClientSlot:
     0      magic u64, owner pid, request capacity, reply capacity, closed flag (owner)
     64     reason the owner closed the connection, 192 bytes UTF-8, NUL-padded (owner)
     256    name of the request doorbell FIFO to ring, 128 bytes, NUL-padded (owner)
-    384    client pid u64, client heartbeat u64 (time.monotonic_ns, system-wide) (client)
+    384    client pid u64, env steps the client has stepped u64: its heartbeat (client)
     512    request ring: 256-byte header + request capacity
     ...    reply ring: 256-byte header + reply capacity (then padding to a page)
     ====== ======================================================================
@@ -486,7 +486,7 @@ class ClientSlot:
     _MAGIC, _OWNER_PID, _REQ_CAP, _REP_CAP, _CLOSED = 0, 1, 2, 3, 4
     _REASON = slice(64, 256)
     _DOORBELL = slice(256, 384)
-    _CLIENT_PID, _HEARTBEAT = 48, 49
+    _CLIENT_PID, _ENV_STEPS = 48, 49
 
     def __init__(self, segment: Segment):
         self.segment, self.name = segment, segment.name
@@ -554,12 +554,13 @@ class ClientSlot:
         self._hdr[self._CLIENT_PID] = pid
 
     @property
-    def heartbeat_ns(self) -> int:
-        return self._hdr[self._HEARTBEAT]
+    def env_steps(self) -> int:
+        """Env steps the client has stepped so far (it writes this as it goes)."""
+        return self._hdr[self._ENV_STEPS]
 
-    def touch(self) -> None:
-        """Client: record that it is alive now."""
-        self._hdr[self._HEARTBEAT] = time.monotonic_ns()
+    @env_steps.setter
+    def env_steps(self, n: int) -> None:
+        self._hdr[self._ENV_STEPS] = n
 
     @property
     def closed_reason(self) -> str | None:
@@ -579,7 +580,7 @@ class ClientSlot:
         self.replies.reset()
         self._hdr[self._CLOSED] = 0
         self._hdr[self._CLIENT_PID] = 0
-        self._hdr[self._HEARTBEAT] = 0
+        self._hdr[self._ENV_STEPS] = 0
 
     def close(self) -> None:
         if self.segment._mm is None:

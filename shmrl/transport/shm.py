@@ -82,6 +82,7 @@ class ShmServer:
         self._gone: list[str] = []  # closed by the server itself: reported once by poll()
         self._recheck = False       # some ring holds a record that failed its checks
         self._conn_ids = [f"shm:{i}" for i in range(n_clients)]
+        self.frames_rejected = 0    # bad frames, each of which closed its connection
         self._closed = False
         swept = sweep_stale(prefix)
         if swept:
@@ -139,6 +140,7 @@ class ShmServer:
                     body = _unframe(payload)
                     msg = rllink.decode_request(body)
                 except Exception as e:  # untrusted input: close this connection only
+                    self.frames_rejected += 1
                     self._close(i, f"{type(e).__name__}: {e}")
                     out.append((self._conn_ids[i], None))
                     break
@@ -197,10 +199,9 @@ class ShmServer:
         except OSError:
             pass
 
-    def heartbeat_age(self, i: int) -> float | None:
-        """Seconds since client ``i`` last showed life, None if none ever attached."""
-        ns = self._slots[i].heartbeat_ns
-        return None if ns == 0 else max(0.0, (time.monotonic_ns() - ns) / 1e9)
+    def env_steps(self, i: int) -> int:
+        """Env steps client ``i`` has stepped (its heartbeat): it may have sent fewer."""
+        return self._slots[i].env_steps
 
     def client_pid(self, i: int) -> int | None:
         return self._slots[i].client_pid or None
@@ -254,7 +255,6 @@ class ShmClient:
             if pid and pid != os.getpid() and _pid_alive(pid):
                 raise ConnectionRefusedError(f"{address} is in use by the live process {pid}")
             self._slot.client_pid = os.getpid()
-            self._slot.touch()
             self._replies_bell = Doorbell.open(fifo_path(address), "r")
             self._requests_bell = Doorbell.open(fifo_path(self._slot.request_doorbell), "w")
         except BaseException:
@@ -275,7 +275,6 @@ class ShmClient:
         ring = self._slot.requests
         if not ring.try_write(parts):
             self._wait_for_space(ring, parts)
-        self._slot.touch()
         self._requests_bell.ring()  # after publishing: the barrier for the server's read
 
     def _wait_for_space(self, ring, parts) -> None:
@@ -318,7 +317,12 @@ class ShmClient:
                 if payload is not None:
                     return rllink.decode_reply(_unframe(payload))
                 raise
-            self._slot.touch()  # alive while waiting (e.g. for the next weights)
+
+    def heartbeat(self, env_steps: int) -> None:
+        """Tell the learner how many env steps this simulator has stepped: it counts as
+        alive while the number grows (or while the learner itself holds it back), and a
+        simulator that dies has lost what it stepped but never sent."""
+        self._slot.env_steps = env_steps
 
     def _check_open(self) -> None:
         if self._peer_gone is not None:

@@ -112,12 +112,18 @@ class TcpServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_frame_bytes: int = 64 << 20,
                  frame_timeout: float = 10.0, idle_timeout: float | None = None,
-                 max_out_bytes: int = 64 << 20, max_connections: int = 1024):
+                 max_out_bytes: int = 64 << 20, max_connections: int = 1024,
+                 max_buffered_bytes: int = 256 << 20):
         if frame_timeout <= 0 or (idle_timeout is not None and idle_timeout <= 0):
             raise ValueError("frame_timeout and idle_timeout must be > 0 (idle_timeout None: off)")
-        if max_frame_bytes < 0 or max_out_bytes <= 0 or max_connections < 1:
-            raise ValueError("max_frame_bytes must be >= 0, max_out_bytes and max_connections > 0")
+        if max_frame_bytes < 0 or min(max_out_bytes, max_connections, max_buffered_bytes) <= 0:
+            raise ValueError("max_frame_bytes must be >= 0, max_out_bytes, max_connections and "
+                             "max_buffered_bytes > 0")
         self.max_frame_bytes, self.max_out_bytes = max_frame_bytes, max_out_bytes
+        # Incomplete frames of all connections together: many clients each sending a large
+        # frame must not take the machine's memory (the largest one is closed instead).
+        self.max_buffered_bytes = max_buffered_bytes
+        self._encoded: tuple[dict | None, bytes] = (None, b"")  # the last reply encoded, by identity
         self.frame_timeout, self.idle_timeout = frame_timeout, idle_timeout
         self.max_connections = max_connections
         self._lock = threading.Lock()
@@ -127,6 +133,7 @@ class TcpServer:
         self._wake_pending = False           # a byte is in the wake pipe
         self._stopping = self._closed = False
         self._refused = 0                    # connections refused since the last one accepted
+        self.frames_rejected = 0             # bad frames, each of which closed its connection
         self._accept_paused_until: float | None = None
         self._tick = max(0.01, min(1.0, frame_timeout / 4, (idle_timeout or math.inf) / 4))
         self._next_check = 0.0
@@ -190,8 +197,12 @@ class TcpServer:
 
     def reply(self, conn_id: str, msg: dict) -> None:
         """Queue ``msg`` as JSON for ``conn_id``; never blocks. Unknown or closed: ignored. A
-        client with more than ``max_out_bytes`` of replies unread is disconnected."""
-        data = rllink.frame(rllink.encode_json(msg))
+        client with more than ``max_out_bytes`` of replies unread is disconnected. ``msg`` is
+        not copied (the same SET_STATE goes to many clients): do not change it afterwards."""
+        last, data = self._encoded
+        if msg is not last:  # SET_STATE goes to every waiting client: encode it once
+            data = rllink.frame(rllink.encode_json(msg))
+            self._encoded = (msg, data)
         with self._lock:
             conn = self._conns.get(conn_id)
             if conn is None or conn.closed:
@@ -344,7 +355,18 @@ class TcpServer:
         if not conn.inbuf:
             conn.frame_start = now
         conn.inbuf += self._recv_buf[:n]
+        if len(conn.inbuf) > self.RECV_BYTES and self._buffered() > self.max_buffered_bytes:
+            largest = max((c for c in self._conns.values() if c.sock is not None), key=lambda c: len(c.inbuf))
+            self._close(largest, f"incomplete frames of all clients exceed max_buffered_bytes "
+                                 f"({self.max_buffered_bytes}): this one is the largest "
+                                 f"({largest.frame_progress()})")
+            if largest is conn:
+                return
         self._parse(conn, now)
+
+    def _buffered(self) -> int:
+        """Bytes of incomplete frames held for all connections (IO thread)."""
+        return sum(len(c.inbuf) for c in self._conns.values())
 
     def _parse(self, conn: _Conn, now: float) -> None:
         """Deliver every complete frame in the buffer; the header is checked before the body
@@ -365,6 +387,7 @@ class TcpServer:
                 if not self._deliver(conn, rllink.decode_request(body)):
                     return
         except rllink.ProtocolError as e:
+            self.frames_rejected += 1
             self._close(conn, str(e))
         finally:
             if conn.sock is not None and conn.paused:
@@ -551,6 +574,9 @@ class TcpClient:
             return rllink.decode_reply(self._recv_exactly(n, deadline, "body"))
         except rllink.ProtocolError as e:
             raise self._fail(e) from None
+
+    def heartbeat(self, env_steps: int) -> None:
+        """Nothing to do: over TCP the server judges a client by its traffic and timeouts."""
 
     def _recv_exactly(self, n: int, deadline: float, what: str) -> bytearray:
         buf = bytearray(n)

@@ -1,0 +1,161 @@
+"""The simulator processes of a run: started from a fork server, watched, restarted.
+
+``check`` runs in the learner's serving thread (``Learner(housekeeping=...)``), the thread
+that owns the Hub and the transports, so a dead simulator's connection is closed, its
+slot reset and a replacement started without a lock around any of them.
+
+A simulator is replaced when its process exits (a SIGKILL included: seen within one
+serving round, about 50 ms) or when it hangs: the env-step count it writes into its
+shared-memory slot (its heartbeat) has not grown for ``hang_timeout`` seconds while the
+learner was not itself holding it back. What it stepped but never sent is counted as
+lost. A simulator that keeps failing (``max_restarts`` within ``restart_window`` s) fails
+the run instead: its environment is broken, and restarting it forever would hide that.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import deque
+
+log = logging.getLogger("shmrl.supervisor")
+
+
+def describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
+
+
+class _Sim:
+    """One simulator slot and the process that currently fills it."""
+
+    def __init__(self, index: int, address: str):
+        self.index, self.address = index, address
+        # The shared-memory server names slot i's connection "shm:i"; over TCP the name is
+        # the client's port, unknown here (its connection closes when it dies anyway).
+        self.conn_id = f"shm:{index}" if address.startswith("shm:") else None
+        self.proc = None
+        self.started = 0.0            # time.monotonic() of this process's start
+        self.steps_received_before = 0  # steps its connection had delivered before this process
+        self.steps_seen = 0           # its heartbeat when last looked at
+        self.progress_at = 0.0        # when the heartbeat last grew (or the learner held it back)
+        self.failed_at: deque = deque()  # recent failures, for the restart budget
+
+
+class Supervisor:
+    def __init__(self, addresses: list[str], *, env: str, seed: int, envs_per_sim: int = 1,
+                 auth_token: str | None = None, shm_server=None, hang_timeout: float = 10.0,
+                 max_restarts: int = 5, restart_window: float = 60.0):
+        self.env, self.seed, self.envs_per_sim, self.auth_token = env, seed, envs_per_sim, auth_token
+        self.shm = shm_server  # heartbeats and slot resets; None: processes are only watched
+        self.hang_timeout, self.max_restarts, self.restart_window = hang_timeout, max_restarts, restart_window
+        self.sims = [_Sim(i, a) for i, a in enumerate(addresses)]
+        self.restarts = 0
+        self.failure: str | None = None  # set when a simulator has failed too often
+        self._lock = threading.Lock()    # the launcher, serving and main threads all start or stop
+        self._stopping = False
+        self._ctx = None
+
+    # ------------------------------------------------------------ starting and stopping
+    def start_all(self) -> None:
+        """One process per simulator, forked from a server that has imported only the
+        simulator's modules (numpy, onnxruntime): never torch, and a fork costs ms, not the
+        hundreds of ms a fresh interpreter would."""
+        for sim in self.sims:
+            with self._lock:
+                if self._stopping:
+                    return
+                self._start(sim, steps_received_before=0)
+
+    def _start(self, sim: _Sim, steps_received_before: int) -> None:
+        if self._ctx is None:
+            import multiprocess
+
+            self._ctx = multiprocess.get_context("forkserver")
+            transport = sim.address.split(":", 1)[0]
+            self._ctx.set_forkserver_preload(["shmrl.sim", f"shmrl.transport.{transport}"])
+        from shmrl.sim import sim_process_main
+
+        name = f"shmrl-sim{sim.index}"
+        sim.proc = self._ctx.Process(target=sim_process_main, name=name, daemon=True,
+                                     args=(sim.address, self.env, self.seed * 1000 + sim.index,
+                                           self.envs_per_sim, name, self.auth_token))
+        sim.proc.start()
+        sim.started = sim.progress_at = time.monotonic()
+        sim.steps_received_before, sim.steps_seen = steps_received_before, 0
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop every simulator (SIGTERM, then SIGKILL after ``timeout`` s) and start no more."""
+        with self._lock:
+            self._stopping = True
+            procs = [sim.proc for sim in self.sims if sim.proc is not None]
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+
+    def pids(self) -> list[int]:
+        return [sim.proc.pid for sim in self.sims if sim.proc is not None]
+
+    # ------------------------------------------------------------ watching (serving thread)
+    def check(self, learner) -> None:
+        """Replace every simulator that has exited or hung since the last look."""
+        if self._stopping or self.failure:
+            return
+        now = time.monotonic()
+        for sim in self.sims:
+            with self._lock:
+                if self._stopping or sim.proc is None:
+                    continue
+                reason = self._trouble(sim, learner, now)
+                if reason:
+                    self._replace(sim, reason, learner, now)
+
+    def _trouble(self, sim: _Sim, learner, now: float) -> str | None:
+        if not sim.proc.is_alive():
+            return describe_exit(sim.proc.exitcode)
+        if self.shm is None or sim.conn_id is None:
+            return None
+        steps = self.shm.env_steps(sim.index)
+        if steps != sim.steps_seen or sim.conn_id in learner.hub.waiting:
+            sim.steps_seen, sim.progress_at = steps, now  # progress, or held back by the learner
+        elif now - sim.progress_at > self.hang_timeout:
+            return f"hung: no env step for {now - sim.progress_at:.1f} s (--hang-timeout {self.hang_timeout:g})"
+        return None
+
+    def _replace(self, sim: _Sim, reason: str, learner, now: float) -> None:
+        proc = sim.proc
+        if proc.is_alive():  # hung: it goes for good
+            proc.kill()
+            proc.join(2.0)
+        proc.join(0)
+        what = f"simulator {proc.name} (pid {proc.pid}) {reason}"
+        lost = 0
+        if self.shm is not None and sim.conn_id is not None:
+            learner.serve_requests()  # whatever it published whole before it died still counts
+            received = learner.store.steps_by_conn.get(sim.conn_id, 0) - sim.steps_received_before
+            lost = max(0, self.shm.env_steps(sim.index) - received)
+            learner.store.steps_lost += lost
+            learner.disconnect(sim.conn_id, what)
+            self.shm.reset(sim.index)
+        sim.failed_at.append(now)
+        while sim.failed_at and now - sim.failed_at[0] > self.restart_window:
+            sim.failed_at.popleft()
+        if len(sim.failed_at) > self.max_restarts:
+            self.failure = (f"{what}; it failed {len(sim.failed_at)} times within {self.restart_window:g} s, "
+                            f"so it is not restarted again")
+            sim.proc = None
+            return
+        self.restarts += 1
+        log.warning("%s; %d env steps it had stepped but not sent are lost; restarting it", what, lost)
+        self._start(sim, learner.store.steps_by_conn.get(sim.conn_id, 0) if sim.conn_id else 0)

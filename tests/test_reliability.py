@@ -1,0 +1,230 @@
+"""Faults: simulators killed or hung, a learner interrupted and resumed, too little shared
+memory, and the accounting of every env step through all of it."""
+import json
+import os
+import re
+import signal
+import time
+
+import multiprocess
+import numpy as np
+
+from conftest import alive, descendants, shm_entries
+from shmrl.envs import env_spec
+from shmrl.learner import Learner
+from shmrl.onnx_policy import init_mlp_weights
+from shmrl.supervisor import Supervisor
+from shmrl.transport.shm import ShmClient, ShmServer
+from test_shm_transport import make_episode
+
+SIZES = [4, 64, 64, 2]
+fork = multiprocess.get_context("fork")
+
+
+def sims_of(run) -> dict[str, int]:
+    """Simulator process name -> pid, for a run's live simulators."""
+    out = {}
+    for pid in descendants(run.proc.pid):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if name.startswith("shmrl-sim") and alive(pid):
+            out[name] = pid
+    return out
+
+
+def wait_for_new_sim(run, name: str, old_pid: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = sims_of(run).get(name)
+        if pid and pid != old_pid:
+            return pid
+        time.sleep(0.02)
+    raise AssertionError(f"{name} was not restarted; output:\n{run.output()}")
+
+
+def kill_while_sampling(pid: int, timeout: float = 5.0) -> None:
+    """SIGKILL ``pid`` at a moment it is runnable (stepping its envs), not asleep waiting
+    for its reply: then it dies holding steps it has not sent."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if state == "R":
+            break
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)
+
+
+def check_conservation(summary: dict) -> None:
+    """Every env step received was trained on, is pending, or was dropped for a reason."""
+    assert summary["env_steps"] == (summary["env_steps_trained"] + summary["env_steps_pending"]
+                                    + sum(summary["env_steps_dropped"].values())), summary
+    assert sum(summary["env_steps_by_client"].values()) == summary["env_steps"]
+
+
+def test_a_killed_simulator_is_noticed_restarted_and_training_finishes(start_run, tmp_path):
+    logdir = tmp_path / "logs"
+    run = start_run("--sims", 3, "--stop-return", 150, "--max-env-steps", 200_000, "--logdir", logdir)
+    run.wait_for("update    2 |", timeout=60)
+    victim = sims_of(run)["shmrl-sim1"]
+    t_kill = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    run.wait_for(f"(pid {victim}) was killed by SIGKILL", timeout=5)
+    assert time.monotonic() - t_kill < 1.0                      # noticed within a second
+    wait_for_new_sim(run, "shmrl-sim1", victim)
+    run.proc.wait(timeout=120)
+    assert run.proc.returncode == 0, run.output()               # and the run still solves
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["simulator_restarts"] == 1 and summary["return_mean"] >= 150
+    check_conservation(summary)
+    assert shm_entries(run.proc.pid) == [] and descendants(run.proc.pid) == []
+
+
+def test_simulators_killed_mid_frame_never_yield_a_torn_frame(start_run, tmp_path):
+    """Asynchronous simulators with long messages spend much of their time sampling and
+    writing frames: kill them while they run, one slot after another. Whatever they were
+    writing is never decoded (no connection is closed for a bad frame), their unsent steps
+    are counted as lost, and the books still balance."""
+    logdir = tmp_path / "logs"
+    run = start_run("--sims", 4, "--async", "--stop-return", 1e9, "--max-env-steps", 150_000,
+                    "--env-steps-per-sample", 2048, "--logdir", logdir)
+    run.wait_for("update    2 |", timeout=60)
+    rng = np.random.default_rng(0)
+    for k in range(6):
+        name = f"shmrl-sim{k % 4}"
+        pid = sims_of(run)[name]
+        time.sleep(rng.uniform(0.05, 0.3))
+        kill_while_sampling(pid)
+        wait_for_new_sim(run, name, pid)
+    run.proc.wait(timeout=120)
+    out = run.output()
+    assert run.proc.returncode == 1, out                        # the step budget, not a failure
+    assert not re.search(r"crc|torn|stale record|ProtocolError|not valid", out), out
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["simulator_restarts"] == 6
+    assert summary["env_steps_lost"] > 0                        # they died holding unsent steps
+    check_conservation(summary)
+
+
+def test_a_hung_simulator_is_found_by_its_heartbeat_and_restarted(start_run, tmp_path):
+    logdir = tmp_path / "logs"
+    run = start_run("--sims", 3, "--async", "--hang-timeout", 1, "--stop-return", 1e9,
+                    "--max-env-steps", 150_000, "--logdir", logdir)
+    run.wait_for("update    2 |", timeout=60)
+    victim = sims_of(run)["shmrl-sim2"]
+    os.kill(victim, signal.SIGSTOP)                             # its env makes no more progress
+    run.wait_for(f"simulator shmrl-sim2 (pid {victim}) hung: no env step for", timeout=10)
+    wait_for_new_sim(run, "shmrl-sim2", victim)
+    assert not alive(victim)                                    # the hung one is gone for good
+    run.proc.wait(timeout=120)
+    assert run.proc.returncode == 1, run.output()
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["simulator_restarts"] == 1
+    check_conservation(summary)
+
+
+def test_a_simulator_that_keeps_dying_fails_the_run(start_run):
+    run = start_run("--sims", 2, "--stop-return", 1e9, "--max-env-steps", 10_000_000)
+    run.wait_for("update    1 |", timeout=60)
+    pid = sims_of(run)["shmrl-sim0"]
+    for _ in range(5):                                          # five restarts are allowed...
+        os.kill(pid, signal.SIGKILL)
+        pid = wait_for_new_sim(run, "shmrl-sim0", pid)
+    os.kill(pid, signal.SIGKILL)                                # ...the sixth failure is not
+    run.proc.wait(timeout=30)
+    assert run.proc.returncode == 3, run.output()
+    assert "shmrl-sim0" in run.output() and "failed 6 times within 60 s" in run.output()
+    assert shm_entries(run.proc.pid) == [] and descendants(run.proc.pid) == []
+
+
+def sends_60_of_100(address: str) -> None:
+    client = ShmClient(address)
+    client.heartbeat(100)                                       # stepped 100...
+    client.send({"type": "EPISODES", "episodes": [make_episode(60, seed=1).to_rllink()],
+                 "timesteps": 60})                              # ...sent 60, then dies
+    os._exit(9)
+
+
+def test_supervisor_counts_the_steps_a_dead_simulator_never_sent(no_shm_leftovers):
+    server = ShmServer(1)
+    learner = supervisor = None
+    try:
+        supervisor = Supervisor([f"shm:{server.address(0)}"], env="CartPole-v1", seed=0, shm_server=server)
+        learner = Learner(env_spec("CartPole-v1"), [server], actor_sizes=SIZES,
+                          initial_weights=init_mlp_weights(SIZES, 0.01, np.random.default_rng(0)),
+                          env_steps_per_sample=64, train_batch_size=10_000)
+        doomed = fork.Process(target=sends_60_of_100, args=(server.address(0),), name="doomed")
+        doomed.start()
+        doomed.join(10)
+        supervisor.sims[0].proc = doomed                        # as if the supervisor had started it
+        supervisor.check(learner)
+        assert learner.store.steps_received == 60               # its whole frame still counts
+        assert learner.store.steps_lost == 40 and supervisor.restarts == 1
+        replacement = supervisor.sims[0].proc
+        assert replacement is not doomed and replacement.is_alive()
+        deadline = time.monotonic() + 20
+        while learner.store.steps_received == 60 and time.monotonic() < deadline:
+            learner.poll(0.05)                                  # the new simulator works the reset slot
+        assert learner.store.steps_received > 60
+    finally:
+        if supervisor:
+            supervisor.stop()
+        if learner:
+            learner.stop()
+        server.close()
+
+
+def test_sigterm_writes_a_checkpoint_and_resume_goes_on_from_it(start_run, tmp_path):
+    logdir = tmp_path / "logs"
+    first = start_run("--sims", 4, "--seed", 3, "--stop-return", 1e9, "--max-env-steps", 10_000_000,
+                      "--logdir", logdir)
+    first.wait_for("update    4 |", timeout=60)
+    family = descendants(first.proc.pid)
+    first.proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    first.proc.wait(timeout=10)
+    while [p for p in family if alive(p)] and time.monotonic() - t0 < 3:
+        time.sleep(0.02)
+    assert time.monotonic() - t0 < 3 and first.proc.returncode == 143, first.output()   # all of it, in 3 s
+    assert [p for p in family if alive(p)] == [] and shm_entries(first.proc.pid) == []
+    stopped = json.loads((logdir / "summary.json").read_text())
+    checkpoint = json.loads((logdir / "checkpoints" / f"{stopped['updates']:06d}" / "state.json").read_text())
+    assert checkpoint["weights_seq_no"] == stopped["weights_seq_no"]
+    assert checkpoint["counters"]["steps_received"] == stopped["env_steps"]
+
+    second = start_run("--resume", logdir, "--stop-return", 150)    # same run, a reachable target
+    second.proc.wait(timeout=120)
+    assert second.proc.returncode == 0, second.output()
+    assert f"resuming from {logdir}/checkpoints/{stopped['updates']:06d}" in second.output()
+    assert f"update {stopped['updates'] + 1:4d} |" in second.output()   # the numbering goes on
+    resumed = json.loads((logdir / "summary.json").read_text())
+    assert resumed["solved"] and resumed["return_mean"] >= 150
+    assert resumed["env_steps"] > stopped["env_steps"] and resumed["weights_seq_no"] > stopped["weights_seq_no"]
+    assert resumed["config"]["seed"] == 3 and resumed["config"]["stop_return"] == 150
+    check_conservation(resumed)
+    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    updates = [r["update"] for r in rows]                       # one file, both runs, in order
+    assert updates[0] == 1 and updates[-1] == resumed["updates"] and stopped["updates"] + 1 in updates
+    assert all(a["update"] < b["update"] and a["env_steps"] < b["env_steps"] for a, b in zip(rows, rows[1:]))
+
+
+def test_too_little_shared_memory_is_a_clear_error_at_start(monkeypatch, capsys, tmp_path, no_shm_leftovers):
+    from shmrl import run
+    from shmrl.transport import ring
+
+    monkeypatch.setattr(ring, "shm_free_bytes", lambda path=ring.SHM_DIR: 3 << 20)   # a 3 MiB /dev/shm
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        status = run.main(["--sims", "8", "--logdir", str(tmp_path / "logs")])
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    err = capsys.readouterr().err
+    assert status == 3
+    assert re.search(r"shared memory: [\d.]+ MiB needed in /dev/shm but only 3\.0 MiB free", err), err
+    assert "--shm-size=" in err and "Traceback" not in err
