@@ -110,3 +110,91 @@ class Episode:
         ep.is_truncated = bool(d[rllink.TRUNCATED])
         ep.weights_seq_no = d.get(rllink.WEIGHTS_SEQ_NO)
         return ep
+
+
+class Rollout:
+    """``steps`` steps of ``num_envs`` envs in preallocated arrays: recording a step is one
+    array write per field, however many envs there are. ``chunks()`` cuts the steps into
+    RLlink episode chunks: an episode that ended becomes a terminated or truncated chunk
+    (its last observation is the one the env returned before it was reset), a running one
+    a chunk that the next rollout continues under the same episode id.
+
+    ``obs[t]`` is what the policy saw at step t; ``obs[steps]`` is where the next rollout
+    starts.
+    """
+
+    def __init__(self, num_envs: int, steps: int):
+        self.num_envs, self.steps = num_envs, steps
+        self.ids = [new_episode_id() for _ in range(num_envs)]
+        self.returns = np.zeros(num_envs)  # of each env's running episode, so far
+        self.completed: list[float] = []   # returns of the episodes that ended, for the caller to read
+        self.t = 0
+        self._bufs: dict[str, np.ndarray] | None = None
+        self._final_obs: dict[tuple[int, int], np.ndarray] = {}
+
+    def start(self, obs: np.ndarray) -> None:
+        """Begin a rollout from ``obs`` (one row per env)."""
+        self.t = 0
+        self._final_obs.clear()
+        self._obs0 = np.array(obs, np.float32)  # a copy: envs reuse their arrays
+
+    def record(self, actions, action_dist_inputs, action_logp, obs, rewards, terminated, truncated,
+               final_obs=None) -> None:
+        """One step of every env: what was done and what came of it (``final_obs``: the last
+        observation of the envs that ended, which ``obs`` already shows reset)."""
+        if self._bufs is None:  # shapes and dtypes from the first step
+            fields = {"actions": actions, "action_dist_inputs": action_dist_inputs, "action_logp": action_logp,
+                      "rewards": rewards, "terminated": terminated, "truncated": truncated}
+            T, K = self.steps, self.num_envs
+            self._bufs = {k: np.zeros((T, K, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in fields.items()}
+            self._bufs["obs"] = np.zeros((T + 1, K, *np.shape(obs)[1:]), np.float32)
+        if self.t == 0:
+            self._bufs["obs"][0] = self._obs0
+        t, bufs = self.t, self._bufs
+        bufs["actions"][t] = actions
+        bufs["action_dist_inputs"][t] = action_dist_inputs
+        bufs["action_logp"][t] = action_logp
+        bufs["rewards"][t] = rewards
+        bufs["terminated"][t] = terminated
+        bufs["truncated"][t] = truncated
+        bufs["obs"][t + 1] = obs
+        if final_obs is not None:
+            for k in np.flatnonzero(np.asarray(terminated) | np.asarray(truncated)):
+                self._final_obs[(t, int(k))] = np.array(final_obs[k], np.float32)
+        self.t = t + 1
+
+    def chunks(self, weights_seq_no: int | None = None) -> list[dict]:
+        """The recorded steps as RLlink episode dicts (numpy arrays, copies), one per episode
+        part; ``weights_seq_no``: the version of the policy that sampled them."""
+        b, T = self._bufs, self.t
+        if b is None or T == 0:
+            return []
+        done = b["terminated"][:T] | b["truncated"][:T]
+        out = []
+        for k in range(self.num_envs):
+            start = 0
+            for t in np.flatnonzero(done[:, k]):
+                obs = np.concatenate([b["obs"][start:t + 1, k], self._final_obs[(t, k)][None]])
+                out.append(self._chunk(k, start, t + 1, obs, weights_seq_no))
+                self.completed.append(float(self.returns[k]))
+                self.returns[k] = 0.0
+                self.ids[k] = new_episode_id()
+                start = t + 1
+            if start < T:
+                out.append(self._chunk(k, start, T, b["obs"][start:T + 1, k], weights_seq_no))
+        return out
+
+    def _chunk(self, k: int, start: int, end: int, obs: np.ndarray, weights_seq_no) -> dict:
+        b = self._bufs
+        rewards = np.array(b["rewards"][start:end, k], np.float32)
+        self.returns[k] += float(rewards.sum(dtype=np.float64))
+        d = {rllink.OBS: np.array(obs, np.float32), rllink.ACTIONS: np.array(b["actions"][start:end, k]),
+             rllink.REWARDS: rewards,
+             rllink.ACTION_DIST_INPUTS: np.array(b["action_dist_inputs"][start:end, k], np.float32),
+             rllink.ACTION_LOGP: np.array(b["action_logp"][start:end, k], np.float32),
+             rllink.TERMINATED: bool(b["terminated"][end - 1, k]),
+             rllink.TRUNCATED: bool(b["truncated"][end - 1, k]),
+             rllink.EPISODE_ID: self.ids[k]}
+        if weights_seq_no is not None:
+            d[rllink.WEIGHTS_SEQ_NO] = weights_seq_no
+        return d

@@ -79,19 +79,25 @@ class EpisodeStore:
         self.steps_received += steps
         self.steps_dropped[reason] = self.steps_dropped.get(reason, 0) + steps
 
-    def take(self, version: int = 0, max_lag: int | None = None) -> list[Episode]:
-        """Every pending chunk, except those sampled with weights more than ``max_lag``
-        versions older than ``version`` (dropped as stale). Chunks without a version
-        (RLlib's client sends none) count as current."""
-        chunks, self.chunks = self.chunks, []
-        self.pending_steps = 0
+    def take(self, version: int = 0, max_lag: int | None = None, max_steps: int | None = None) -> list[Episode]:
+        """The oldest pending chunks, up to ``max_steps`` steps (the last one may go over;
+        None: all), except those sampled with weights more than ``max_lag`` versions older
+        than ``version``, which are dropped as stale. Chunks without a version (RLlib's
+        client sends none) count as current."""
         if max_lag is not None:
-            fresh = [c for c in chunks if c.weights_seq_no is None or version - c.weights_seq_no <= max_lag]
-            if len(fresh) < len(chunks):
-                stale = sum(len(c) for c in chunks) - sum(len(c) for c in fresh)
+            fresh = [c for c in self.chunks if c.weights_seq_no is None or version - c.weights_seq_no <= max_lag]
+            if len(fresh) < len(self.chunks):
+                stale = sum(len(c) for c in self.chunks) - sum(len(c) for c in fresh)
                 self.steps_dropped["stale"] = self.steps_dropped.get("stale", 0) + stale
-            chunks = fresh
-        self.steps_trained += sum(len(c) for c in chunks)
+                self.pending_steps -= stale
+            self.chunks = fresh
+        n, steps = 0, 0
+        while n < len(self.chunks) and (max_steps is None or steps < max_steps):
+            steps += len(self.chunks[n])
+            n += 1
+        chunks, self.chunks = self.chunks[:n], self.chunks[n:]
+        self.pending_steps -= steps
+        self.steps_trained += steps
         return chunks
 
     def counters(self) -> dict:
@@ -291,8 +297,11 @@ class Learner:
         if self.housekeeping is not None:
             self.housekeeping(self)
         if not self._batch_out and self.ready():
+            # Asynchronous clients go on sampling while a batch trains: a batch is still one
+            # batch, so that learning per env step is what it is on-policy; the rest waits.
             max_lag = None if self.hub.on_policy else self.max_policy_lag
-            self._batches.put((self.store.take(self.weights_seq_no, max_lag), self.weights_seq_no))
+            chunks = self.store.take(self.weights_seq_no, max_lag, self.train_batch_size)
+            self._batches.put((chunks, self.weights_seq_no))
             self._batch_out = True
         return n
 

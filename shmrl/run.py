@@ -41,10 +41,10 @@ class RunConfig:
     logdir: str | None = None  # None: runs/<env>-<date>-<time>-<pid>
     env_steps_per_sample: int = 256
     envs_per_sim: int = 1
-    lr: float = 1e-3
+    lr: float = 3e-3
     gamma: float = 0.99
     gae_lambda: float = 0.95
-    epochs: int = 10
+    epochs: int = 6
     minibatch_size: int = 512
     ent_coef: float = 0.0
     clip: float = 0.2

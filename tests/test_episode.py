@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from shmrl import rllink
-from shmrl.episode import Episode
+from shmrl.episode import Episode, Rollout
 
 
 def make_chunk(n_steps: int, start: float = 0.0) -> Episode:
@@ -72,3 +72,52 @@ def test_chunks_carry_every_key_rllibs_server_reads():
     rllib_reads = {"obs", "actions", "rewards", "action_dist_inputs", "action_logp", "is_terminated", "is_truncated"}
     assert rllib_reads <= set(d) and d["is_terminated"] is True and d["is_truncated"] is False
     assert len(d["obs"]) == len(d["actions"]) + 1
+
+
+def test_rollout_cuts_the_same_chunks_as_per_env_episodes():
+    """Three rollouts of 4 envs (short episodes end inside them, some at their last step)
+    give exactly the chunks that per-env Episode.add_step / cut() bookkeeping gives."""
+    K, T, rng = 4, 7, np.random.default_rng(3)
+    lengths = [3, 1, 7, 5]                   # env k's episodes last lengths[k] steps (0 below: truncated)
+    rollout = Rollout(K, T)
+    reference = [Episode(np.full(4, 100.0 * k, np.float32)) for k in range(K)]
+    obs = np.stack([ep.obs[0] for ep in reference])
+    age, expected, got = [0] * K, [], []
+    for _ in range(3):
+        rollout.start(obs)
+        finished = []
+        for t in range(T):
+            actions, logits, logp = rng.integers(2, size=K), rng.normal(size=(K, 2)).astype(np.float32), rng.normal(size=K)
+            new_obs, rewards = rng.normal(size=(K, 4)).astype(np.float32), rng.normal(size=K).astype(np.float32)
+            terminated, truncated = np.zeros(K, bool), np.zeros(K, bool)
+            final_obs = new_obs.copy()
+            for k in range(K):
+                age[k] += 1
+                if age[k] == lengths[k]:
+                    (terminated if k % 2 else truncated)[k] = True
+                reference[k].add_step(int(actions[k]), float(rewards[k]), new_obs[k].copy(), logits[k], float(logp[k]),
+                                      terminated[k], truncated[k])
+                if terminated[k] or truncated[k]:
+                    finished.append(reference[k])
+                    age[k] = 0
+                    new_obs[k] = rng.normal(size=4)          # the env's reset observation
+                    reference[k] = Episode(new_obs[k].copy())
+            rollout.record(actions, logits, logp, new_obs, rewards, terminated, truncated, final_obs)
+            obs = new_obs
+        expected += [ep.to_rllink() for ep in finished] + [ep.to_rllink() for ep in reference if len(ep)]
+        reference = [ep.cut() if len(ep) else ep for ep in reference]
+        got += rollout.chunks(weights_seq_no=5)
+    assert sum(len(c["actions"]) for c in got) == 3 * T * K
+    key = lambda c: (c["obs"][0].tobytes(), len(c["actions"]))
+    for want, have in zip(sorted(expected, key=key), sorted(got, key=key)):
+        for name in ("obs", "actions", "rewards", "action_dist_inputs", "action_logp"):
+            np.testing.assert_allclose(have[name], want[name], rtol=1e-6, err_msg=name)
+        assert (have["is_terminated"], have["is_truncated"]) == (want["is_terminated"], want["is_truncated"])
+        assert have["weights_seq_no"] == 5
+    ids = {}                                  # a running episode keeps its id across rollouts
+    for c in got:
+        ids.setdefault(c["episode_id"], []).append(c)
+    assert all(sum(c["is_terminated"] or c["is_truncated"] for c in chunks) <= 1 for chunks in ids.values())
+    env2 = [c for c in got if c["obs"][0][0] == 200.0]          # env 2's first episode: all 7 steps of
+    assert len(env2) == 1 and env2[0]["is_truncated"] is True    # the first rollout, ended by a time limit
+    assert len(env2[0]["actions"]) == 7 and env2[0]["is_terminated"] is False

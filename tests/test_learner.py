@@ -164,6 +164,11 @@ def test_sampler_matches_softmax_probabilities_and_logp():
         counts[a] += 1
         assert abs(logp - np.log(p[a])) < 1e-5
     np.testing.assert_allclose(counts / counts.sum(), p, atol=0.015)
+    small = np.tile(logits, (8, 1))             # a few rows: the plain-Python path, row by row
+    draws = [sampler.sample(small) for _ in range(2500)]
+    actions = np.concatenate([a for a, _ in draws])
+    np.testing.assert_allclose(np.bincount(actions, minlength=3) / len(actions), p, atol=0.015)
+    np.testing.assert_allclose(np.concatenate([lp for _, lp in draws]), np.log(p[actions]), atol=1e-5)
     batch = np.tile(logits, (4000, 1))          # the batched (Gumbel-max) path
     actions, logps = sampler.sample(batch)
     np.testing.assert_allclose(np.bincount(actions, minlength=3) / 4000, p, atol=0.03)
