@@ -1,13 +1,18 @@
-"""Built-in environments and their spaces, in pure Python/numpy (no gymnasium needed).
+"""Environments: built-in ones in pure Python/numpy (no gymnasium needed), any gymnasium
+env (``gym:Acrobot-v1``), a user factory (``package.module:make_env``) or, from Python,
+any callable that makes an env.
 
 The interface is gymnasium's: ``reset(seed=None) -> (obs, info)`` and
 ``step(action) -> (obs, reward, terminated, truncated, info)``, with a
-``TimeLimit``-style truncation built in.
+``TimeLimit``-style truncation built in; spaces are ``Discrete(n)`` or ``Box``.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -30,10 +35,21 @@ class EnvSpec:
     env_id: str
     observation_space: Box
     action_space: Discrete | Box
+    reward_threshold: float | None = None  # the return at which it counts as solved, if known
 
     @property
     def obs_shape(self) -> tuple:
         return self.observation_space.shape
+
+    @property
+    def continuous(self) -> bool:
+        return isinstance(self.action_space, Box)
+
+    @property
+    def policy_outputs(self) -> int:
+        """Size of the policy's output: logits, or a mean and a log-std per action dimension."""
+        space = self.action_space
+        return 2 * math.prod(space.shape) if isinstance(space, Box) else space.n
 
 
 class CartPole:
@@ -53,7 +69,7 @@ class CartPole:
 
     high = np.array([x_threshold * 2, np.finfo(np.float32).max, theta_threshold * 2,
                      np.finfo(np.float32).max], dtype=np.float32)
-    spec = EnvSpec("CartPole-v1", Box(tuple(-high), tuple(high), (4,)), Discrete(2))
+    spec = EnvSpec("CartPole-v1", Box(tuple(-high), tuple(high), (4,)), Discrete(2), reward_threshold=475.0)
 
     def __init__(self, seed: int | None = None):
         self._rng = np.random.default_rng(seed)
@@ -86,6 +102,42 @@ class CartPole:
                       or theta < -self.theta_threshold or theta > self.theta_threshold)
         truncated = self._steps >= self.max_episode_steps
         return np.array(self._state, dtype=np.float32), 1.0, terminated, truncated, {}
+
+
+class Pendulum:
+    """Pendulum-v1 with gymnasium's dynamics, costs and 200-step truncation: swing up and
+    hold; observation (cos, sin, angular velocity), action a torque in [-2, 2]."""
+
+    max_speed, max_torque, dt, g, m, length = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
+    max_episode_steps = 200
+    spec = EnvSpec("Pendulum-v1", Box((-1.0, -1.0, -8.0), (1.0, 1.0, 8.0), (3,)),
+                   Box((-2.0,), (2.0,), (1,)), reward_threshold=None)
+
+    def __init__(self, seed: int | None = None):
+        self._rng = np.random.default_rng(seed)
+        self._state = (0.0, 0.0)
+        self._steps = 0
+
+    def _obs(self) -> np.ndarray:
+        th, thdot = self._state
+        return np.array([math.cos(th), math.sin(th), thdot], dtype=np.float32)
+
+    def reset(self, seed: int | None = None):
+        if seed is not None:
+            self._rng = np.random.default_rng(seed)
+        self._state = tuple(float(v) for v in self._rng.uniform([-math.pi, -1.0], [math.pi, 1.0]))
+        self._steps = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        th, thdot = self._state
+        u = min(max(float(np.asarray(action, dtype=np.float64).reshape(-1)[0]), -self.max_torque), self.max_torque)
+        costs = (((th + math.pi) % (2 * math.pi)) - math.pi) ** 2 + 0.1 * thdot ** 2 + 0.001 * u ** 2
+        thdot = thdot + (3 * self.g / (2 * self.length) * math.sin(th) + 3.0 / (self.m * self.length ** 2) * u) * self.dt
+        thdot = min(max(thdot, -self.max_speed), self.max_speed)
+        self._state = (th + thdot * self.dt, thdot)
+        self._steps += 1
+        return self._obs(), -costs, False, self._steps >= self.max_episode_steps, {}
 
 
 class VecCartPole:
@@ -144,11 +196,15 @@ class LoopVecEnv:
     with the same interface (and same-step reset) as ``VecCartPole``. The arrays it returns
     are reused by the next step: copy what you keep."""
 
-    def __init__(self, make, num_envs: int, seed: int | None = None):
+    def __init__(self, make, num_envs: int, seed: int | None = None, spec: EnvSpec | None = None):
         self.num_envs = num_envs
         self._envs = [make() for _ in range(num_envs)]
         self._seed = seed
-        self.spec = getattr(self._envs[0], "spec", None)
+        self.spec = spec if spec is not None else spec_of(self._envs[0], "env")
+        box = self.spec.action_space if self.spec.continuous else None
+        # Continuous actions are sampled unbounded (their log-probability is what the
+        # learner needs); the env gets them clipped to its bounds.
+        self._bounds = (np.array(box.low, np.float32), np.array(box.high, np.float32)) if box else None
         self._rewards = np.zeros(num_envs, np.float32)
         self._terminated = np.zeros(num_envs, bool)
         self._truncated = np.zeros(num_envs, bool)
@@ -160,7 +216,11 @@ class LoopVecEnv:
 
     def step(self, actions):
         obs, final_obs = self._obs, None
-        for k, a in enumerate(actions.tolist() if isinstance(actions, np.ndarray) else actions):
+        if self._bounds is not None:
+            actions = np.clip(np.asarray(actions, np.float32).reshape(self.num_envs, -1), *self._bounds)
+        elif isinstance(actions, np.ndarray):
+            actions = actions.tolist()
+        for k, a in enumerate(actions):
             env = self._envs[k]
             o, r, terminated, truncated, _ = env.step(a)
             if terminated or truncated:
@@ -172,32 +232,94 @@ class LoopVecEnv:
         return obs, self._rewards, self._terminated, self._truncated, final_obs
 
 
-ENVS = {"CartPole-v1": CartPole}
+ENVS = {"CartPole-v1": CartPole, "Pendulum-v1": Pendulum}
 VECTORIZED = {"CartPole-v1": VecCartPole}
 # numpy's per-call cost (1-3 us here, some 30 calls a step) pays only for enough envs:
 # below this, a Python loop over single envs is faster.
 MIN_VECTORIZED_ENVS = 32
 
 
-def env_spec(env_id: str) -> EnvSpec:
-    return _env_class(env_id).spec
+def _gym_make(env_id: str):
+    try:
+        import gymnasium
+    except ImportError:
+        raise ValueError(f"--env gym:{env_id} needs gymnasium: pip install 'shmrl[gym]'") from None
+    return gymnasium.make(env_id)
 
 
-def make_env(env_id: str, seed: int | None = None):
-    return _env_class(env_id)(seed=seed)
+def _space(space) -> Discrete | Box:
+    """A gymnasium space (or one of ours) as ours."""
+    if isinstance(space, (Discrete, Box)):
+        return space
+    if hasattr(space, "n") and not getattr(space, "shape", ()):
+        return Discrete(int(space.n))
+    if hasattr(space, "low") and hasattr(space, "high"):
+        low, high = np.broadcast_to(space.low, space.shape), np.broadcast_to(space.high, space.shape)
+        return Box(tuple(low.reshape(-1).tolist()), tuple(high.reshape(-1).tolist()), tuple(space.shape))
+    raise ValueError(f"unsupported space {space!r}: shmrl trains Discrete and Box spaces")
 
 
-def make_vec_env(env_id: str, num_envs: int, seed: int | None = None):
+def spec_of(env, env_id: str) -> EnvSpec:
+    """The spec of a live env object: its spaces, and gymnasium's reward threshold if any."""
+    if isinstance(getattr(env, "spec", None), EnvSpec):
+        return env.spec
+    obs, act = _space(env.observation_space), _space(env.action_space)
+    if not isinstance(obs, Box):
+        raise ValueError(f"{env_id}: the observation space must be a Box, got {env.observation_space!r}")
+    threshold = getattr(getattr(env, "spec", None), "reward_threshold", None)
+    return EnvSpec(env_id, obs, act, None if threshold is None else float(threshold))
+
+
+def resolve_env(env) -> tuple[Callable[[], object], EnvSpec]:
+    """(factory, spec) for ``env``: a built-in id, ``gym:ID``, ``package.module:callable``
+    or a callable. The factory pickles (with dill, as ``multiprocess`` does), so simulator
+    processes can make their own envs."""
+    if callable(env):
+        made = env()
+        try:
+            return env, spec_of(made, getattr(env, "__name__", "custom"))
+        finally:
+            getattr(made, "close", lambda: None)()
+    if not isinstance(env, str):
+        raise ValueError(f"env must be an id string or a callable that makes an env, got {env!r}")
+    if env in ENVS:
+        return ENVS[env], ENVS[env].spec
+    if env.startswith("gym:"):
+        factory = functools.partial(_gym_make, env[4:])
+    elif ":" in env:
+        module, _, name = env.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--env {env}: cannot load {name} from {module}: {e}") from None
+    else:
+        raise ValueError(f"unknown environment {env!r}; built in: {', '.join(sorted(ENVS))}; or gym:ID "
+                         f"(gymnasium), or package.module:make_env (a function that makes one)")
+    made = factory()
+    try:
+        return factory, spec_of(made, env)
+    finally:
+        getattr(made, "close", lambda: None)()
+
+
+def env_spec(env) -> EnvSpec:
+    return resolve_env(env)[1]
+
+
+def make_env(env, seed: int | None = None):
+    """One env; ``seed`` seeds its first reset."""
+    if isinstance(env, str) and env in ENVS:
+        return ENVS[env](seed=seed)
+    made = resolve_env(env)[0]()
+    if seed is not None:
+        made.reset(seed=seed)
+    return made
+
+
+def make_vec_env(env, num_envs: int, seed: int | None = None):
     """``num_envs`` envs stepped together: numpy-vectorized where shmrl has that env and
     enough envs to make it pay, else a loop. Env k is seeded with ``seed + k``."""
-    if env_id in VECTORIZED and num_envs >= MIN_VECTORIZED_ENVS:
-        return VECTORIZED[env_id](num_envs, seed)
-    cls = _env_class(env_id)
-    return LoopVecEnv(lambda: cls(), num_envs, seed)
-
-
-def _env_class(env_id: str):
-    try:
-        return ENVS[env_id]
-    except KeyError:
-        raise ValueError(f"unknown environment {env_id!r}; built in: {', '.join(sorted(ENVS))}") from None
+    if isinstance(env, str) and env in VECTORIZED and num_envs >= MIN_VECTORIZED_ENVS:
+        return VECTORIZED[env](num_envs, seed)
+    factory, spec = resolve_env(env)
+    return LoopVecEnv(factory, num_envs, seed, spec)

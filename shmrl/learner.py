@@ -129,14 +129,22 @@ def check_episode(ep: Episode, spec: EnvSpec) -> str | None:
     """Why a validated chunk does not fit the environment, or None."""
     if ep.obs.shape[1:] != tuple(spec.obs_shape):
         return f"obs shape {ep.obs.shape[1:]} does not match the environment's {tuple(spec.obs_shape)}"
+    if not len(ep):
+        return None
     space = spec.action_space
-    if isinstance(space, Discrete) and len(ep):
+    if ep.action_dist_inputs.shape[1:] != (spec.policy_outputs,):
+        return f"action_dist_inputs shape {ep.action_dist_inputs.shape[1:]} != ({spec.policy_outputs},)"
+    if isinstance(space, Discrete):
         if ep.actions.dtype.kind != "i" or ep.actions.ndim != 1:
             return f"actions must be integers for Discrete({space.n}), got {ep.actions.dtype} {ep.actions.shape}"
-        if (ep.actions.min() < 0 or ep.actions.max() >= space.n):
+        if ep.actions.min() < 0 or ep.actions.max() >= space.n:
             return f"action out of range for Discrete({space.n})"
-        if ep.action_dist_inputs.shape[1:] != (space.n,):
-            return f"action_dist_inputs shape {ep.action_dist_inputs.shape[1:]} != ({space.n},)"
+    else:  # Box: sampled from a Gaussian, so any finite value (the env clips what it applies)
+        shape = tuple(space.shape)
+        actions = ep.actions.reshape(len(ep), -1) if ep.actions.ndim == 1 and shape == (1,) else ep.actions
+        if actions.shape[1:] != shape or actions.dtype.kind != "f":
+            return f"actions shape {ep.actions.shape[1:]} ({ep.actions.dtype}) does not match the action space {shape}"
+        ep.actions = actions
     return None
 
 

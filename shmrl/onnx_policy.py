@@ -46,6 +46,48 @@ def init_mlp_weights(sizes: list[int], out_gain: float, rng: np.random.Generator
     return params
 
 
+LOG_STD_INIT = 0.0  # a Gaussian policy starts with standard deviation 1 per action dimension
+
+
+def policy_sizes(spec, hidden: int) -> list[int]:
+    """Layer sizes of the published policy: observation, two hidden layers, then the logits
+    (Discrete) or a mean and a log-std per action dimension (Box)."""
+    return [spec.obs_shape[0], hidden, hidden, spec.policy_outputs]
+
+
+def with_log_std(mean_weights: list[np.ndarray], log_std: np.ndarray) -> list[np.ndarray]:
+    """The published layout of a Gaussian policy: the mean network's last layer gets a row
+    of zero weights per action dimension whose bias is its log-std, so output 0 is
+    [means, log-stds] (RLlib's action_dist_inputs) from a plain MLP graph."""
+    *hidden, w, b = mean_weights
+    log_std = np.asarray(log_std, np.float32).reshape(-1)
+    return [*hidden, np.concatenate([w, np.zeros((len(log_std), w.shape[1]), np.float32)]),
+            np.concatenate([b, log_std]).astype(np.float32)]
+
+
+def initial_policy(spec, hidden: int, seed: int) -> list[np.ndarray]:
+    """The first policy, in the published layout: orthogonal weights with a small last layer,
+    so that its first actions are near uniform (or near zero, with std 1)."""
+    sizes = policy_sizes(spec, hidden)
+    if not spec.continuous:
+        return init_mlp_weights(sizes, 0.01, np.random.default_rng(seed))
+    d = sizes[-1] // 2
+    means = init_mlp_weights([*sizes[:-1], d], 0.01, np.random.default_rng(seed))
+    return with_log_std(means, np.full(d, LOG_STD_INIT, np.float32))
+
+
+def policy_from_flat(flat: np.ndarray, spec, hidden: int) -> list[np.ndarray]:
+    """The published policy from PPO's flat parameter buffer (actor first, then for a Box
+    space its log-std): how a resumed run publishes before torch is loaded."""
+    sizes = policy_sizes(spec, hidden)
+    if not spec.continuous:
+        return split_mlp_weights(flat, sizes)
+    d = sizes[-1] // 2
+    means = split_mlp_weights(flat, [*sizes[:-1], d])
+    n = sum(w.size for w in means)
+    return with_log_std(means, flat[n:n + d])
+
+
 def split_mlp_weights(flat: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """(w0, b0, w1, b1, ...) of an MLP of ``sizes`` from the start of a flat array (the
     layout of PPO's parameter buffer, whose actor comes first)."""

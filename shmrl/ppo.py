@@ -10,7 +10,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from shmrl.onnx_policy import init_mlp_weights
+from shmrl.onnx_policy import LOG_STD_INIT, init_mlp_weights, with_log_std
+
+HALF_LOG_2PI = 0.5 * float(np.log(2 * np.pi))
 
 
 @dataclass
@@ -24,6 +26,7 @@ class PPOConfig:
     ent_coef: float = 0.0
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
+    reward_scale: float = 1.0  # rewards are multiplied by this for training (returns stay as they are)
     hidden: int = 64
     # ReLU, not the customary tanh: on this CPU torch's tanh costs 20x a ReLU and
     # dominated the update (108 vs 5 us for 512x64); CartPole learns as well with it.
@@ -104,25 +107,50 @@ class Batch:
 
 class PPO:
     def __init__(self, obs_dim: int, n_actions: int, config: PPOConfig, seed: int = 0,
-                 actor_weights: list[np.ndarray] | None = None):
-        """``actor_weights``: the policy to start from (``shmrl.run`` publishes the first one
-        before torch is loaded); by default orthogonal weights drawn from ``seed``, with a
-        small last layer, so that the first policy's actions are near uniform."""
-        self.config = config
+                 actor_weights: list[np.ndarray] | None = None, continuous: bool = False):
+        """``n_actions``: the number of discrete actions, or with ``continuous`` the action
+        dimensions of a diagonal Gaussian policy (a mean network and a state-independent
+        log-std). ``actor_weights``: the policy to start from, in the published layout
+        (``shmrl.run`` publishes the first one before torch is loaded); by default
+        orthogonal weights drawn from ``seed``, with a small last layer."""
+        self.config, self.continuous = config, continuous
         self.rng = np.random.default_rng(seed)
         h = config.hidden
-        self.actor_sizes = [obs_dim, h, h, n_actions]
+        self.actor_sizes = [obs_dim, h, h, 2 * n_actions if continuous else n_actions]  # published
+        mean_sizes = [obs_dim, h, h, n_actions]
         if actor_weights is None:
-            actor_weights = init_mlp_weights(self.actor_sizes, 0.01, np.random.default_rng(seed))
-        self.actor = mlp(self.actor_sizes, actor_weights, config.activation)
+            actor_weights = init_mlp_weights(mean_sizes, 0.01, np.random.default_rng(seed))
+            if continuous:
+                actor_weights = with_log_std(actor_weights, np.full(n_actions, LOG_STD_INIT))
+        params = []
+        if continuous:  # the published last layer is [means; log-std rows]: take it apart
+            *hidden, w, b = actor_weights
+            actor_weights = [*hidden, w[:n_actions], b[:n_actions]]
+            self.log_std = nn.Parameter(torch.tensor(b[n_actions:], dtype=torch.float32))
+        self.actor = mlp(mean_sizes, actor_weights, config.activation)
+        params = [*self.actor.parameters(), *([self.log_std] if continuous else [])]
         critic_sizes = [obs_dim, h, h, 1]
         self.critic = mlp(critic_sizes, init_mlp_weights(critic_sizes, 1.0, np.random.default_rng([seed, 1])),
                           config.activation)
-        self.optimizer = FlatAdam([*self.actor.parameters(), *self.critic.parameters()], lr=config.lr)
+        # Flat parameter order: actor, its log-std (Box), critic (see onnx_policy.policy_from_flat).
+        self.optimizer = FlatAdam([*params, *self.critic.parameters()], lr=config.lr)
 
     def actor_weights(self) -> list[np.ndarray]:
-        """Actor parameters in order (w0, b0, w1, b1, ...), for the ONNX graph."""
-        return [p.detach().numpy() for p in self.actor.parameters()]
+        """The policy's parameters in the published layout (w0, b0, w1, b1, ...)."""
+        weights = [p.detach().numpy() for p in self.actor.parameters()]
+        return with_log_std(weights, self.log_std.detach().numpy()) if self.continuous else weights
+
+    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probability of ``actions``, entropy), per row, under the current policy."""
+        out = self.actor(obs)
+        if self.continuous:  # diagonal Gaussian
+            std = self.log_std.exp()
+            logp = (-0.5 * ((actions - out) / std) ** 2 - self.log_std - HALF_LOG_2PI).sum(-1)
+            entropy = (self.log_std + 0.5 + HALF_LOG_2PI).sum().expand(len(obs))
+            return logp, entropy
+        logp_all = torch.log_softmax(out, dim=-1)
+        logp = logp_all.gather(1, actions[:, None]).squeeze(1)
+        return logp, -(logp_all.exp() * logp_all).sum(-1)
 
     @torch.inference_mode()
     def values(self, obs: np.ndarray) -> np.ndarray:
@@ -141,7 +169,7 @@ class PPO:
         ends = np.cumsum(lengths + 1)                                  # one past each chunk's obs
         starts = ends - lengths - 1
         step_idx = np.concatenate([np.arange(s, e - 1) for s, e in zip(starts, ends)])
-        rewards = np.concatenate([c.rewards for c in chunks])
+        rewards = np.concatenate([c.rewards for c in chunks]) * np.float32(cfg.reward_scale)
         v = v_all[step_idx]
         v_next = v_all[step_idx + 1]
         # Zero the bootstrap of the last step of terminated chunks.
@@ -177,8 +205,9 @@ class PPO:
         cfg = self.config
         n = len(batch)
         mb = min(cfg.minibatch_size, n)
+        actions = batch.actions.astype(np.float32 if self.continuous else np.int64, copy=False)
         obs, actions, logp_behaviour, returns = (torch.from_numpy(x) for x in (
-            batch.obs, batch.actions.astype(np.int64, copy=False), batch.logp, batch.returns))
+            batch.obs, actions, batch.logp, batch.returns))
         advantages = torch.from_numpy(batch.advantages)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
         stats = torch.zeros(5)  # pi_loss, v_loss, entropy, approx_kl, clip_frac
@@ -190,8 +219,8 @@ class PPO:
             last_epoch = epoch == cfg.epochs - 1
             for start in range(0, n - mb + 1, mb):
                 s = slice(start, start + mb)
-                logp_all = torch.log_softmax(self.actor(e_obs[s]), dim=-1)
-                logp = logp_all.gather(1, e_actions[s, None]).squeeze(1)
+                logp, entropy = self.log_prob(e_obs[s], e_actions[s])
+                entropy = entropy.mean()
                 # Ratio against the behaviour policy the client sampled with; the clamp
                 # keeps a client's absurd log-probability from producing inf.
                 log_ratio = torch.clamp(logp - e_logp_b[s], -20.0, 20.0)
@@ -199,18 +228,12 @@ class PPO:
                 adv = e_adv[s]
                 pi_loss = -torch.min(adv * ratio, adv * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)).mean()
                 v_loss = 0.5 * (self.critic(e_obs[s]).squeeze(-1) - e_returns[s]).pow(2).mean()
-                loss = pi_loss + cfg.vf_coef * v_loss
-                entropy = None
-                if cfg.ent_coef:
-                    entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
-                    loss = loss - cfg.ent_coef * entropy
+                loss = pi_loss + cfg.vf_coef * v_loss - cfg.ent_coef * entropy
                 self.optimizer.zero_grad()
                 loss.backward()
                 self.optimizer.step(cfg.max_grad_norm)
                 if last_epoch:
                     with torch.no_grad():
-                        if entropy is None:
-                            entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
                         stats += torch.stack([pi_loss, v_loss, entropy, ((ratio - 1) - log_ratio).mean(),
                                               ((ratio - 1).abs() > cfg.clip).float().mean()])
         stats /= max(n // mb, 1)

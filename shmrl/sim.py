@@ -78,6 +78,30 @@ class CategoricalSampler:
         return actions.tolist(), logp.tolist()
 
 
+class GaussianSampler:
+    """Samples continuous actions from the diagonal Gaussian whose means and log-stds the
+    policy outputs (all means first, then all log-stds, as RLlib's DiagGaussian reads its
+    action_dist_inputs); returns the actions unclipped and their log-probabilities."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def sample(self, dist_inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        d = dist_inputs.shape[1] // 2
+        mean, log_std = dist_inputs[:, :d], dist_inputs[:, d:]
+        noise = self.rng.standard_normal(mean.shape, dtype=np.float32)
+        actions = mean + np.exp(log_std) * noise
+        logp = (-0.5 * noise * noise - log_std).sum(axis=1) - d * HALF_LOG_2PI
+        return actions, logp
+
+
+HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def make_sampler(spec, rng: np.random.Generator):
+    return GaussianSampler(rng) if spec.continuous else CategoricalSampler(rng)
+
+
 def handshake(client, auth_token: str | None = None) -> tuple[dict, dict]:
     """PING (with the shared secret, if any), GET_CONFIG, GET_STATE: returns (SET_CONFIG, SET_STATE)."""
     ping = {"type": T.PING.value}
@@ -109,8 +133,8 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     steps_per_env = -(-int(config["env_steps_per_sample"]) // envs_per_sim)
     seq = state["weights_seq_no"]
     policy = OnnxPolicy(decode_onnx_file(state["onnx_file"]))
-    sampler = CategoricalSampler(np.random.default_rng(seed))
     envs = make_vec_env(env_id, envs_per_sim, seed * 1_000_003)
+    sampler = make_sampler(envs.spec, np.random.default_rng(seed))
     rollout = Rollout(envs_per_sim, steps_per_env)
     obs = envs.reset()
     sent = messages = stepped = 0

@@ -77,6 +77,8 @@ class Run:
         self.log_path = tmp_path / "run.log"
         self.log = open(self.log_path, "w")
         # In the test's own folder: a run without --logdir writes runs/... where it starts.
+        if "--log-every" not in args:
+            args = [*args, "--log-every", "0"]  # the tests watch for every update's line
         self.proc = subprocess.Popen([sys.executable, "-m", "shmrl.run", *args], stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
 

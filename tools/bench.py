@@ -700,7 +700,7 @@ def memory(args) -> dict:
 def memory_run(sims: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="shmrl-bench-") as logdir:
         cmd = [sys.executable, "-m", "shmrl.run", "--sims", str(sims), "--max-env-steps", "10000000",
-               "--stop-return", "1e9", "--logdir", logdir]
+               "--stop-return", "1e9", "--logdir", logdir, "--log-every", "0"]
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # its own group: SIGINT it like Ctrl-C

@@ -1,0 +1,89 @@
+"""Evaluate a trained policy: run it for some episodes and report the mean and std of the return.
+
+    python -m shmrl.eval runs/a/policy.onnx --env CartPole-v1 --episodes 20
+    python -m shmrl.eval runs/a/policy.onnx --env Pendulum-v1 --stochastic --json
+
+The policy acts greedily by default (the most likely action; the mean of a Gaussian), as
+evaluations usually do; ``--stochastic`` samples as training did. Like the simulators,
+this never imports torch: numpy and onnxruntime only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+
+from shmrl.envs import make_vec_env
+from shmrl.onnx_policy import OnnxPolicy
+from shmrl.sim import make_sampler
+
+
+def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: int = 0,
+             stochastic: bool = False, num_envs: int = 8) -> list[float]:
+    """The returns of ``episodes`` episodes. Each env runs its share of them (the first
+    episodes to end across parallel envs would be the short ones)."""
+    policy = OnnxPolicy(model_bytes)
+    envs = make_vec_env(env, min(num_envs, episodes), seed)
+    spec = envs.spec
+    n_in = policy.session.get_inputs()[0].shape[-1]
+    if (n_in, policy.n_outputs) != (spec.obs_shape[0], spec.policy_outputs):
+        raise ValueError(f"the policy maps {n_in} inputs to {policy.n_outputs} outputs; {spec.env_id} needs "
+                         f"{spec.obs_shape[0]} to {spec.policy_outputs}: was it trained on another env?")
+    sampler = make_sampler(spec, np.random.default_rng(seed))
+    obs = envs.reset()
+    K = envs.num_envs
+    share = [(episodes + k) // K for k in range(K)]
+    running, returns = np.zeros(K), []
+    while len(returns) < episodes:
+        out = policy.logits(obs)
+        if stochastic:
+            actions, _ = sampler.sample(out)
+        elif spec.continuous:
+            actions = out[:, :out.shape[1] // 2]           # the mean
+        else:
+            actions = out.argmax(axis=1)
+        obs, rewards, terminated, truncated, _ = envs.step(actions)
+        running += rewards
+        for k in np.flatnonzero(terminated | truncated):
+            if share[k]:
+                share[k] -= 1
+                returns.append(float(running[k]))
+            running[k] = 0.0
+    return returns
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shmrl.eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("policy", help="an ONNX policy file (policy.onnx of a run's log folder)")
+    p.add_argument("--env", default="CartPole-v1", help="environment, as for shmrl.run (default: %(default)s)")
+    p.add_argument("--episodes", type=int, default=20, help="episodes to run (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the envs and of sampling (default: %(default)s)")
+    p.add_argument("--stochastic", action="store_true", help="sample actions as in training, not greedily")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    a = p.parse_args(argv)
+    if a.episodes < 1:
+        p.error("--episodes must be >= 1")
+    try:
+        with open(a.policy, "rb") as f:
+            model = f.read()
+        returns = evaluate(model, a.env, a.episodes, a.seed, a.stochastic)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    mean, std = statistics.fmean(returns), statistics.pstdev(returns)
+    if a.json:
+        print(json.dumps({"env": a.env, "episodes": len(returns), "return_mean": mean, "return_std": std,
+                          "returns": returns, "stochastic": a.stochastic}))
+    else:
+        mode = "sampled" if a.stochastic else "greedy"
+        print(f"{a.env}: return {mean:.1f} ± {std:.1f} over {len(returns)} episodes ({mode}); "
+              f"min {min(returns):.1f}, max {max(returns):.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

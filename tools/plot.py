@@ -1,0 +1,89 @@
+"""Learning curves of shmrl runs: the mean return against env steps and against wall time.
+
+    python tools/plot.py runs/a runs/b runs/c -o curves.png
+    python tools/plot.py runs/cartpole-* --title "CartPole-v1, 5 seeds"
+
+Each RUN_DIR is a log folder of ``python -m shmrl.run`` (its metrics.jsonl: one line per
+update). Several runs are overlaid, one colour each, labelled with their folder's name;
+a dashed line marks the stop return when all runs share one. Needs matplotlib
+(``pip install 'shmrl[plot]'``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def load(run_dir: Path) -> dict:
+    rows = []
+    with open(run_dir / "metrics.jsonl") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{run_dir}/metrics.jsonl line {n}: {e}") from None
+    if not rows:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no updates yet")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return {"name": run_dir.name, "rows": rows, "stop_return": summary.get("config", {}).get("stop_return")}
+
+
+def plot(runs: list[dict], out: Path, title: str | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (by_steps, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for run in runs:
+        rows = [r for r in run["rows"] if not math.isnan(r["return_mean"])]
+        steps = [r["env_steps"] for r in rows]
+        seconds = [r["elapsed_s"] for r in rows]
+        returns = [r["return_mean"] for r in rows]
+        line, = by_steps.plot(steps, returns, label=run["name"], linewidth=1.4)
+        by_time.plot(seconds, returns, color=line.get_color(), linewidth=1.4)
+    stops = {run["stop_return"] for run in runs}
+    if len(stops) == 1 and None not in stops and math.isfinite(next(iter(stops))):
+        for ax in (by_steps, by_time):
+            ax.axhline(next(iter(stops)), color="grey", linestyle="--", linewidth=1, label="stop return")
+    by_steps.set_xlabel("env steps")
+    by_time.set_xlabel("seconds from command start")
+    by_steps.set_ylabel("mean return of the last 100 episodes")
+    for ax in (by_steps, by_time):
+        ax.grid(alpha=0.3)
+    by_steps.legend(fontsize=8, loc="lower right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="log folders of shmrl.run")
+    p.add_argument("-o", "--output", type=Path, default=Path("learning_curves.png"),
+                   help="PNG to write (default: %(default)s)")
+    p.add_argument("--title", help="a title above the plots")
+    a = p.parse_args(argv)
+    try:
+        runs = [load(d) for d in a.runs]
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        plot(runs, a.output, a.title)
+    except ImportError:
+        print("error: tools/plot.py needs matplotlib: pip install 'shmrl[plot]'", file=sys.stderr)
+        return 1
+    print(f"wrote {a.output} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
