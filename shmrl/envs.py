@@ -244,7 +244,10 @@ def _gym_make(env_id: str):
         import gymnasium
     except ImportError:
         raise ValueError(f"--env gym:{env_id} needs gymnasium: pip install 'shmrl[gym]'") from None
-    return gymnasium.make(env_id)
+    try:
+        return gymnasium.make(env_id)
+    except gymnasium.error.Error as e:  # an unknown id or version, a missing dependency
+        raise ValueError(f"--env gym:{env_id}: {e}") from None
 
 
 def _space(space) -> Discrete | Box:
@@ -263,9 +266,14 @@ def spec_of(env, env_id: str) -> EnvSpec:
     """The spec of a live env object: its spaces, and gymnasium's reward threshold if any."""
     if isinstance(getattr(env, "spec", None), EnvSpec):
         return env.spec
+    if not (hasattr(env, "observation_space") and hasattr(env, "action_space")):
+        raise ValueError(f"{env_id}: made {type(env).__name__!r}, not an env: it has no observation_space "
+                         f"and action_space")
     obs, act = _space(env.observation_space), _space(env.action_space)
     if not isinstance(obs, Box):
         raise ValueError(f"{env_id}: the observation space must be a Box, got {env.observation_space!r}")
+    if len(obs.shape) != 1:  # the policy's input is [batch, obs_dim]
+        raise ValueError(f"{env_id}: observations must be 1-D (flatten them), got shape {obs.shape}")
     threshold = getattr(getattr(env, "spec", None), "reward_threshold", None)
     return EnvSpec(env_id, obs, act, None if threshold is None else float(threshold))
 
@@ -292,6 +300,8 @@ def resolve_env(env) -> tuple[Callable[[], object], EnvSpec]:
             factory = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"--env {env}: cannot load {name} from {module}: {e}") from None
+        if not callable(factory):
+            raise ValueError(f"--env {env}: {name} is a {type(factory).__name__}, not a function that makes an env")
     else:
         raise ValueError(f"unknown environment {env!r}; built in: {', '.join(sorted(ENVS))}; or gym:ID "
                          f"(gymnasium), or package.module:make_env (a function that makes one)")
