@@ -59,6 +59,24 @@ def no_shm_leftovers():
     assert not left, f"left behind in /dev/shm: {sorted(left)}"
 
 
+def process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@pytest.fixture
+def no_sim_leftovers():
+    """A run in this process (``shmrl.train``) leaves no simulator process behind."""
+    yield
+    left = [pid for pid in descendants(os.getpid()) if process_name(pid).startswith("shmrl-sim") and alive(pid)]
+    for pid in left:  # clean up, so that one failure does not cascade
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"simulator processes left running: {left}"
+
+
 @pytest.fixture
 def children():
     """Processes a test starts; killed and joined in teardown."""
