@@ -82,10 +82,11 @@ class Supervisor:
         from shmrl.sim import sim_process_main
 
         name = f"shmrl-sim{sim.index}"
-        sim.proc = self._ctx.Process(target=sim_process_main, name=name, daemon=True,
-                                     args=(sim.address, self.env, self.seed * 1000 + sim.index,
-                                           self.envs_per_sim, name, self.auth_token))
-        sim.proc.start()
+        proc = self._ctx.Process(target=sim_process_main, name=name, daemon=True,
+                                 args=(sim.address, self.env, self.seed * 1000 + sim.index,
+                                       self.envs_per_sim, name, self.auth_token))
+        proc.start()
+        sim.proc = proc  # only once started: stop() joins every sim.proc
         sim.started = sim.progress_at = time.monotonic()
         sim.steps_received_before, sim.steps_seen = steps_received_before, 0
 

@@ -8,6 +8,7 @@ import time
 
 import multiprocess
 import numpy as np
+import pytest
 
 from conftest import alive, descendants, shm_entries
 from shmrl.envs import env_spec
@@ -228,3 +229,19 @@ def test_too_little_shared_memory_is_a_clear_error_at_start(monkeypatch, capsys,
     assert status == 3
     assert re.search(r"shared memory: [\d.]+ MiB needed in /dev/shm but only 3\.0 MiB free", err), err
     assert "--shm-size=" in err and "Traceback" not in err
+
+
+def test_a_simulator_that_cannot_be_started_leaves_stop_working():
+    class Refused(fork.Process):
+        def start(self):
+            raise OSError("fork refused")
+
+    class RefusingContext:
+        Process = Refused
+
+    supervisor = Supervisor(["shm:nowhere0", "shm:nowhere1"], env="CartPole-v1", seed=0)
+    supervisor._ctx = RefusingContext()
+    with pytest.raises(OSError):
+        supervisor.start_all()
+    assert [sim.proc for sim in supervisor.sims] == [None, None]
+    supervisor.stop()  # nothing was started, so nothing to join (was: AssertionError)
