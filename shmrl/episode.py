@@ -1,4 +1,6 @@
-"""One chunk of one episode, with RLlib's semantics.
+"""Episode chunks, with RLlib's semantics: one at a time (``Episode``), column-wise
+(``EpisodeBatch``, what a message carries and the learner trains on), and recorded from
+vectorized envs (``Rollout``).
 
 A chunk starts from an observation (the reset observation, or the last observation of
 the chunk it continues) and then holds (action, reward, next observation) steps, so
@@ -13,7 +15,21 @@ import os
 
 import numpy as np
 
-from shmrl import rllink
+# The fields of an RLlink episode (RLLINK.md). RLlib 2.48's client writes, and its server
+# reads, "is_terminated" and "is_truncated"; "terminateds"/"truncateds" (RLlib's column
+# names, which shmrl sent before) are accepted too.
+OBS = "obs"
+ACTIONS = "actions"
+REWARDS = "rewards"
+ACTION_DIST_INPUTS = "action_dist_inputs"
+ACTION_LOGP = "action_logp"
+TERMINATED = "is_terminated"
+TRUNCATED = "is_truncated"
+FLAG_ALIASES = {"terminateds": TERMINATED, "truncateds": TRUNCATED}
+# Optional shmrl extensions, never required from a client.
+EPISODE_ID = "episode_id"
+WEIGHTS_SEQ_NO = "weights_seq_no"
+STEP_FIELDS = (ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP)  # one row per step
 
 _ids = itertools.count()
 
@@ -80,44 +96,175 @@ class Episode:
         return self
 
     def to_rllink(self) -> dict:
-        """The RLlink episode dict (numpy arrays; ``rllink.encode_json`` turns them into lists)."""
+        """The RLlink episode dict (numpy arrays; ``encode_json`` turns them into lists)."""
         self.finalize()
         d = {
-            rllink.OBS: self.obs,
-            rllink.ACTIONS: self.actions,
-            rllink.REWARDS: self.rewards,
-            rllink.ACTION_DIST_INPUTS: self.action_dist_inputs,
-            rllink.ACTION_LOGP: self.action_logp,
-            rllink.TERMINATED: self.is_terminated,
-            rllink.TRUNCATED: self.is_truncated,
-            rllink.EPISODE_ID: self.id,
+            OBS: self.obs,
+            ACTIONS: self.actions,
+            REWARDS: self.rewards,
+            ACTION_DIST_INPUTS: self.action_dist_inputs,
+            ACTION_LOGP: self.action_logp,
+            TERMINATED: self.is_terminated,
+            TRUNCATED: self.is_truncated,
+            EPISODE_ID: self.id,
         }
         if self.weights_seq_no is not None:
-            d[rllink.WEIGHTS_SEQ_NO] = self.weights_seq_no
+            d[WEIGHTS_SEQ_NO] = self.weights_seq_no
         return d
 
     @classmethod
     def from_rllink(cls, d: dict) -> "Episode":
-        """Wrap an episode dict that ``rllink.validate`` has normalized (numpy arrays)."""
+        """Wrap an episode dict that ``validate`` has normalized (numpy arrays)."""
         ep = cls.__new__(cls)
-        ep.id = d.get(rllink.EPISODE_ID)
-        ep.obs = d[rllink.OBS]
-        ep.actions = d[rllink.ACTIONS]
-        ep.rewards = d[rllink.REWARDS]
-        ep.action_dist_inputs = d[rllink.ACTION_DIST_INPUTS]
-        ep.action_logp = d[rllink.ACTION_LOGP]
-        ep.is_terminated = bool(d[rllink.TERMINATED])
-        ep.is_truncated = bool(d[rllink.TRUNCATED])
-        ep.weights_seq_no = d.get(rllink.WEIGHTS_SEQ_NO)
+        ep.id = d.get(EPISODE_ID)
+        ep.obs = d[OBS]
+        ep.actions = d[ACTIONS]
+        ep.rewards = d[REWARDS]
+        ep.action_dist_inputs = d[ACTION_DIST_INPUTS]
+        ep.action_logp = d[ACTION_LOGP]
+        ep.is_terminated = bool(d[TERMINATED])
+        ep.is_truncated = bool(d[TRUNCATED])
+        ep.weights_seq_no = d.get(WEIGHTS_SEQ_NO)
         return ep
+
+
+class EpisodeBatch:
+    """Episode chunks stored column-wise: what one EPISODES message carries, what the
+    learner keeps until it trains, and what a training batch is made of. Per-chunk work
+    is a few array operations however many chunks there are.
+
+    Chunk i has ``lengths[i]`` steps, rows ``offsets[i]:offsets[i+1]`` of the step fields
+    (``actions``, ``rewards``, ``action_dist_inputs``, ``action_logp``), and one
+    observation more, rows ``obs_first[i]..obs_last[i]`` of ``obs``. Per chunk also:
+    ``is_terminated``, ``is_truncated``, ``weights_seq_no`` (int64, -1 where the client
+    did not say) and ``episode_ids`` (a list, None entries where the client sent none; or
+    None for all).
+
+    The constructor takes arrays as they are; ``rllink.validate`` is what checks a
+    client's (``shmrl.rllink`` builds every batch that comes off a wire).
+    """
+
+    __slots__ = ("obs", "actions", "rewards", "action_dist_inputs", "action_logp", "lengths",
+                 "is_terminated", "is_truncated", "episode_ids", "weights_seq_no",
+                 "num_steps", "offsets", "obs_first", "obs_last")
+
+    def __init__(self, *, obs, actions, rewards, action_dist_inputs, action_logp, lengths,
+                 is_terminated, is_truncated, episode_ids=None, weights_seq_no=None):
+        self.obs, self.actions, self.rewards = obs, actions, rewards
+        self.action_dist_inputs, self.action_logp = action_dist_inputs, action_logp
+        self.lengths = np.asarray(lengths, np.int64)
+        self.is_terminated = np.asarray(is_terminated, bool)
+        self.is_truncated = np.asarray(is_truncated, bool)
+        self.episode_ids = episode_ids
+        n = len(self.lengths)
+        self.weights_seq_no = (np.full(n, -1, np.int64) if weights_seq_no is None
+                               else np.asarray(weights_seq_no, np.int64))
+        self.offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(self.lengths, out=self.offsets[1:])
+        self.num_steps = int(self.offsets[-1])
+        self.obs_first = self.offsets[:-1] + np.arange(n)
+        self.obs_last = self.obs_first + self.lengths
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def is_done(self) -> np.ndarray:
+        return self.is_terminated | self.is_truncated
+
+    def chunk_returns(self) -> np.ndarray:
+        """The sum of each chunk's rewards (float64)."""
+        cum = np.zeros(self.num_steps + 1)
+        np.cumsum(self.rewards, dtype=np.float64, out=cum[1:])
+        return cum[self.offsets[1:]] - cum[self.offsets[:-1]]
+
+    def chunk(self, i: int) -> Episode:
+        """Chunk ``i`` as an Episode whose arrays are views into this batch."""
+        a, b = self.offsets[i], self.offsets[i + 1]
+        ep = Episode.__new__(Episode)
+        ep.obs = self.obs[self.obs_first[i]:self.obs_last[i] + 1]
+        ep.actions, ep.rewards = self.actions[a:b], self.rewards[a:b]
+        ep.action_dist_inputs, ep.action_logp = self.action_dist_inputs[a:b], self.action_logp[a:b]
+        ep.is_terminated, ep.is_truncated = bool(self.is_terminated[i]), bool(self.is_truncated[i])
+        ep.id = self.episode_ids[i] if self.episode_ids is not None else None
+        seq = int(self.weights_seq_no[i])
+        ep.weights_seq_no = seq if seq >= 0 else None
+        return ep
+
+    def chunks(self) -> list[Episode]:
+        return [self.chunk(i) for i in range(self.num_chunks)]
+
+    def to_dicts(self) -> list[dict]:
+        """The chunks as RLlink episode dicts (numpy views): the list form of JSON messages."""
+        return [ep.to_rllink() for ep in self.chunks()]
+
+    def columns(self) -> dict:
+        """Every field by its RLlink name, plus ``lengths``: what the binary codec carries."""
+        cols = {"lengths": self.lengths, OBS: self.obs, ACTIONS: self.actions, REWARDS: self.rewards,
+                ACTION_DIST_INPUTS: self.action_dist_inputs, ACTION_LOGP: self.action_logp,
+                TERMINATED: self.is_terminated, TRUNCATED: self.is_truncated,
+                WEIGHTS_SEQ_NO: self.weights_seq_no}
+        if self.episode_ids is not None:
+            cols[EPISODE_ID] = self.episode_ids
+        return cols
+
+    def select(self, keep) -> "EpisodeBatch":
+        """The chunks where the boolean mask ``keep`` is true, in order."""
+        keep = np.asarray(keep, bool)
+        steps = np.repeat(keep, self.lengths)
+        obs_rows = np.repeat(keep, self.lengths + 1)
+        return EpisodeBatch(
+            obs=self.obs[obs_rows], actions=self.actions[steps], rewards=self.rewards[steps],
+            action_dist_inputs=self.action_dist_inputs[steps], action_logp=self.action_logp[steps],
+            lengths=self.lengths[keep], is_terminated=self.is_terminated[keep],
+            is_truncated=self.is_truncated[keep], weights_seq_no=self.weights_seq_no[keep],
+            episode_ids=(None if self.episode_ids is None
+                         else [e for e, k in zip(self.episode_ids, keep.tolist()) if k]))
+
+    @classmethod
+    def concat(cls, batches: list["EpisodeBatch"]) -> "EpisodeBatch":
+        """One batch of the chunks of ``batches``, in order."""
+        if len(batches) == 1:
+            return batches[0]
+        ids = None
+        if any(b.episode_ids is not None for b in batches):
+            ids = [e for b in batches for e in (b.episode_ids or [None] * b.num_chunks)]
+        return cls(**{k: np.concatenate([getattr(b, k) for b in batches])
+                      for k in ("obs", "actions", "rewards", "action_dist_inputs", "action_logp", "lengths",
+                                "is_terminated", "is_truncated", "weights_seq_no")}, episode_ids=ids)
+
+    @classmethod
+    def from_episodes(cls, episodes: list) -> "EpisodeBatch":
+        """Finalized Episodes (or validated RLlink dicts, see Episode.from_rllink) in one batch.
+        They must agree in observation shape and action type (one environment)."""
+        eps = [e if isinstance(e, Episode) else Episode.from_rllink(e) for e in episodes]
+        if not eps:  # a message may carry no episode at all
+            empty = np.zeros(0, np.float32)
+            return cls(obs=empty, actions=np.zeros(0, np.int64), rewards=empty,
+                       action_dist_inputs=np.zeros((0, 0), np.float32), action_logp=empty, lengths=[],
+                       is_terminated=[], is_truncated=[])
+        stepped = [e for e in eps if len(e)] or eps[:1]  # empty chunks say nothing of step shapes
+
+        def steps(field):
+            return np.concatenate([getattr(e, field) for e in stepped])
+
+        ids = [e.id for e in eps]
+        return cls(obs=np.concatenate([e.obs for e in eps]), actions=steps(ACTIONS), rewards=steps(REWARDS),
+                   action_dist_inputs=steps(ACTION_DIST_INPUTS), action_logp=steps(ACTION_LOGP),
+                   lengths=[len(e) for e in eps], is_terminated=[e.is_terminated for e in eps],
+                   is_truncated=[e.is_truncated for e in eps],
+                   weights_seq_no=[-1 if e.weights_seq_no is None else e.weights_seq_no for e in eps],
+                   episode_ids=None if all(i is None for i in ids) else ids)
 
 
 class Rollout:
     """``steps`` steps of ``num_envs`` envs in preallocated arrays: recording a step is one
-    array write per field, however many envs there are. ``chunks()`` cuts the steps into
-    RLlink episode chunks: an episode that ended becomes a terminated or truncated chunk
-    (its last observation is the one the env returned before it was reset), a running one
-    a chunk that the next rollout continues under the same episode id.
+    array write per field, however many envs there are. ``batch()`` turns the steps into
+    an EpisodeBatch of RLlink chunks with a few array operations: an episode that ended
+    becomes a terminated or truncated chunk (its last observation is the one the env
+    returned before it was reset), a running one a chunk that the next rollout continues
+    under the same episode id.
 
     ``obs[t]`` is what the policy saw at step t; ``obs[steps]`` is where the next rollout
     starts.
@@ -130,12 +277,11 @@ class Rollout:
         self.completed: list[float] = []   # returns of the episodes that ended, for the caller to read
         self.t = 0
         self._bufs: dict[str, np.ndarray] | None = None
-        self._final_obs: dict[tuple[int, int], np.ndarray] = {}
+        self._final_obs: list[tuple] = []  # (step, envs that ended, their final obs)
 
     def start(self, obs: np.ndarray) -> None:
         """Begin a rollout from ``obs`` (one row per env)."""
         self.t = 0
-        self._final_obs.clear()
         self._obs0 = np.array(obs, np.float32)  # a copy: envs reuse their arrays
 
     def record(self, actions, action_dist_inputs, action_logp, obs, rewards, terminated, truncated,
@@ -143,58 +289,72 @@ class Rollout:
         """One step of every env: what was done and what came of it (``final_obs``: the last
         observation of the envs that ended, which ``obs`` already shows reset)."""
         if self._bufs is None:  # shapes and dtypes from the first step
-            fields = {"actions": actions, "action_dist_inputs": action_dist_inputs, "action_logp": action_logp,
-                      "rewards": rewards, "terminated": terminated, "truncated": truncated}
+            fields = {ACTIONS: actions, ACTION_DIST_INPUTS: action_dist_inputs, ACTION_LOGP: action_logp,
+                      REWARDS: rewards, TERMINATED: terminated, TRUNCATED: truncated}
             T, K = self.steps, self.num_envs
             self._bufs = {k: np.zeros((T, K, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in fields.items()}
-            self._bufs["obs"] = np.zeros((T + 1, K, *np.shape(obs)[1:]), np.float32)
+            self._bufs[OBS] = np.zeros((T + 1, K, *np.shape(obs)[1:]), np.float32)
         if self.t == 0:
-            self._bufs["obs"][0] = self._obs0
+            self._final_obs = []
+            self._bufs[OBS][0] = self._obs0
         t, bufs = self.t, self._bufs
-        bufs["actions"][t] = actions
-        bufs["action_dist_inputs"][t] = action_dist_inputs
-        bufs["action_logp"][t] = action_logp
-        bufs["rewards"][t] = rewards
-        bufs["terminated"][t] = terminated
-        bufs["truncated"][t] = truncated
-        bufs["obs"][t + 1] = obs
-        if final_obs is not None:
-            for k in np.flatnonzero(np.asarray(terminated) | np.asarray(truncated)):
-                self._final_obs[(t, int(k))] = np.array(final_obs[k], np.float32)
+        bufs[ACTIONS][t] = actions
+        bufs[ACTION_DIST_INPUTS][t] = action_dist_inputs
+        bufs[ACTION_LOGP][t] = action_logp
+        bufs[REWARDS][t] = rewards
+        bufs[TERMINATED][t] = terminated
+        bufs[TRUNCATED][t] = truncated
+        bufs[OBS][t + 1] = obs
+        if final_obs is not None:  # where an env ended, the step led to its final obs, not the reset one
+            ended = np.flatnonzero(np.asarray(terminated) | np.asarray(truncated))
+            self._final_obs.append((t, ended, np.array(np.asarray(final_obs)[ended], np.float32)))
         self.t = t + 1
 
-    def chunks(self, weights_seq_no: int | None = None) -> list[dict]:
-        """The recorded steps as RLlink episode dicts (numpy arrays, copies), one per episode
-        part; ``weights_seq_no``: the version of the policy that sampled them."""
-        b, T = self._bufs, self.t
+    def batch(self, weights_seq_no: int | None = None) -> EpisodeBatch | None:
+        """The recorded steps as RLlink chunks, env by env (copies; None if nothing was
+        recorded); ``weights_seq_no``: the version of the policy that sampled them."""
+        b, T, K = self._bufs, self.t, self.num_envs
         if b is None or T == 0:
-            return []
-        done = b["terminated"][:T] | b["truncated"][:T]
-        out = []
-        for k in range(self.num_envs):
-            start = 0
-            for t in np.flatnonzero(done[:, k]):
-                obs = np.concatenate([b["obs"][start:t + 1, k], self._final_obs[(t, k)][None]])
-                out.append(self._chunk(k, start, t + 1, obs, weights_seq_no))
-                self.completed.append(float(self.returns[k]))
+            return None
+
+        def env_major(a):  # [T, K, ...] -> a copy [K * T, ...]: each env's steps contiguous
+            out = np.empty((K * T, *a.shape[2:]), a.dtype)
+            out.reshape(K, T, *a.shape[2:])[...] = a[:T].swapaxes(0, 1)
+            return out
+
+        done = env_major(b[TERMINATED]) | env_major(b[TRUNCATED])
+        ends = done.copy()
+        ends[T - 1::T] = True                        # a chunk also ends where the rollout does
+        last = np.flatnonzero(ends)                  # each chunk's last step (flat index)
+        first = np.concatenate(([0], last[:-1] + 1))
+        lengths = last - first + 1
+        n = len(lengths)
+        # A chunk's observations: the one its first step saw, then each step's next one
+        # (which, where an env ended, is its final obs, not the reset one it saw next).
+        seen, following = env_major(b[OBS]), env_major(b[OBS][1:])
+        for t, ended, final in self._final_obs:
+            following[ended * T + t] = final
+        obs = np.empty((K * T + n, *seen.shape[1:]), np.float32)
+        first_rows = first + np.arange(n)
+        rest = np.ones(len(obs), bool)
+        rest[first_rows] = False
+        obs[first_rows] = seen[first]
+        obs[rest] = following
+        batch = EpisodeBatch(
+            obs=obs, actions=env_major(b[ACTIONS]), rewards=env_major(b[REWARDS]).astype(np.float32),
+            action_dist_inputs=env_major(b[ACTION_DIST_INPUTS]).astype(np.float32),
+            action_logp=env_major(b[ACTION_LOGP]).astype(np.float32), lengths=lengths,
+            is_terminated=env_major(b[TERMINATED])[last], is_truncated=env_major(b[TRUNCATED])[last],
+            weights_seq_no=None if weights_seq_no is None else np.full(n, weights_seq_no))
+        # Ids and running returns: a Python step per chunk (chunks are few next to steps).
+        ids, chunk_done, chunk_env = [], done[last].tolist(), (first // T).tolist()
+        for k, ret, ended in zip(chunk_env, batch.chunk_returns().tolist(), chunk_done):
+            ids.append(self.ids[k])
+            if ended:
+                self.completed.append(float(self.returns[k] + ret))
                 self.returns[k] = 0.0
                 self.ids[k] = new_episode_id()
-                start = t + 1
-            if start < T:
-                out.append(self._chunk(k, start, T, b["obs"][start:T + 1, k], weights_seq_no))
-        return out
-
-    def _chunk(self, k: int, start: int, end: int, obs: np.ndarray, weights_seq_no) -> dict:
-        b = self._bufs
-        rewards = np.array(b["rewards"][start:end, k], np.float32)
-        self.returns[k] += float(rewards.sum(dtype=np.float64))
-        d = {rllink.OBS: np.array(obs, np.float32), rllink.ACTIONS: np.array(b["actions"][start:end, k]),
-             rllink.REWARDS: rewards,
-             rllink.ACTION_DIST_INPUTS: np.array(b["action_dist_inputs"][start:end, k], np.float32),
-             rllink.ACTION_LOGP: np.array(b["action_logp"][start:end, k], np.float32),
-             rllink.TERMINATED: bool(b["terminated"][end - 1, k]),
-             rllink.TRUNCATED: bool(b["truncated"][end - 1, k]),
-             rllink.EPISODE_ID: self.ids[k]}
-        if weights_seq_no is not None:
-            d[rllink.WEIGHTS_SEQ_NO] = weights_seq_no
-        return d
+            else:
+                self.returns[k] += ret
+        batch.episode_ids = ids
+        return batch

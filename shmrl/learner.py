@@ -19,7 +19,7 @@ import numpy as np
 
 from shmrl import rllink
 from shmrl.envs import Discrete, EnvSpec
-from shmrl.episode import Episode
+from shmrl.episode import EpisodeBatch
 from shmrl.onnx_policy import OnnxPublisher, encode_onnx_file
 
 log = logging.getLogger("shmrl.learner")
@@ -28,7 +28,7 @@ PENDING_AT_CHECKPOINT = "not yet trained when the checkpoint was taken"
 
 
 class EpisodeStore:
-    """Chunks waiting for the next batch, and the returns of complete episodes.
+    """Batches of chunks waiting for the next update, and the returns of complete episodes.
 
     Continuation chunks are glued to the episode they continue by id when the client
     sends one, else by their first observation being the last one of an open chunk on
@@ -37,37 +37,41 @@ class EpisodeStore:
     """
 
     def __init__(self, window: int = 100):
-        self.chunks: list[Episode] = []
+        self.pending: list[EpisodeBatch] = []
         self.pending_steps = 0
         self.returns: deque = deque(maxlen=window)
         self.lengths: deque = deque(maxlen=window)
         self.episodes_completed = 0
         self.steps_received = 0
-        self.steps_trained = 0
+        self.steps_taken = 0       # handed to the trainer (by the serving thread)
+        self.steps_trained = 0     # trained on (by the training thread, once its update is done)
         self.steps_dropped: dict[str, int] = {}
         self.steps_lost = 0        # stepped by a simulator that died before sending them: never received
         self.steps_by_conn: dict[str, int] = {}
         self._open: dict[tuple, tuple[float, int]] = {}   # glue key -> (return, length) so far
 
-    @staticmethod
-    def _key(conn_id: str, ep: Episode, obs) -> tuple:
-        return (conn_id, "id", ep.id) if ep.id is not None else (conn_id, "obs", obs.tobytes())
-
-    def add(self, conn_id: str, ep: Episode) -> None:
-        ret, length = self._open.pop(self._key(conn_id, ep, ep.obs[0]), (0.0, 0))
-        ret += float(ep.rewards.sum(dtype=np.float64))
-        length += len(ep)
-        if ep.is_done:
-            self.returns.append(ret)
-            self.lengths.append(length)
-            self.episodes_completed += 1
-        elif len(ep):
-            self._open[self._key(conn_id, ep, ep.obs[-1])] = (ret, length)
-        if len(ep):
-            self.chunks.append(ep)
-            self.pending_steps += len(ep)
-            self.steps_received += len(ep)
-            self.steps_by_conn[conn_id] = self.steps_by_conn.get(conn_id, 0) + len(ep)
+    def add(self, conn_id: str, batch: EpisodeBatch) -> None:
+        """Take a message's chunks: their steps wait for training, their returns complete
+        episodes (one Python step per chunk, none per env step)."""
+        ids = batch.episode_ids
+        obs, first, last = batch.obs, batch.obs_first.tolist(), batch.obs_last.tolist()
+        for i, (ret, length, done) in enumerate(zip(batch.chunk_returns().tolist(), batch.lengths.tolist(),
+                                                     batch.is_done.tolist())):
+            eid = ids[i] if ids is not None else None
+            key = (conn_id, "id", eid) if eid is not None else (conn_id, "obs", obs[first[i]].tobytes())
+            ret_before, length_before = self._open.pop(key, (0.0, 0))
+            ret, length = ret + ret_before, length + length_before
+            if done:
+                self.returns.append(ret)
+                self.lengths.append(length)
+                self.episodes_completed += 1
+            else:
+                self._open[key if eid is not None else (conn_id, "obs", obs[last[i]].tobytes())] = (ret, length)
+        if batch.num_steps:
+            self.pending.append(batch)
+            self.pending_steps += batch.num_steps
+            self.steps_received += batch.num_steps
+            self.steps_by_conn[conn_id] = self.steps_by_conn.get(conn_id, 0) + batch.num_steps
 
     def forget(self, conn_id: str) -> None:
         """A connection closed: its open episodes will never complete."""
@@ -79,33 +83,45 @@ class EpisodeStore:
         self.steps_received += steps
         self.steps_dropped[reason] = self.steps_dropped.get(reason, 0) + steps
 
-    def take(self, version: int = 0, max_lag: int | None = None, max_steps: int | None = None) -> list[Episode]:
-        """The oldest pending chunks, up to ``max_steps`` steps (the last one may go over;
-        None: all), except those sampled with weights more than ``max_lag`` versions older
-        than ``version``, which are dropped as stale. Chunks without a version (RLlib's
-        client sends none) count as current."""
+    def take(self, version: int = 0, max_lag: int | None = None, max_steps: int | None = None) -> list[EpisodeBatch]:
+        """The oldest pending batches, up to ``max_steps`` steps (the last one may go over;
+        None: all), without the chunks sampled with weights more than ``max_lag`` versions
+        older than ``version``, which are dropped as stale. Chunks without a version
+        (RLlib's client sends none) count as current."""
         if max_lag is not None:
-            fresh = [c for c in self.chunks if c.weights_seq_no is None or version - c.weights_seq_no <= max_lag]
-            if len(fresh) < len(self.chunks):
-                stale = sum(len(c) for c in self.chunks) - sum(len(c) for c in fresh)
-                self.steps_dropped["stale"] = self.steps_dropped.get("stale", 0) + stale
-                self.pending_steps -= stale
-            self.chunks = fresh
+            fresh = []
+            for batch in self.pending:
+                seq = batch.weights_seq_no
+                stale = (seq >= 0) & (version - seq > max_lag)
+                if stale.any():
+                    n_stale = int(batch.lengths[stale].sum())
+                    self.steps_dropped["stale"] = self.steps_dropped.get("stale", 0) + n_stale
+                    self.pending_steps -= n_stale
+                    batch = batch.select(~stale)
+                if batch.num_steps:
+                    fresh.append(batch)
+            self.pending = fresh
         n, steps = 0, 0
-        while n < len(self.chunks) and (max_steps is None or steps < max_steps):
-            steps += len(self.chunks[n])
+        while n < len(self.pending) and (max_steps is None or steps < max_steps):
+            steps += self.pending[n].num_steps
             n += 1
-        chunks, self.chunks = self.chunks[:n], self.chunks[n:]
+        taken, self.pending = self.pending[:n], self.pending[n:]
         self.pending_steps -= steps
-        self.steps_trained += steps
-        return chunks
+        self.steps_taken += steps
+        return taken
+
+    @property
+    def in_flight(self) -> int:
+        """Steps taken for an update that has not finished (or never will: the run ended)."""
+        return self.steps_taken - self.steps_trained
 
     def counters(self) -> dict:
-        """The counts and the return window, for a checkpoint. Chunks still pending count
-        as dropped: a run resumed from the checkpoint never trains on them."""
+        """The counts and the return window, for a checkpoint. Steps not yet trained on
+        (pending or in flight) count as dropped: a run resumed from it never trains on them."""
         dropped = dict(self.steps_dropped)
-        if self.pending_steps:
-            dropped[PENDING_AT_CHECKPOINT] = dropped.get(PENDING_AT_CHECKPOINT, 0) + self.pending_steps
+        untrained = self.pending_steps + self.in_flight
+        if untrained:
+            dropped[PENDING_AT_CHECKPOINT] = dropped.get(PENDING_AT_CHECKPOINT, 0) + untrained
         return {"steps_received": self.steps_received, "steps_trained": self.steps_trained,
                 "steps_dropped": dropped, "steps_lost": self.steps_lost,
                 "steps_by_conn": dict(self.steps_by_conn), "episodes_completed": self.episodes_completed,
@@ -115,6 +131,7 @@ class EpisodeStore:
         """Continue from ``counters()`` of an earlier run."""
         for key in ("steps_received", "steps_trained", "steps_lost", "episodes_completed"):
             setattr(self, key, int(counters[key]))
+        self.steps_taken = self.steps_trained
         self.steps_dropped = {k: int(v) for k, v in counters["steps_dropped"].items()}
         self.steps_by_conn = {k: int(v) for k, v in counters["steps_by_conn"].items()}
         self.returns.extend(counters["returns"])
@@ -125,26 +142,27 @@ class EpisodeStore:
         return float(np.mean(returns)) if returns else float("nan")
 
 
-def check_episode(ep: Episode, spec: EnvSpec) -> str | None:
-    """Why a validated chunk does not fit the environment, or None."""
-    if ep.obs.shape[1:] != tuple(spec.obs_shape):
-        return f"obs shape {ep.obs.shape[1:]} does not match the environment's {tuple(spec.obs_shape)}"
-    if not len(ep):
+def check_episodes(batch: EpisodeBatch, spec: EnvSpec) -> str | None:
+    """Why validated chunks do not fit the environment, or None."""
+    if batch.num_chunks and batch.obs.shape[1:] != tuple(spec.obs_shape):
+        return f"obs shape {batch.obs.shape[1:]} does not match the environment's {tuple(spec.obs_shape)}"
+    if not batch.num_steps:
         return None
-    space = spec.action_space
-    if ep.action_dist_inputs.shape[1:] != (spec.policy_outputs,):
-        return f"action_dist_inputs shape {ep.action_dist_inputs.shape[1:]} != ({spec.policy_outputs},)"
+    space, actions = spec.action_space, batch.actions
+    if batch.action_dist_inputs.shape[1:] != (spec.policy_outputs,):
+        return f"action_dist_inputs shape {batch.action_dist_inputs.shape[1:]} != ({spec.policy_outputs},)"
     if isinstance(space, Discrete):
-        if ep.actions.dtype.kind != "i" or ep.actions.ndim != 1:
-            return f"actions must be integers for Discrete({space.n}), got {ep.actions.dtype} {ep.actions.shape}"
-        if ep.actions.min() < 0 or ep.actions.max() >= space.n:
+        if actions.dtype.kind != "i" or actions.ndim != 1:
+            return f"actions must be integers for Discrete({space.n}), got {actions.dtype} {actions.shape}"
+        if actions.min() < 0 or actions.max() >= space.n:
             return f"action out of range for Discrete({space.n})"
     else:  # Box: sampled from a Gaussian, so any finite value (the env clips what it applies)
         shape = tuple(space.shape)
-        actions = ep.actions.reshape(len(ep), -1) if ep.actions.ndim == 1 and shape == (1,) else ep.actions
+        if actions.ndim == 1 and shape == (1,):
+            actions = actions.reshape(len(actions), 1)
         if actions.shape[1:] != shape or actions.dtype.kind != "f":
-            return f"actions shape {ep.actions.shape[1:]} ({ep.actions.dtype}) does not match the action space {shape}"
-        ep.actions = actions
+            return f"actions shape {batch.actions.shape[1:]} ({batch.actions.dtype}) does not match the action space {shape}"
+        batch.actions = actions
     return None
 
 
@@ -209,14 +227,12 @@ class Hub:
             self.sampling.add(conn_id)
             self._reply(conn_id, self.state_msg)
         else:  # EPISODES, EPISODES_AND_GET_STATE
-            episodes = [Episode.from_rllink(d) for d in msg["episodes"]]
-            for ep in episodes:
-                reason = check_episode(ep, self.spec)
-                if reason:
-                    self._drop(conn_id, reason, sum(len(e) for e in episodes))
-                    return
-            for ep in episodes:
-                self.store.add(conn_id, ep)
+            batch = msg["episodes"]
+            reason = check_episodes(batch, self.spec)
+            if reason:
+                self._drop(conn_id, reason, batch.num_steps)
+                return
+            self.store.add(conn_id, batch)
             if kind == T.EPISODES_AND_GET_STATE.value:
                 self.sampling.add(conn_id)
                 full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
@@ -281,6 +297,7 @@ class Learner:
         os.set_blocking(self._wake_r, False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # why the serving thread ended, if it did
         self._selector = selectors.DefaultSelector()
         for fd in [self._wake_r, *(server.fileno() for server in servers)]:
             self._selector.register(fd, selectors.EVENT_READ)
@@ -308,8 +325,8 @@ class Learner:
             # Asynchronous clients go on sampling while a batch trains: a batch is still one
             # batch, so that learning per env step is what it is on-policy; the rest waits.
             max_lag = None if self.hub.on_policy else self.max_policy_lag
-            chunks = self.store.take(self.weights_seq_no, max_lag, self.train_batch_size)
-            self._batches.put((chunks, self.weights_seq_no))
+            batches = self.store.take(self.weights_seq_no, max_lag, self.train_batch_size)
+            self._batches.put((batches, self.weights_seq_no))
             self._batch_out = True
         return n
 
@@ -339,8 +356,12 @@ class Learner:
         self._thread.start()
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            self.poll(0.05)
+        try:
+            while not self._stop.is_set():
+                self.poll(0.05)
+        except BaseException as e:  # a bug or a broken transport: the run must end, not hang
+            log.exception("the serving thread failed")
+            self.failure = e
 
     def stop(self) -> None:
         self._stop.set()
@@ -351,8 +372,8 @@ class Learner:
             os.close(fd)
 
     # ------------------------------------------------------------ the training thread
-    def next_batch(self, timeout: float) -> tuple[list[Episode], int] | None:
-        """The next batch of chunks and the weights version it was taken at, or None."""
+    def next_batch(self, timeout: float) -> tuple[list[EpisodeBatch], int] | None:
+        """The chunks of the next update and the weights version they were taken at, or None."""
         try:
             return self._batches.get(timeout=timeout)
         except queue.Empty:
@@ -365,18 +386,21 @@ class Learner:
         self._published.put((self.weights_seq_no, encode_onnx_file(self.model_bytes)))
         os.write(self._wake_w, b"\0")
 
-    def train(self, ppo, chunks: list[Episode], version: int) -> dict | None:
-        """One PPO update on ``chunks``, then publish the new weights."""
+    def train(self, ppo, batches: list[EpisodeBatch], version: int) -> dict | None:
+        """One PPO update on the chunks of ``batches``, then publish the new weights."""
         t0 = time.perf_counter()
-        if not chunks:
+        if not batches:
             self.publish(ppo.actor_weights())   # releases any client held back; nothing to learn from
             return None
-        lags = [version - c.weights_seq_no for c in chunks if c.weights_seq_no is not None]
+        chunks = EpisodeBatch.concat(batches)
+        seq = chunks.weights_seq_no
+        lags = version - seq[seq >= 0]
         batch = ppo.make_batch(chunks)
         stats = ppo.update(batch)
+        self.store.steps_trained += chunks.num_steps   # only this thread writes it
         self.updates += 1
         self.publish(ppo.actor_weights())
         stats.update(update=self.updates, batch_steps=len(batch),
-                     policy_lag=float(np.mean(lags)) if lags else 0.0,
+                     policy_lag=float(lags.mean()) if len(lags) else 0.0,
                      train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no)
         return stats

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from shmrl.episode import EpisodeBatch
 from shmrl.onnx_policy import LOG_STD_INIT, init_mlp_weights, with_log_std
 
 HALF_LOG_2PI = 0.5 * float(np.log(2 * np.pi))
@@ -154,47 +155,44 @@ class PPO:
 
     @torch.inference_mode()
     def values(self, obs: np.ndarray) -> np.ndarray:
-        return self.critic(torch.from_numpy(obs)).squeeze(-1).numpy()
+        return self.critic(torch.tensor(obs)).squeeze(-1).numpy()  # a copy: obs may be read-only
 
-    def make_batch(self, chunks: list) -> Batch:
-        """GAE over episode chunks, with no Python loop over steps of one chunk.
+    def make_batch(self, chunks: EpisodeBatch | list[EpisodeBatch]) -> Batch:
+        """GAE over episode chunks, with no Python loop over steps or chunks.
 
         A chunk that ended terminated bootstraps with 0; one that was truncated or cut
         (still running when its client sent it) bootstraps with V(last obs).
         """
         cfg = self.config
-        lengths = np.array([len(c.actions) for c in chunks])
-        obs_all = np.concatenate([c.obs for c in chunks])            # sum(T+1) rows
-        v_all = self.values(obs_all)
-        ends = np.cumsum(lengths + 1)                                  # one past each chunk's obs
-        starts = ends - lengths - 1
-        step_idx = np.concatenate([np.arange(s, e - 1) for s, e in zip(starts, ends)])
-        rewards = np.concatenate([c.rewards for c in chunks]) * np.float32(cfg.reward_scale)
+        if isinstance(chunks, list):
+            chunks = EpisodeBatch.concat(chunks)
+        lengths, n = chunks.lengths, chunks.num_chunks
+        v_all = self.values(chunks.obs)                               # one value per obs row
+        chunk_of_step = np.repeat(np.arange(n), lengths)
+        step_idx = np.arange(chunks.num_steps) + chunk_of_step        # each step's obs row
         v = v_all[step_idx]
         v_next = v_all[step_idx + 1]
-        # Zero the bootstrap of the last step of terminated chunks.
-        last = ends - 2
-        terminated = np.array([c.is_terminated for c in chunks])
+        # No bootstrap after the last step of a terminated chunk.
         nonterminal = np.ones(len(v_all), np.float32)
-        nonterminal[last[terminated & (lengths > 0)] + 1] = 0.0
+        nonterminal[chunks.obs_last[chunks.is_terminated & (lengths > 0)]] = 0.0
+        rewards = chunks.rewards * np.float32(cfg.reward_scale)
         deltas = rewards + cfg.gamma * v_next * nonterminal[step_idx + 1] - v
 
         # Discounted reverse cumsum per chunk, vectorized across chunks: pad to
         # [n_chunks, T_max] (zeros after a chunk's end keep the recursion exact).
-        t_max = int(lengths.max()) if len(lengths) else 0
-        padded = np.zeros((len(chunks), t_max + 1), np.float32)
-        row = np.repeat(np.arange(len(chunks)), lengths)
-        col = np.arange(len(step_idx)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        padded[row, col] = deltas
+        t_max = int(lengths.max()) if n else 0
+        padded = np.zeros((n, t_max + 1), np.float32)
+        col = np.arange(chunks.num_steps) - chunks.offsets[chunk_of_step]
+        padded[chunk_of_step, col] = deltas
         discount = cfg.gamma * cfg.gae_lambda
         for t in range(t_max - 1, -1, -1):
             padded[:, t] += discount * padded[:, t + 1]
-        advantages = padded[row, col]
+        advantages = padded[chunk_of_step, col]
 
         return Batch(
-            obs=obs_all[step_idx],
-            actions=np.concatenate([c.actions for c in chunks]),
-            logp=np.concatenate([c.action_logp for c in chunks]),
+            obs=chunks.obs[step_idx],
+            actions=np.array(chunks.actions),  # copies: decoded arrays may be read-only views
+            logp=np.array(chunks.action_logp),
             advantages=advantages.astype(np.float32),
             returns=(advantages + v).astype(np.float32),
         )

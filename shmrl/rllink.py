@@ -8,8 +8,15 @@ same schema with numpy arrays as raw little-endian blocks, for the shared-memory
 
 The head is the message with each ndarray replaced by {"__nd__": [dtype, shape, offset,
 nbytes]} and each bytes value by {"__b__": [offset, nbytes]}; offsets count from the start
-of the data section (itself 8-aligned in the body) and are multiples of 8. Keys "__nd__"
-and "__b__" are therefore reserved in binary messages.
+of the data section (itself 8-aligned in the body) and are multiples of 8. An
+``EpisodeBatch`` (the episodes of a message, column-wise) is written as {"__cols__":
+{"lengths": ..., "obs": ..., ...}}: a handful of arrays however many chunks it holds,
+where the list form costs a descriptor per field per chunk. Keys "__nd__", "__b__" and
+"__cols__" are therefore reserved in binary messages. JSON writes an EpisodeBatch in the
+list form RLlib reads.
+
+After validation, the ``episodes`` of a request are always an ``EpisodeBatch``, whichever
+form and codec they came in.
 
 This module knows nothing of sockets, shared memory or torch.
 """
@@ -22,6 +29,10 @@ import math
 import reprlib
 
 import numpy as np
+
+# The episode fields (RLlink's, and shmrl's optional ones) are defined with the episodes.
+from shmrl.episode import (ACTION_DIST_INPUTS, ACTION_LOGP, ACTIONS, EPISODE_ID, FLAG_ALIASES, OBS,
+                           REWARDS, STEP_FIELDS, TERMINATED, TRUNCATED, WEIGHTS_SEQ_NO, EpisodeBatch)
 
 
 class ProtocolError(ValueError):
@@ -46,21 +57,6 @@ class MessageType(str, enum.Enum):
 _T = MessageType
 REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE})
 REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE})
-
-# Episode keys. RLlib 2.48's client writes, and its server reads, "is_terminated" and
-# "is_truncated" (tcp_client_inference_env_runner.py); "terminateds"/"truncateds" (RLlib's
-# column names, which shmrl sent before) are accepted too.
-OBS = "obs"
-ACTIONS = "actions"
-REWARDS = "rewards"
-ACTION_DIST_INPUTS = "action_dist_inputs"
-ACTION_LOGP = "action_logp"
-TERMINATED = "is_terminated"
-TRUNCATED = "is_truncated"
-FLAG_ALIASES = {"terminateds": TERMINATED, "truncateds": TRUNCATED}
-# Optional shmrl extensions, never required from a client.
-EPISODE_ID = "episode_id"
-WEIGHTS_SEQ_NO = "weights_seq_no"
 
 _EPISODE_KEYS = frozenset({OBS, ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP, TERMINATED,
                            TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO, *FLAG_ALIASES})
@@ -104,6 +100,8 @@ def _json_default(obj):
     # Called only for what json cannot write itself, so plain dicts cost nothing extra.
     if isinstance(obj, np.ndarray):
         return obj.tolist()
+    if isinstance(obj, EpisodeBatch):
+        return obj.to_dicts()  # RLlib's list of episode objects
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, (bytes, bytearray, memoryview)):
@@ -157,6 +155,8 @@ def encode_binary(msg: dict) -> bytes:
         if isinstance(obj, (bytes, bytearray, memoryview)):
             n = memoryview(obj).nbytes
             return {"__b__": [add_block(obj, n), n]}
+        if isinstance(obj, EpisodeBatch):
+            return {"__cols__": obj.columns()}
         if isinstance(obj, np.generic):
             return obj.item()
         raise TypeError(f"{type(obj).__name__} is not serializable by the binary codec")
@@ -216,6 +216,10 @@ def _decode_binary(mv: memoryview) -> dict:
                 raise ProtocolError(f"malformed bytes descriptor {_show(d)}")
             start = block("bytes", spec, *spec)
             return bytes(mv[start:start + spec[1]])
+        if "__cols__" in d:
+            if len(d) != 1 or type(d["__cols__"]) is not dict:
+                raise ProtocolError(f"malformed columnar episodes {_show(d)}")
+            return _Columns(d["__cols__"])
         return d
 
     try:
@@ -227,6 +231,26 @@ def _decode_binary(mv: memoryview) -> dict:
     if not isinstance(msg, dict):
         raise ProtocolError(f"binary head is a JSON {type(msg).__name__}, not an object")
     return msg
+
+
+class _Columns(dict):
+    """The columnar episodes of a binary head, as decoded and not yet validated (a type of
+    its own, so that no JSON object can pass for one)."""
+
+
+def episodes_body_bytes(steps: int, obs_size: int, action_size: int, dist_size: int) -> int:
+    """An upper bound on the binary body of an EPISODES message of ``steps`` env steps
+    (what a request ring must take): every field as float32 or int64, and as if every step
+    began a chunk of its own (an observation row, flags, version and id more)."""
+    per_step = 4 * obs_size + 8 * action_size + 4 * (2 + dist_size)
+    per_chunk = 4 * obs_size + 8 + 2 + 8 + 64
+    return 4096 + steps * (per_step + per_chunk)
+
+
+def set_state_body_bytes(model_bytes: int) -> int:
+    """An upper bound on the body of a SET_STATE for a model file of ``model_bytes``
+    (gzip can grow incompressible data a little; base64 takes 4 bytes per 3)."""
+    return 1024 + 4 * ((model_bytes + model_bytes // 1000 + 64) // 3 + 1)
 
 
 # ---------------------------------------------------------------- decoding
@@ -404,6 +428,75 @@ def _episode(ep, i: int) -> dict:
     return out
 
 
+def _batch(episodes: list[dict], where: str) -> EpisodeBatch:
+    """Validated episode dicts in one EpisodeBatch: they must agree in the shapes and types
+    of their rows (the episodes of one message come from one environment)."""
+    if not episodes:
+        return EpisodeBatch.from_episodes([])
+    first = episodes[0]
+    stepped = [ep for ep in episodes if len(ep[ACTIONS])]
+    for i, ep in enumerate(episodes):
+        if ep[OBS].shape[1:] != first[OBS].shape[1:]:
+            raise ProtocolError(f"{where}: episode {i} has observations of shape {ep[OBS].shape[1:]}, "
+                                f"episode 0 of {first[OBS].shape[1:]}: one message, one environment")
+    for ep in stepped[1:]:
+        for key in (ACTIONS, ACTION_DIST_INPUTS):
+            a, b = ep[key], stepped[0][key]
+            if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+                raise ProtocolError(f"{where}: the episodes disagree in {key!r} ({a.dtype} {a.shape[1:]} "
+                                    f"and {b.dtype} {b.shape[1:]}): one message, one environment")
+    return EpisodeBatch.from_episodes(episodes)
+
+
+_COLUMN_KEYS = frozenset({"lengths", OBS, *STEP_FIELDS, TERMINATED, TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO})
+_REQUIRED_COLUMNS = ("lengths", OBS, *STEP_FIELDS, TERMINATED, TRUNCATED)
+
+
+def _columns(cols: dict, where: str) -> EpisodeBatch:
+    """Columnar episodes (the binary codec's form) checked as thoroughly as the list form."""
+    where = f"{where} episodes"
+    for key in cols:
+        if key not in _COLUMN_KEYS:
+            raise ProtocolError(f"{where}: unexpected field {_show(key)}")
+    for key in _REQUIRED_COLUMNS:
+        if key not in cols:
+            raise ProtocolError(f"{where}: missing field {key!r}")
+    actions = _array(cols, ACTIONS, where, actions=True)
+    lengths = cols["lengths"]
+    if not (isinstance(lengths, np.ndarray) and lengths.dtype.kind in "iu" and lengths.ndim == 1):
+        raise ProtocolError(f"{where}: 'lengths' must be a 1-D array of integers")
+    if lengths.size and (lengths.min() < 0 or lengths.max() > len(actions)):  # also: no overflow below
+        raise ProtocolError(f"{where}: 'lengths' must lie between 0 and the number of actions")
+    n, total = len(lengths), int(lengths.sum())
+    if len(actions) != total:
+        raise ProtocolError(f"{where}: {len(actions)} actions, but 'lengths' add up to {total}")
+    obs = _array(cols, OBS, where)
+    if len(obs) != total + n:
+        raise ProtocolError(f"{where}: 'obs' has {len(obs)} rows, expected one more per chunk than "
+                            f"its steps: {total + n}")
+    rows = {}
+    for key in (REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP):
+        rows[key] = arr = _array(cols, key, where)
+        if len(arr) != total or (key != ACTION_DIST_INPUTS and arr.ndim != 1):
+            raise ProtocolError(f"{where}: {key!r} has shape {arr.shape}, expected {total} rows"
+                                + ("" if key == ACTION_DIST_INPUTS else " of one value"))
+    flags = {}
+    for key in (TERMINATED, TRUNCATED):
+        flags[key] = value = cols[key]
+        if not (isinstance(value, np.ndarray) and value.dtype == bool and value.shape == (n,)):
+            raise ProtocolError(f"{where}: {key!r} must be an array of {n} booleans")
+    seq = cols.get(WEIGHTS_SEQ_NO)
+    if seq is not None and not (isinstance(seq, np.ndarray) and seq.dtype.kind in "iu" and seq.shape == (n,)
+                                and (not n or seq.min() >= -1)):
+        raise ProtocolError(f"{where}: 'weights_seq_no' must be an array of {n} ints >= -1 (-1: unknown)")
+    ids = cols.get(EPISODE_ID)
+    if ids is not None and not (type(ids) is list and len(ids) == n and all(
+            i is None or isinstance(i, str) or _is_int(i) for i in ids)):
+        raise ProtocolError(f"{where}: 'episode_id' must be a list of {n} strings, ints or nulls")
+    return EpisodeBatch(obs=obs, actions=actions, lengths=lengths, **rows, is_terminated=flags[TERMINATED],
+                        is_truncated=flags[TRUNCATED], weights_seq_no=seq, episode_ids=ids)
+
+
 def _count(msg: dict, key: str, where: str, minimum: int = 0) -> int:
     value = msg[key]
     if not _is_int(value) or value < minimum:
@@ -429,15 +522,19 @@ def _request(msg: dict, t: MessageType) -> dict:
     if t not in (_T.EPISODES, _T.EPISODES_AND_GET_STATE):
         return out
     episodes = _require(msg, "episodes", t.value)
-    if not isinstance(episodes, (list, tuple)):
-        raise ProtocolError(f"{t.value}: 'episodes' must be a list, got {type(episodes).__name__}")
     counts = {k: _count(msg, k, t.value) for k in ("timesteps", "env_steps") if k in msg}
     if len(set(counts.values())) > 1:
         raise ProtocolError(f"{t.value}: 'timesteps' = {counts['timesteps']} and 'env_steps' = "
                             f"{counts['env_steps']} disagree")
     with np.errstate(all="ignore"):  # overflow in float32 casts is reported as non-finite
-        out["episodes"] = [_episode(ep, i) for i, ep in enumerate(episodes)]
-    steps = sum(len(ep[ACTIONS]) for ep in out["episodes"])
+        if isinstance(episodes, (_Columns, EpisodeBatch)):
+            batch = _columns(episodes if isinstance(episodes, _Columns) else episodes.columns(), t.value)
+        elif isinstance(episodes, (list, tuple)):
+            batch = _batch([_episode(ep, i) for i, ep in enumerate(episodes)], t.value)
+        else:
+            raise ProtocolError(f"{t.value}: 'episodes' must be a list, got {type(episodes).__name__}")
+    out["episodes"] = batch
+    steps = batch.num_steps
     for key, count in counts.items():
         if count != steps:
             raise ProtocolError(f"{t.value}: {key!r} = {count} but the episodes hold {steps} steps "

@@ -114,13 +114,13 @@ def process_start_time() -> float:
         return time.time()
 
 
-def open_transports(config: RunConfig) -> tuple[list, list[str], object]:
+def open_transports(config: RunConfig, spec, actor_sizes: list[int]) -> tuple[list, list[str], object]:
     """The learner's servers, the address each local simulator connects to, and the
     shared-memory server (None if the simulators use TCP or there are none)."""
     servers, addresses, shm = [], [], None
     if config.sims and config.transport == "shm":
         from shmrl.transport.shm import ShmServer
-        shm = ShmServer(config.sims)
+        shm = ShmServer(config.sims, **ring_bytes(config, spec, actor_sizes))
         servers.append(shm)
         addresses = [f"shm:{shm.address(i)}" for i in range(config.sims)]
     if config.tcp_port is not None or (config.sims and config.transport == "tcp"):
@@ -138,6 +138,22 @@ def open_transports(config: RunConfig) -> tuple[list, list[str], object]:
         if config.transport == "tcp":
             addresses = [f"tcp:{host}:{port}"] * config.sims
     return servers, addresses, shm
+
+
+def ring_bytes(config: RunConfig, spec, actor_sizes: list[int]) -> dict:
+    """Ring capacities that take every frame of this run: a simulator's EPISODES message
+    (``env_steps_per_sample`` rounded up to whole steps of its envs) and a SET_STATE of
+    this policy."""
+    from shmrl import rllink
+    from shmrl.transport.shm import ShmServer, ring_bytes_for
+
+    steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
+    action_size = math.prod(spec.action_space.shape) if spec.continuous else 1
+    request = rllink.episodes_body_bytes(steps, math.prod(spec.obs_shape), action_size, spec.policy_outputs)
+    params = sum(n_in * n_out + n_out for n_in, n_out in zip(actor_sizes[:-1], actor_sizes[1:]))
+    reply = rllink.set_state_body_bytes(4 * params + 4096)   # float32 weights and the graph around them
+    return {"request_ring_bytes": ring_bytes_for(8 + request, ShmServer.REQUEST_RING_BYTES),
+            "reply_ring_bytes": ring_bytes_for(8 + reply, ShmServer.REPLY_RING_BYTES)}
 
 
 def _terminate(signum, frame):
@@ -168,12 +184,14 @@ def saved_config(config: RunConfig) -> dict:
 
 
 def counts(learner, supervisor) -> dict:
-    """Where every env step went: received = trained + pending + dropped (by reason); lost:
-    stepped by simulators that died before sending them, never received. A frame that could
-    not be decoded has no steps to count: it counts as a bad frame."""
+    """Where every env step went: received = trained + pending (waiting, or in an update
+    that has not finished) + dropped (by reason); lost: stepped by simulators that died
+    before sending them, never received. A frame that could not be decoded has no steps to
+    count: it counts as a bad frame."""
     store = learner.store
     return {"env_steps": store.steps_received, "env_steps_trained": store.steps_trained,
-            "env_steps_pending": store.pending_steps, "env_steps_dropped": dict(store.steps_dropped),
+            "env_steps_pending": store.pending_steps + store.in_flight,
+            "env_steps_dropped": dict(store.steps_dropped),
             "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),
             "bad_frames": sum(getattr(server, "frames_rejected", 0) for server in learner.servers),
             "simulator_restarts": supervisor.restarts if supervisor else 0}
@@ -213,24 +231,24 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     if config.resume:
         path = checkpoint.latest(Path(config.resume))
         resumed = (path, *checkpoint.load(path))
+    # The first policy is published and served before torch is imported (about 2 s):
+    # the simulators start (their fork server loads numpy and onnxruntime) and sample
+    # on one core while this process loads torch on the other.
+    actor_sizes = policy_sizes(spec, config.hidden)
+    if resumed:
+        path, arrays, state = resumed
+        first_policy, first_seq = policy_from_flat(arrays["params"], spec, config.hidden), state["weights_seq_no"] + 1
+    else:
+        first_policy, first_seq = initial_policy(spec, config.hidden, config.seed), 1
     try:
-        servers, addresses, shm = open_transports(config)
+        servers, addresses, shm = open_transports(config, spec, actor_sizes)
     except ShmSpaceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED, {}
     status, summary = EXIT_FAILED, {}
-    learner = supervisor = ppo = metrics = None
+    learner = supervisor = ppo = metrics = error = None
     steps_at_start, t_learn = 0, time.time()
     try:
-        # The first policy is published and served before torch is imported (about 2 s):
-        # the simulators start (their fork server loads numpy and onnxruntime) and sample
-        # on one core while this process loads torch on the other.
-        actor_sizes = policy_sizes(spec, config.hidden)
-        if resumed:
-            path, arrays, state = resumed
-            first_policy, first_seq = policy_from_flat(arrays["params"], spec, config.hidden), state["weights_seq_no"] + 1
-        else:
-            first_policy, first_seq = initial_policy(spec, config.hidden, config.seed), 1
         if addresses:
             supervisor = Supervisor(addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim,
                                     auth_token=config.auth_token, shm_server=shm, hang_timeout=config.hang_timeout)
@@ -285,6 +303,8 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             batch = learner.next_batch(0.05)
             if supervisor and supervisor.failure:
                 raise RunFailed(supervisor.failure)
+            if learner.failure:
+                raise RunFailed(f"the learner's serving thread failed: {learner.failure!r}")
             if len(store.returns) >= store.returns.maxlen and store.return_mean() >= config.stop_return:
                 status = EXIT_SOLVED
                 break
@@ -308,6 +328,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                 if config.checkpoint_every and learner.updates % config.checkpoint_every == 0:
                     save_checkpoint(config, learner, ppo, config.keep_checkpoints)
     except RunFailed as e:
+        error = str(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED
@@ -322,7 +343,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             if learner is not None:
                 wall = time.time() - t_start
                 steps_here = learner.store.steps_received - steps_at_start
-                summary = {"solved": status == EXIT_SOLVED, "exit_status": status, "wall_s": wall,
+                summary = {"solved": status == EXIT_SOLVED, "exit_status": status, "error": error, "wall_s": wall,
                            "return_mean": learner.store.return_mean(), "episodes": learner.store.episodes_completed,
                            **counts(learner, supervisor),
                            "env_steps_per_s": steps_here / max(time.time() - t_learn, 1e-9),
@@ -479,6 +500,9 @@ def main(argv=None) -> int:
         status, _ = train(config, t_start)
     except KeyboardInterrupt:  # before train() had anything to clean up
         return EXIT_INTERRUPTED
+    except Exception:  # a bug: say so, and exit as a failed part (1 means the budget ran out)
+        log.exception("the run failed")
+        return EXIT_FAILED
     return status
 
 

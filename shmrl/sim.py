@@ -150,9 +150,8 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
             rollout.record(actions, logits, logp, obs, rewards, terminated, truncated, final_obs)
             stepped += envs_per_sim
             client.heartbeat(stepped)  # a simulator whose env hangs stops counting
-        chunks = rollout.chunks(seq)
         n_steps = steps_per_env * envs_per_sim
-        reply = client.request({"type": T.EPISODES_AND_GET_STATE.value, "episodes": chunks,
+        reply = client.request({"type": T.EPISODES_AND_GET_STATE.value, "episodes": rollout.batch(seq),
                                 "timesteps": n_steps})
         sent += n_steps
         messages += 1

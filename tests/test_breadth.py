@@ -19,8 +19,8 @@ import shmrl
 from conftest import descendants, shm_entries
 from shmrl import checkpoint
 from shmrl.envs import Box, Discrete, env_spec
-from shmrl.episode import Episode
-from shmrl.learner import check_episode
+from shmrl.episode import Episode, EpisodeBatch
+from shmrl.learner import check_episodes
 from shmrl.run import parse_args
 
 
@@ -138,11 +138,11 @@ def test_gym_env_trains_from_the_command_line(start_run, tmp_path):
     assert shm_entries(run.proc.pid) == [] and descendants(run.proc.pid) == []
 
 
-def episode(obs_dim: int, actions: list, dist_size: int) -> Episode:
+def episode(obs_dim: int, actions: list, dist_size: int) -> EpisodeBatch:
     ep = Episode(np.zeros(obs_dim, np.float32))
     for a in actions:
         ep.add_step(a, -1.0, np.zeros(obs_dim, np.float32), np.zeros(dist_size, np.float32), -0.5)
-    return ep.finalize()
+    return EpisodeBatch.from_episodes([ep.finalize()])
 
 
 @pytest.mark.parametrize("make_chunk, problem", [
@@ -153,16 +153,16 @@ def episode(obs_dim: int, actions: list, dist_size: int) -> Episode:
     (lambda: episode(6, [0, 1], 2), "action_dist_inputs shape"),
 ], ids=["fits", "wrong-obs-shape", "action-out-of-range", "float-actions", "wrong-dist-inputs"])
 def test_clients_data_is_checked_against_a_gym_envs_spaces(make_chunk, problem):
-    reason = check_episode(make_chunk(), env_spec("gym:Acrobot-v1"))
+    reason = check_episodes(make_chunk(), env_spec("gym:Acrobot-v1"))
     assert reason is None if problem is None else problem in reason
 
 
 def test_continuous_actions_are_checked_against_the_box():
     spec = env_spec("Pendulum-v1")
     ep = episode(3, [0.3, -2.5, 7.0], 2)              # any finite torque: the env clips it
-    assert check_episode(ep, spec) is None and ep.actions.shape == (3, 1)
-    assert "action space" in check_episode(episode(3, [[0.3, 0.1]], 2), spec)   # two dimensions for one
-    assert "action space" in check_episode(episode(3, [1, 0], 2), spec)         # integers
+    assert check_episodes(ep, spec) is None and ep.actions.shape == (3, 1)
+    assert "action space" in check_episodes(episode(3, [[0.3, 0.1]], 2), spec)   # two dimensions for one
+    assert "action space" in check_episodes(episode(3, [1, 0], 2), spec)         # integers
 
 
 def test_user_factory_module_trains_from_the_command_line(start_run, tmp_path):

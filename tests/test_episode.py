@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from shmrl import rllink
-from shmrl.episode import Episode, Rollout
+from shmrl.episode import Episode, EpisodeBatch, Rollout
 
 
 def make_chunk(n_steps: int, start: float = 0.0) -> Episode:
@@ -47,8 +47,7 @@ def test_round_trip_through_rllink_json_and_binary():
     ep.add_step(0, 0.5, np.zeros(4, np.float32), np.zeros(2, np.float32), -0.7, truncated=True)
     for encode in (rllink.encode_json, rllink.encode_binary):
         body = encode({"type": "EPISODES", "episodes": [ep.to_rllink()]})
-        d = rllink.decode_request(body)["episodes"][0]
-        back = Episode.from_rllink(d)
+        back = rllink.decode_request(body)["episodes"].chunk(0)
         assert back.id == ep.id and back.is_truncated and not back.is_terminated
         for name in ("obs", "actions", "rewards", "action_dist_inputs", "action_logp"):
             np.testing.assert_array_equal(getattr(back, name), getattr(ep, name))
@@ -59,8 +58,8 @@ def test_rllib_style_dict_without_id_or_optional_fields():
          "action_dist_inputs": [[0.2, 0.3]], "action_logp": [-0.6],
          "is_terminated": False, "is_truncated": False}
     msg = rllink.decode_request(rllink.encode_json({"type": "EPISODES", "episodes": [d]}))
-    ep = Episode.from_rllink(msg["episodes"][0])
-    assert ep.id is None and len(ep) == 1 and not ep.is_done
+    ep = msg["episodes"].chunk(0)
+    assert ep.id is None and len(ep) == 1 and not ep.is_done and ep.weights_seq_no is None
 
 
 def test_chunks_carry_every_key_rllibs_server_reads():
@@ -74,11 +73,12 @@ def test_chunks_carry_every_key_rllibs_server_reads():
     assert len(d["obs"]) == len(d["actions"]) + 1
 
 
-def test_rollout_cuts_the_same_chunks_as_per_env_episodes():
-    """Three rollouts of 4 envs (short episodes end inside them, some at their last step)
+@pytest.mark.parametrize("K", [1, 4])
+def test_rollout_batch_holds_the_same_chunks_as_per_env_episodes(K):
+    """Three rollouts of K envs (short episodes end inside them, some at their last step)
     give exactly the chunks that per-env Episode.add_step / cut() bookkeeping gives."""
-    K, T, rng = 4, 7, np.random.default_rng(3)
-    lengths = [3, 1, 7, 5]                   # env k's episodes last lengths[k] steps (0 below: truncated)
+    T, rng = 7, np.random.default_rng(3)
+    lengths = [3, 1, 7, 5][:K]               # env k's episodes last lengths[k] steps (0 below: truncated)
     rollout = Rollout(K, T)
     reference = [Episode(np.full(4, 100.0 * k, np.float32)) for k in range(K)]
     obs = np.stack([ep.obs[0] for ep in reference])
@@ -106,7 +106,7 @@ def test_rollout_cuts_the_same_chunks_as_per_env_episodes():
             obs = new_obs
         expected += [ep.to_rllink() for ep in finished] + [ep.to_rllink() for ep in reference if len(ep)]
         reference = [ep.cut() if len(ep) else ep for ep in reference]
-        got += rollout.chunks(weights_seq_no=5)
+        got += rollout.batch(weights_seq_no=5).to_dicts()
     assert sum(len(c["actions"]) for c in got) == 3 * T * K
     key = lambda c: (c["obs"][0].tobytes(), len(c["actions"]))
     for want, have in zip(sorted(expected, key=key), sorted(got, key=key)):
@@ -118,6 +118,30 @@ def test_rollout_cuts_the_same_chunks_as_per_env_episodes():
     for c in got:
         ids.setdefault(c["episode_id"], []).append(c)
     assert all(sum(c["is_terminated"] or c["is_truncated"] for c in chunks) <= 1 for chunks in ids.values())
-    env2 = [c for c in got if c["obs"][0][0] == 200.0]          # env 2's first episode: all 7 steps of
-    assert len(env2) == 1 and env2[0]["is_truncated"] is True    # the first rollout, ended by a time limit
-    assert len(env2[0]["actions"]) == 7 and env2[0]["is_terminated"] is False
+    if K == 4:
+        env2 = [c for c in got if c["obs"][0][0] == 200.0]      # env 2's first episode: all 7 steps of
+        assert len(env2) == 1 and env2[0]["is_truncated"] is True  # the first rollout, ended by a time limit
+        assert len(env2[0]["actions"]) == 7 and env2[0]["is_terminated"] is False
+
+
+def test_episode_batch_holds_chunks_column_wise():
+    a, b, empty = make_chunk(3), make_chunk(5, start=10.0), make_chunk(0, start=20.0)
+    b.add_step(1, 2.0, np.zeros(4, np.float32), np.zeros(2, np.float32), -0.1, terminated=True)
+    a.weights_seq_no = 4
+    batch = EpisodeBatch.from_episodes([a.finalize(), b.finalize(), empty.finalize()])
+    assert batch.num_chunks == 3 and batch.num_steps == 9 and len(batch.obs) == 12
+    assert batch.lengths.tolist() == [3, 6, 0] and batch.offsets.tolist() == [0, 3, 9, 9]
+    assert batch.weights_seq_no.tolist() == [4, -1, -1] and batch.is_done.tolist() == [False, True, False]
+    np.testing.assert_allclose(batch.chunk_returns(), [3.0, 7.0, 0.0])
+    for want, i in ((a, 0), (b, 1), (empty, 2)):
+        got = batch.chunk(i)
+        assert (got.id, got.is_terminated, got.weights_seq_no) == (want.id, want.is_terminated, want.weights_seq_no)
+        for name in ("obs", "actions", "rewards", "action_dist_inputs", "action_logp"):
+            np.testing.assert_array_equal(getattr(got, name).ravel(), getattr(want, name).ravel(), err_msg=name)
+        assert got.action_dist_inputs.shape == (len(want), 2)  # an empty chunk's rows keep their width
+    kept = batch.select(np.array([True, False, True]))
+    assert kept.num_chunks == 2 and kept.num_steps == 3 and [c.id for c in kept.chunks()] == [a.id, empty.id]
+    np.testing.assert_array_equal(kept.chunk(1).obs, empty.obs)
+    both = EpisodeBatch.concat([kept, batch])
+    assert both.num_chunks == 5 and both.lengths.tolist() == [3, 0, 3, 6, 0]
+    np.testing.assert_array_equal(both.chunk(3).obs, b.obs)

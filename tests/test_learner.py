@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from shmrl.envs import env_spec
-from shmrl.episode import Episode
+from shmrl.episode import Episode, EpisodeBatch
 from shmrl.learner import EpisodeStore, Learner
 from shmrl.ppo import PPO, PPOConfig
 from shmrl.sim import CategoricalSampler, run_simulator
@@ -24,25 +24,49 @@ def chunk(obs0, n, *, terminated=False, truncated=False, id=None, obs_dim=4, act
 
 def test_store_glues_continuations_by_obs_and_by_id():
     store = EpisodeStore(window=10)
+
+    def add(conn_id, *eps):
+        store.add(conn_id, EpisodeBatch.from_episodes(list(eps)))
+
     a = chunk(0.0, 3)
     a.id = None
-    store.add("c1", a)                              # open, no id: glued by its last obs
+    add("c1", a)                                    # open, no id: glued by its last obs
     b = chunk(3.0, 2, terminated=True)
     b.id = None
-    store.add("c2", b)                              # other connection: a separate episode
+    add("c2", b)                                    # other connection: a separate episode
     assert list(store.returns) == [2.0]
-    store.add("c1", b)                              # continues a on c1
+    add("c1", b)                                    # continues a on c1
     assert list(store.returns) == [2.0, 5.0] and list(store.lengths) == [2, 5]
-    store.add("c1", chunk(0.0, 4, id="e1"))
-    store.add("c1", chunk(50.0, 1, id="e1", truncated=True))  # glued by id, obs need not match
+    add("c1", chunk(0.0, 4, id="e1"), chunk(60.0, 2, id="e3"))
+    add("c1", chunk(50.0, 1, id="e1", truncated=True))   # glued by id, obs need not match
     assert list(store.returns)[-1] == 5.0
-    store.add("c1", chunk(0.0, 4, id="e2"))
+    add("c1", chunk(62.0, 0, id="e3"))              # an empty continuation keeps e3 open
+    add("c1", chunk(62.0, 1, id="e3", terminated=True))
+    assert list(store.returns)[-1] == 3.0 and list(store.lengths)[-1] == 3
+    add("c1", chunk(0.0, 4, id="e2"))
     store.forget("c1")                              # c1 closed: e2 can no longer complete
-    store.add("c1", chunk(4.0, 1, id="e2", terminated=True))
+    add("c1", chunk(4.0, 1, id="e2", terminated=True))
     assert list(store.returns)[-1] == 1.0
-    assert store.steps_received == store.pending_steps == 3 + 2 + 2 + 4 + 1 + 4 + 1
-    chunks = store.take()
-    assert len(chunks) == 7 and store.pending_steps == 0 and store.steps_trained == 17
+    steps = 3 + 2 + 2 + 4 + 2 + 1 + 1 + 4 + 1
+    assert store.steps_received == store.pending_steps == steps
+    batches = store.take()
+    assert sum(b.num_chunks for b in batches) == 9 and store.pending_steps == 0 and store.in_flight == steps
+    assert store.steps_trained == 0                 # the learner counts them once its update is done
+
+
+def test_store_drops_stale_chunks_and_takes_the_oldest_first():
+    store = EpisodeStore()
+    old, new = chunk(0.0, 5, id="a"), chunk(10.0, 7, id="b")
+    old.weights_seq_no, new.weights_seq_no = 1, 4
+    unknown = chunk(20.0, 3, id="c")               # no version (RLlib's client): counts as current
+    store.add("c", EpisodeBatch.from_episodes([old, new, unknown]))
+    store.add("c", EpisodeBatch.from_episodes([chunk(30.0, 6, id="d")]))
+    first = store.take(version=4, max_lag=2, max_steps=5)
+    assert [b.chunk(i).id for b in first for i in range(b.num_chunks)] == ["b", "c"]
+    assert store.steps_dropped == {"stale": 5} and store.pending_steps == 6
+    kept = first[0].chunk(0)
+    np.testing.assert_array_equal(kept.obs, new.obs)  # the chunk that stayed is whole
+    assert store.steps_received == store.in_flight + store.pending_steps + 5
 
 
 @pytest.fixture
@@ -80,9 +104,9 @@ def test_handshake_and_on_policy_wait(learner_and_server):
         learner.poll(0.05)
         batch = learner.next_batch(timeout=0)
     assert "next" not in replies and learner.hub.all_waiting()
-    chunks, version = batch
-    assert sum(len(c) for c in chunks) == 32 and version == 1
-    learner.train(ppo, chunks, version)
+    batches, version = batch
+    assert sum(b.num_steps for b in batches) == 32 and version == 1
+    learner.train(ppo, batches, version)
     learner.poll(0.05)                                   # sends the new weights
     t.join(5)
     assert replies["pong"]["type"] == "PONG"

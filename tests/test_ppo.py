@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmrl.episode import Episode
+from shmrl.episode import Episode, EpisodeBatch
 from shmrl.onnx_policy import (INPUT_NAME, ONNX_ACTIVATIONS, OUTPUT_NAME, OnnxPolicy, OnnxPublisher,
                                decode_onnx_file, encode_onnx_file, init_mlp_weights)
 from shmrl.ppo import PPO, PPOConfig
@@ -35,7 +35,7 @@ def test_vectorized_gae_matches_textbook_gae():
     ppo = PPO(4, 2, PPOConfig(gamma=0.97, gae_lambda=0.9))
     chunks = [random_chunk(rng, 7, terminated=True), random_chunk(rng, 0), random_chunk(rng, 12),
               random_chunk(rng, 1, terminated=True), random_chunk(rng, 5, truncated=True)]
-    batch = ppo.make_batch(chunks)
+    batch = ppo.make_batch(EpisodeBatch.from_episodes(chunks))
     expected = np.concatenate([naive_gae(c, ppo.values(c.obs), 0.97, 0.9) for c in chunks])
     np.testing.assert_allclose(batch.advantages, expected, rtol=1e-4, atol=1e-5)
     values = np.concatenate([ppo.values(c.obs)[:-1] for c in chunks])
@@ -56,7 +56,7 @@ def test_update_moves_policy_toward_advantaged_action():
     obs = np.stack([c.obs[0] for c in chunks])
     before = torch.softmax(ppo.actor(torch.from_numpy(obs)), -1)[:, 1].mean().item()
     for _ in range(5):
-        ppo.update(ppo.make_batch(chunks))
+        ppo.update(ppo.make_batch(EpisodeBatch.from_episodes(chunks)))
     after = torch.softmax(ppo.actor(torch.from_numpy(obs)), -1)[:, 1].mean().item()
     assert after > before + 0.05
 

@@ -1,10 +1,12 @@
 """Faults: simulators killed or hung, a learner interrupted and resumed, too little shared
 memory, and the accounting of every env step through all of it."""
+import errno
 import json
 import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import multiprocess
 import numpy as np
@@ -12,11 +14,13 @@ import pytest
 
 from conftest import alive, descendants, shm_entries
 from shmrl.envs import env_spec
+from shmrl.episode import EpisodeBatch
 from shmrl.learner import Learner
 from shmrl.onnx_policy import init_mlp_weights
 from shmrl.supervisor import Supervisor
 from shmrl.transport.shm import ShmClient, ShmServer
 from test_shm_transport import make_episode
+from test_tcp_transport import net  # noqa: F401 (a fixture)
 
 SIZES = [4, 64, 64, 2]
 fork = multiprocess.get_context("fork")
@@ -62,11 +66,20 @@ def kill_while_sampling(pid: int, timeout: float = 5.0) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def check_conservation(summary: dict) -> None:
-    """Every env step received was trained on, is pending, or was dropped for a reason."""
+def check_conservation(summary: dict, logdir=None) -> None:
+    """Every env step received was trained on, is pending, or was dropped for a reason; and
+    (with ``logdir``) those counted as trained are exactly those the updates in
+    metrics.jsonl trained on, not a batch the run took and then stopped before training."""
     assert summary["env_steps"] == (summary["env_steps_trained"] + summary["env_steps_pending"]
                                     + sum(summary["env_steps_dropped"].values())), summary
     assert sum(summary["env_steps_by_client"].values()) == summary["env_steps"]
+    if logdir is not None:
+        rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+        unlogged = summary["env_steps_trained"] - sum(r["batch_steps"] for r in rows)
+        if summary["updates"] == len(rows) + 1:                 # stopped between an update and its line
+            assert 0 < unlogged <= max(r["batch_steps"] for r in rows), (unlogged, summary)
+        else:
+            assert summary["updates"] == len(rows) and unlogged == 0, (unlogged, summary)
 
 
 def test_a_killed_simulator_is_noticed_restarted_and_training_finishes(start_run, tmp_path):
@@ -83,7 +96,8 @@ def test_a_killed_simulator_is_noticed_restarted_and_training_finishes(start_run
     assert run.proc.returncode == 0, run.output()               # and the run still solves
     summary = json.loads((logdir / "summary.json").read_text())
     assert summary["simulator_restarts"] == 1 and summary["return_mean"] >= 150
-    check_conservation(summary)
+    assert summary["env_steps_lost"] >= 0
+    check_conservation(summary, logdir)
     assert shm_entries(run.proc.pid) == [] and descendants(run.proc.pid) == []
 
 
@@ -110,7 +124,7 @@ def test_simulators_killed_mid_frame_never_yield_a_torn_frame(start_run, tmp_pat
     summary = json.loads((logdir / "summary.json").read_text())
     assert summary["simulator_restarts"] == 6
     assert summary["env_steps_lost"] > 0                        # they died holding unsent steps
-    check_conservation(summary)
+    check_conservation(summary, logdir)
 
 
 def test_a_hung_simulator_is_found_by_its_heartbeat_and_restarted(start_run, tmp_path):
@@ -127,7 +141,7 @@ def test_a_hung_simulator_is_found_by_its_heartbeat_and_restarted(start_run, tmp
     assert run.proc.returncode == 1, run.output()
     summary = json.loads((logdir / "summary.json").read_text())
     assert summary["simulator_restarts"] == 1
-    check_conservation(summary)
+    check_conservation(summary, logdir)
 
 
 def test_a_simulator_that_keeps_dying_fails_the_run(start_run):
@@ -198,6 +212,8 @@ def test_sigterm_writes_a_checkpoint_and_resume_goes_on_from_it(start_run, tmp_p
     checkpoint = json.loads((logdir / "checkpoints" / f"{stopped['updates']:06d}" / "state.json").read_text())
     assert checkpoint["weights_seq_no"] == stopped["weights_seq_no"]
     assert checkpoint["counters"]["steps_received"] == stopped["env_steps"]
+    assert checkpoint["counters"]["steps_trained"] == stopped["env_steps_trained"]
+    check_conservation(stopped, logdir)                         # a batch taken but not trained is not "trained"
 
     second = start_run("--resume", logdir, "--stop-return", 150)    # same run, a reachable target
     second.proc.wait(timeout=120)
@@ -208,11 +224,12 @@ def test_sigterm_writes_a_checkpoint_and_resume_goes_on_from_it(start_run, tmp_p
     assert resumed["solved"] and resumed["return_mean"] >= 150
     assert resumed["env_steps"] > stopped["env_steps"] and resumed["weights_seq_no"] > stopped["weights_seq_no"]
     assert resumed["config"]["seed"] == 3 and resumed["config"]["stop_return"] == 150
-    check_conservation(resumed)
+    check_conservation(resumed, logdir)
     rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     updates = [r["update"] for r in rows]                       # one file, both runs, in order
     assert updates[0] == 1 and updates[-1] == resumed["updates"] and stopped["updates"] + 1 in updates
-    assert all(a["update"] < b["update"] and a["env_steps"] < b["env_steps"] for a, b in zip(rows, rows[1:]))
+    assert all(a["update"] < b["update"] and a["env_steps"] < b["env_steps"]    # counts go on, never restart
+               and a["weights_seq_no"] < b["weights_seq_no"] for a, b in zip(rows, rows[1:]))
 
 
 def test_too_little_shared_memory_is_a_clear_error_at_start(monkeypatch, capsys, tmp_path, no_shm_leftovers):
@@ -245,3 +262,122 @@ def test_a_simulator_that_cannot_be_started_leaves_stop_working():
         supervisor.start_all()
     assert [sim.proc for sim in supervisor.sims] == [None, None]
     supervisor.stop()  # nothing was started, so nothing to join (was: AssertionError)
+
+
+def test_a_checkpoint_restores_weights_optimizer_and_rng_exactly(tmp_path):
+    """What --resume rests on: PPO's state through checkpoint.save and load (npz + JSON)
+    into a fresh PPO of another seed makes the next update the same one."""
+    from shmrl import checkpoint
+    from shmrl.ppo import PPO, PPOConfig
+
+    def chunks(seed):
+        return EpisodeBatch.from_episodes([make_episode(48, seed + k).finalize() for k in range(4)])
+
+    config = PPOConfig(epochs=2, minibatch_size=64)
+    first = PPO(4, 2, config, seed=1)
+    first.update(first.make_batch(chunks(0)))                  # Adam's moments and step count are not zero
+    arrays, values = first.get_state()
+    checkpoint.save(tmp_path, 1, arrays, {"ppo": values})
+    loaded, state = checkpoint.load(checkpoint.latest(tmp_path))
+    second = PPO(4, 2, config, seed=2)
+    second.set_state(loaded, state["ppo"])
+    for a, b in zip(first.actor_weights(), second.actor_weights()):
+        np.testing.assert_array_equal(a, b)
+    stats = [ppo.update(ppo.make_batch(chunks(10))) for ppo in (first, second)]  # minibatch order: the rng
+    assert stats[0] == pytest.approx(stats[1], rel=1e-6, abs=1e-7)
+    after = [ppo.get_state()[0] for ppo in (first, second)]
+    for name in ("params", "exp_avg", "exp_avg_sq"):
+        np.testing.assert_allclose(after[0][name], after[1][name], rtol=1e-6, atol=1e-8)
+
+
+def test_dev_shm_filling_up_after_the_check_is_the_same_clear_error_never_a_sigbus(monkeypatch, capsys, tmp_path,
+                                                                                   no_shm_leftovers):
+    """The free-space check can pass and /dev/shm still fill up before the segments are made
+    (another run starting beside this one). Every segment's pages are reserved when it is
+    created (posix_fallocate), so that is an error at start, never a SIGBUS when a page is
+    first touched; the segments made before it are unlinked."""
+    from shmrl import run
+
+    real, calls = os.posix_fallocate, []
+
+    def full_after_two(fd, offset, length):
+        calls.append(length)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", full_after_two)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        status = run.main(["--sims", "8", "--logdir", str(tmp_path / "logs")])
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    err = capsys.readouterr().err
+    assert status == 3 and len(calls) == 3
+    assert re.search(r"shared memory: [\d.]+ MiB needed in /dev/shm but only [\d.]+ MiB free", err), err
+    assert "--shm-size=" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- access
+
+WIRE_MODULES = ["rllink.py", "episode.py", "learner.py", "sim.py", "onnx_policy.py", "checkpoint.py",
+                "transport/tcp.py", "transport/shm.py", "transport/ring.py", "transport/inproc.py"]
+
+
+def test_no_pickle_on_any_wire(net, caplog, tmp_path):  # noqa: F811
+    """Nothing that reads a transport's bytes or a checkpoint can unpickle: no such module
+    imports a pickle-like deserializer, numpy loads refuse pickles, and a pickled message
+    (one that would run code if unpickled, among them) is refused by the decoders that every
+    transport uses, and over TCP closes its connection."""
+    import ast
+    import pickle
+    import socket
+
+    from shmrl import rllink
+    from test_tcp_transport import read_to_eof
+
+    root = Path(__file__).resolve().parent.parent / "shmrl"
+    for name in WIRE_MODULES:
+        tree = ast.parse((root / name).read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not imported & {"pickle", "_pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle",
+                               "multiprocess", "multiprocessing", "joblib"}, (name, imported)
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            if ast.unparse(call.func) in ("np.load", "numpy.load"):
+                assert "allow_pickle=False" in ast.unparse(call), (name, ast.unparse(call))
+    assert "rllink.decode_request" in (root / "transport/tcp.py").read_text()   # the decoders checked below
+    assert "rllink.decode_request" in (root / "transport/shm.py").read_text()
+
+    class Trap:
+        def __reduce__(self):
+            return os.mkdir, (str(tmp_path / "unpickled"),)
+
+    bodies = [pickle.dumps({"type": "PING"}, protocol=p) for p in range(pickle.HIGHEST_PROTOCOL + 1)]
+    bodies.append(pickle.dumps({"type": "PING", "x": Trap()}))
+    for body in bodies:
+        for decode in (rllink.decode_request, rllink.decode_reply):
+            with pytest.raises(rllink.ProtocolError):
+                decode(body)
+    server = net.server()
+    net.hub(server)
+    for body in bodies[-2:]:
+        s = net.raw(server)
+        s.sendall(b"%08d" % len(body) + body)
+        assert read_to_eof(s) == b""
+    assert not (tmp_path / "unpickled").exists()
+    assert caplog.text.count("neither a JSON object nor binary") >= 2
+
+
+def test_tcp_listens_on_loopback_unless_told_otherwise(start_run):
+    """The learner's TCP port (--tcp-port, and --transport tcp for local simulators) is
+    reachable from this machine only, unless --tcp-host says otherwise."""
+    from shmrl.run import RunConfig, parse_args
+    from shmrl.transport.tcp import TcpServer
+
+    assert parse_args(["--sims", "0", "--tcp-port", "0"]).tcp_host == RunConfig().tcp_host == "127.0.0.1"
+    with TcpServer(port=0) as server:                           # the class's own default too
+        assert server.address[0] == "127.0.0.1"
+    run = start_run("--sims", 0, "--tcp-port", 0, "--stop-return", 1e9)
+    run.wait_for("listening for RLlink clients on", timeout=30)  # printed from the bound socket's address
+    assert re.search(r"listening for RLlink clients on 127\.0\.0\.1:\d+\n", run.output()), run.output()

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shmrl import rllink
+from shmrl.episode import EpisodeBatch
 from shmrl.rllink import ProtocolError, decode, decode_reply, decode_request, validate
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -156,26 +157,39 @@ def test_simple_messages_round_trip(codec, msg):
     assert (decode_request if role == "request" else decode_reply)(body) == msg
 
 
+@pytest.mark.parametrize("form", ["list", "batch"])
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("type", ["EPISODES", "EPISODES_AND_GET_STATE"])
-def test_numpy_episodes_round_trip(codec, type):
-    eps = [np_episode(6), np_episode(4, continuous=True, seed=1), np_episode(0, seed=2)]
-    msg = episodes_msg(*eps, type=type, timesteps=10)
-    got = decode_request(CODECS[codec](msg))
-    assert got["type"] == type and got["timesteps"] == 10
-    for g, w in zip(got["episodes"], eps):
-        assert g["obs"].dtype == np.float32 and g["obs"].shape == w["obs"].shape
-        np.testing.assert_array_equal(g["obs"], w["obs"])
-        np.testing.assert_array_equal(g["actions"], w["actions"])
-        for key in ("rewards", "action_dist_inputs", "action_logp"):
-            assert g[key].dtype == np.float32 and len(g[key]) == len(w[key])
-            np.testing.assert_array_equal(g[key].ravel(), w[key].ravel())
-            # JSON cannot say that an empty list has a shape (0, 3); the binary codec keeps it.
-            assert g[key].shape == (w[key].shape if codec == "binary" or len(w[key]) else (0,))
-        assert (g["is_terminated"], g["is_truncated"], g["episode_id"], g["weights_seq_no"]) == (False, True, "ab-1", 3)
-    assert got["episodes"][0]["actions"].dtype == np.int64 and got["episodes"][0]["actions"].shape == (6,)
-    assert got["episodes"][1]["actions"].dtype == np.float32 and got["episodes"][1]["actions"].shape == (4, 2)
-    assert got["episodes"][2]["obs"].shape == (1, 3, 2) and got["episodes"][2]["actions"].shape == (0,)
+def test_numpy_episodes_round_trip(codec, type, form):
+    for eps in ([np_episode(6), np_episode(0, seed=2), np_episode(3, seed=3)],
+                [np_episode(4, continuous=True, seed=1), np_episode(2, continuous=True, seed=4)]):
+        sent = eps if form == "list" else EpisodeBatch.from_episodes(eps)
+        got = decode_request(CODECS[codec]({"type": type, "episodes": sent, "timesteps": sum(
+            len(e["actions"]) for e in eps)}))
+        batch = got["episodes"]
+        assert got["type"] == type and got["timesteps"] == batch.num_steps and batch.num_chunks == len(eps)
+        for i, w in enumerate(eps):
+            g = batch.chunk(i)
+            assert g.obs.dtype == np.float32 and g.obs.shape == w["obs"].shape
+            np.testing.assert_array_equal(g.obs, w["obs"])
+            np.testing.assert_array_equal(g.actions, w["actions"])
+            assert g.actions.dtype == (np.float32 if w["actions"].dtype.kind == "f" else np.int64)
+            for key in ("rewards", "action_dist_inputs", "action_logp"):
+                # Even an empty chunk's rows have their shape: JSON's [] takes it from the others.
+                assert getattr(g, key).dtype == np.float32 and getattr(g, key).shape == w[key].shape
+                np.testing.assert_array_equal(getattr(g, key), w[key])
+            assert (g.is_terminated, g.is_truncated, g.id, g.weights_seq_no) == (False, True, "ab-1", 3)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("other, what", [
+    (np_episode(2, obs_shape=(4,)), "observations of shape"),
+    (np_episode(2, continuous=True), "disagree in 'actions'"),
+    (dict(np_episode(2), action_dist_inputs=np.zeros((2, 5), np.float32)), "disagree in 'action_dist_inputs'"),
+])
+def test_the_episodes_of_one_message_must_fit_together(codec, other, what):
+    with pytest.raises(ProtocolError, match=what):
+        decode_request(CODECS[codec](episodes_msg(np_episode(3), other)))
 
 
 def test_rllib_json_episodes_validate_to_float32_and_int64():
@@ -184,15 +198,14 @@ def test_rllib_json_episodes_validate_to_float32_and_int64():
              for k, v in ep.items()}
     for sent in (ep, alias):
         got = decode_request(rllink.encode_json(episodes_msg(sent, timesteps=20)))
-        out = got["episodes"][0]
-        assert list(out) == ["obs", "actions", "rewards", "action_dist_inputs", "action_logp",
-                             "is_terminated", "is_truncated"]
-        assert out["obs"].dtype == np.float32 and out["obs"].shape == (21, 4)
-        assert out["actions"].dtype == np.int64 and out["actions"].shape == (20,)
-        assert out["action_dist_inputs"].shape == (20, 2) and out["rewards"].shape == (20,)
-        assert out["is_terminated"] is True and out["is_truncated"] is False
-        np.testing.assert_array_equal(out["obs"], np.asarray(ep["obs"], np.float32))  # float32 exactly preserved
-    assert validate(episodes_msg(dict(ep, terminateds=True)))["episodes"][0]["is_terminated"] is True
+        out = got["episodes"].chunk(0)
+        assert out.id is None and out.weights_seq_no is None   # nothing made up for RLlib's client
+        assert out.obs.dtype == np.float32 and out.obs.shape == (21, 4)
+        assert out.actions.dtype == np.int64 and out.actions.shape == (20,)
+        assert out.action_dist_inputs.shape == (20, 2) and out.rewards.shape == (20,)
+        assert out.is_terminated is True and out.is_truncated is False
+        np.testing.assert_array_equal(out.obs, np.asarray(ep["obs"], np.float32))  # float32 exactly preserved
+    assert validate(episodes_msg(dict(ep, terminateds=True)))["episodes"].chunk(0).is_terminated is True
 
 
 def test_counts_are_normalized_to_timesteps():
@@ -215,15 +228,72 @@ def test_validate_returns_a_new_message_and_leaves_the_input_alone():
 
 @pytest.mark.parametrize("body_type", [bytes, bytearray])
 def test_binary_decode_does_not_copy_arrays(body_type):
-    ep = np_episode(50)
-    body = body_type(rllink.encode_binary(episodes_msg(ep)))
-    out = decode_request(body)["episodes"][0]
+    batch = EpisodeBatch.from_episodes([np_episode(50), np_episode(7, seed=1)])
+    body = body_type(rllink.encode_binary({"type": "EPISODES", "episodes": batch}))
+    out = decode_request(body)["episodes"]
     raw = np.frombuffer(body, np.uint8)
     for key in ("obs", "actions", "rewards", "action_dist_inputs", "action_logp"):
-        assert np.shares_memory(out[key], raw), key
-        assert out[key].ctypes.data % 8 == (raw.ctypes.data % 8)  # blocks are 8-aligned in the body
-    view = decode(memoryview(body)[:])["episodes"][0]["obs"]
+        assert np.shares_memory(getattr(out, key), raw), key
+        assert getattr(out, key).ctypes.data % 8 == (raw.ctypes.data % 8)  # blocks are 8-aligned in the body
+    view = decode(memoryview(body)[:])["episodes"]["obs"]
     assert np.shares_memory(view, raw)
+
+
+def test_binary_columnar_episodes_cost_a_few_blocks_however_many_chunks():
+    def head_of(batch):
+        body = rllink.encode_binary({"type": "EPISODES", "episodes": batch})
+        return body[8:8 + int.from_bytes(body[4:8], "little")].decode()
+
+    few = EpisodeBatch.from_episodes([np_episode(3, seed=i) for i in range(2)])
+    many = EpisodeBatch.from_episodes([np_episode(3, seed=i) for i in range(200)])
+    assert head_of(few).count("__nd__") == head_of(many).count("__nd__") == 9
+    assert rllink.encode_json({"type": "EPISODES", "episodes": few}) == rllink.encode_json(
+        {"type": "EPISODES", "episodes": few.to_dicts()})    # JSON: RLlib's list form, same bytes
+
+
+COLUMNS = EpisodeBatch.from_episodes([np_episode(3), np_episode(0, seed=1), np_episode(2, seed=2)]).columns()
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(extra=np.zeros(3)), "unexpected field 'extra'"),
+    (dict(rewards=None), "missing field 'rewards'"),
+    (dict(lengths=np.array([3, -1, 3])), "'lengths' must lie between"),
+    (dict(lengths=np.array([3.0, 0.0, 2.0])), "1-D array of integers"),
+    (dict(lengths=np.array([3, 0, 3])), "5 actions, but 'lengths' add up to 6"),
+    (dict(obs=np.zeros((6, 3, 2), np.float32)), "'obs' has 6 rows, expected"),
+    (dict(rewards=np.zeros(4, np.float32)), "'rewards' has shape"),
+    (dict(action_logp=np.zeros((5, 2), np.float32)), "'action_logp' has shape"),
+    (dict(is_terminated=np.zeros(2, bool)), "'is_terminated' must be an array of 3 booleans"),
+    (dict(is_truncated=np.zeros(3, np.int64)), "'is_truncated' must be an array of 3 booleans"),
+    (dict(weights_seq_no=np.array([1, -2, 3])), "'weights_seq_no' must be"),
+    (dict(episode_id=["a", "b"]), "'episode_id' must be a list of 3"),
+    (dict(episode_id=["a", True, "c"]), "'episode_id' must be a list of 3"),
+    (dict(obs=np.full((8, 3, 2), np.nan, np.float32)), "non-finite value in 'obs'"),
+    (dict(actions=np.array([0, 1, 2, 0, 1.5])), None),  # float actions are a Box's: accepted here
+])
+def test_columnar_episodes_are_validated_like_the_list_form(change, match):
+    cols = {k: v for k, v in {**COLUMNS, **change}.items() if v is not None}
+    body = binary_body(*_head_and_data({"type": "EPISODES", "episodes": {"__cols__": cols}}))
+    if match is None:
+        decode_request(body)
+    else:
+        with pytest.raises(ProtocolError, match=match):
+            decode_request(body)
+
+
+def _head_and_data(msg):
+    """The head and data section of msg's binary body (to rebuild it with binary_body)."""
+    body = rllink.encode_binary(msg)
+    head_len = int.from_bytes(body[4:8], "little")
+    return json.loads(body[8:8 + head_len]), body[-(-(8 + head_len) // 8) * 8:]
+
+
+def test_a_json_object_cannot_pass_for_columnar_episodes():
+    cols = json.loads(rllink.encode_json({"c": COLUMNS}))["c"]      # the same columns, as JSON lists
+    with pytest.raises(ProtocolError, match="'episodes' must be a list"):
+        decode_request(rllink.encode_json({"type": "EPISODES", "episodes": {"__cols__": cols}}))
+    with pytest.raises(ProtocolError, match="malformed columnar episodes"):
+        decode_request(binary_body({"type": "EPISODES", "episodes": {"__cols__": [], "x": 1}}))
 
 
 def test_binary_codec_carries_bytes_and_converts_dtypes():
@@ -428,7 +498,9 @@ def test_malformed_binary_bodies():
 VALID_MESSAGES = [
     {"type": "PING"}, {"type": "GET_CONFIG"},
     episodes_msg(rllib_episode(3), rllib_episode(0, seed=1, terminated=False), timesteps=3),
-    episodes_msg(np_episode(2), np_episode(1, continuous=True), type="EPISODES"),
+    episodes_msg(np_episode(2), np_episode(1, seed=1), type="EPISODES"),
+    {"type": "EPISODES", "episodes": EpisodeBatch.from_episodes([np_episode(2, continuous=True),
+                                                                 np_episode(0, continuous=True)])},
 ]
 VALID_FRAMES = [rllink.frame(encode(m)) for m in VALID_MESSAGES for encode in CODECS.values()]
 
@@ -489,7 +561,30 @@ def test_fuzz_binary_descriptors(data):
         out = decode_request(new)
     except ProtocolError:
         return
-    assert out["timesteps"] == sum(len(e["actions"]) for e in out["episodes"])
+    assert out["timesteps"] == out["episodes"].num_steps
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_columnar_descriptors(data):
+    body = rllink.encode_binary(VALID_MESSAGES[4])
+    head_len = int.from_bytes(body[4:8], "little")
+    head = json.loads(body[8:8 + head_len])
+    cols = head["episodes"]["__cols__"]
+    key = data.draw(st.sampled_from(sorted(cols)))
+    if isinstance(cols[key], dict):
+        spec = cols[key]["__nd__"]
+        spec[data.draw(st.integers(0, 3))] = data.draw(descriptor_values)
+    else:
+        cols[key] = data.draw(junk)
+    start = -(-(8 + head_len) // 8) * 8
+    try:
+        out = decode_request(binary_body(head, body[start:]))
+    except ProtocolError:
+        return
+    batch = out["episodes"]
+    assert out["timesteps"] == batch.num_steps == len(batch.actions) == len(batch.rewards)
+    assert len(batch.obs) == batch.num_steps + batch.num_chunks and np.isfinite(batch.obs).all()
 
 
 @st.composite
@@ -543,14 +638,14 @@ def test_fuzz_episode_validation(ep_and_flag, codec):
         event("rejected")
         return
     event("accepted")
-    e = out["episodes"][0]
-    t = len(e["actions"])
+    e = out["episodes"].chunk(0)
+    t = len(e.actions)
     assert out["timesteps"] == t
-    assert e["obs"].dtype == np.float32 and e["obs"].shape[0] == t + 1 and e["obs"].ndim >= 1
-    assert e["actions"].dtype in (np.int64, np.float32) and e["actions"].ndim >= 1
+    assert e.obs.dtype == np.float32 and e.obs.shape[0] == t + 1 and e.obs.ndim >= 1
+    assert e.actions.dtype in (np.int64, np.float32) and e.actions.ndim >= 1
     for key in ("rewards", "action_logp"):
-        assert e[key].dtype == np.float32 and e[key].shape == (t,)
-    assert e["action_dist_inputs"].dtype == np.float32 and len(e["action_dist_inputs"]) == t
+        assert getattr(e, key).dtype == np.float32 and getattr(e, key).shape == (t,)
+    assert e.action_dist_inputs.dtype == np.float32 and len(e.action_dist_inputs) == t
     for key in ("obs", "rewards", "action_dist_inputs", "action_logp"):
-        assert np.isfinite(e[key]).all()
-    assert type(e["is_terminated"]) is bool and type(e["is_truncated"]) is bool
+        assert np.isfinite(getattr(e, key)).all()
+    assert type(e.is_terminated) is bool and type(e.is_truncated) is bool

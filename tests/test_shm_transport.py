@@ -95,7 +95,7 @@ def test_two_simulators_binary_and_json(server, children):
         msgs = [m for c, m in got if c == f"shm:{i}"]
         assert [m["type"] for m in msgs] == ["PING", "EPISODES", "EPISODES_AND_GET_STATE"]
         for msg, n, s in ((msgs[1], 5, seed), (msgs[2], 30, seed + 1)):
-            ep, want = Episode.from_rllink(msg["episodes"][0]), make_episode(n, s).finalize()
+            ep, want = msg["episodes"].chunk(0), make_episode(n, s).finalize()
             assert len(ep) == n and ep.is_terminated
             for field in ("obs", "actions", "rewards", "action_dist_inputs", "action_logp"):
                 np.testing.assert_allclose(np.asarray(getattr(ep, field)), getattr(want, field), rtol=1e-6)
@@ -256,3 +256,41 @@ def test_corrupt_record_closes_its_connection_after_a_few_quick_looks(server, ca
     finally:
         raw.close()
         doorbell.close()
+
+
+@pytest.mark.parametrize("env, hidden, envs_per_sim, steps", [
+    ("CartPole-v1", 512, 128, 16384),   # a big model, long messages
+    ("Pendulum-v1", 64, 3, 1000),       # Box actions; steps rounded up to whole steps of 3 envs
+])
+def test_rings_take_every_frame_of_the_run(env, hidden, envs_per_sim, steps):
+    """A SET_STATE the reply ring cannot hold, or an EPISODES message the request ring
+    cannot, used to stall a run (--hidden 512 hung, --env-steps-per-sample 16384 crashed)."""
+    from shmrl.envs import env_spec, make_vec_env
+    from shmrl.episode import Rollout
+    from shmrl.onnx_policy import OnnxPublisher, encode_onnx_file, initial_policy, policy_sizes
+    from shmrl.run import RunConfig, resolve_config, ring_bytes
+    from shmrl.sim import make_sampler
+    from shmrl.transport.ring import Ring
+
+    config = resolve_config(RunConfig(env=env, hidden=hidden, envs_per_sim=envs_per_sim,
+                                      env_steps_per_sample=steps))
+    spec = env_spec(env)
+    sizes = policy_sizes(spec, hidden)
+    rings = ring_bytes(config, spec, sizes)
+    model = OnnxPublisher(sizes, config.activation).publish(initial_policy(spec, hidden, 0))
+    set_state = {"type": "SET_STATE", "onnx_file": encode_onnx_file(model), "weights_seq_no": 1}
+    # The worst case for a message's size: every env's episode ends at every step (short chunks).
+    envs, per_env = make_vec_env(env, envs_per_sim, 0), -(-steps // envs_per_sim)
+    rollout, sampler = Rollout(envs_per_sim, per_env), make_sampler(spec, np.random.default_rng(0))
+    obs = envs.reset()
+    rollout.start(obs)
+    for _ in range(per_env):
+        actions, logp = sampler.sample(np.zeros((envs_per_sim, spec.policy_outputs), np.float32))
+        obs, rewards, _, _, _ = envs.step(actions)
+        done = np.ones(envs_per_sim, bool)
+        rollout.record(actions, np.zeros((envs_per_sim, spec.policy_outputs)), logp, obs, rewards, done,
+                       ~done, obs)
+    episodes = {"type": "EPISODES_AND_GET_STATE", "episodes": rollout.batch(7), "timesteps": per_env * envs_per_sim}
+    for msg, capacity in ((episodes, rings["request_ring_bytes"]), (set_state, rings["reply_ring_bytes"])):
+        frame = 8 + len(rllink.encode_binary(msg))
+        assert frame <= Ring(memoryview(bytearray(Ring.nbytes(capacity))), 0, capacity).max_payload, msg["type"]

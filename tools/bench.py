@@ -125,15 +125,19 @@ class Pipeline:
         from shmrl.envs import env_spec
         from shmrl.learner import EpisodeStore, Hub
         from shmrl.onnx_policy import OnnxPublisher
+        from shmrl.run import RunConfig, resolve_config, ring_bytes
         from shmrl.supervisor import Supervisor
         from shmrl.transport.shm import ShmServer
 
         self.sims, self.seq, self.supervisor = sims, 0, None
         self.rng = np.random.default_rng(seed)
-        self.server = ShmServer(sims)
+        spec = env_spec(ENV_ID)
+        config = resolve_config(RunConfig(env=ENV_ID, envs_per_sim=envs_per_sim,
+                                          env_steps_per_sample=env_steps_per_sample))
+        self.server = ShmServer(sims, **ring_bytes(config, spec, ACTOR_SIZES))  # as shmrl.run sizes them
         try:
             self.store = EpisodeStore()
-            self.hub = Hub(env_spec(ENV_ID), self.store, env_steps_per_sample, on_policy)
+            self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy)
             self.publisher = OnnxPublisher(ACTOR_SIZES, ACTIVATION)
             self.publish(weights)  # before any simulator asks: GET_STATE needs a state
             addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
@@ -334,17 +338,17 @@ def in_process_limit(weights, args) -> dict:
 
 
 def limit_worker(args) -> int:
-    """Hidden: the in-process loop of one core. Mirrors shmrl.sim's stepping, minus the
-    Episode recording and the transport."""
-    from shmrl.envs import make_env
+    """Hidden: the in-process loop of one core. Mirrors shmrl.sim's stepping (the same
+    vectorized envs, policy and sampler), minus the recording and the transport."""
+    from shmrl.envs import make_vec_env
     from shmrl.onnx_policy import OnnxPolicy
     from shmrl.sim import CategoricalSampler
 
     k = args.envs_per_sim
     policy = OnnxPolicy(Path(args.model).read_bytes())
     sampler = CategoricalSampler(np.random.default_rng(args.seed))
-    envs = [make_env(ENV_ID) for _ in range(k)]
-    obs = [env.reset(seed=args.seed * 1_000_003 + i)[0] for i, env in enumerate(envs)]
+    envs = make_vec_env(ENV_ID, k, args.seed * 1_000_003)
+    obs = envs.reset()
     late = time.time() > args.start_at
     window = args.seconds / args.windows
     # Boundaries on the wall clock that every worker shares, so that their rates add up.
@@ -352,11 +356,8 @@ def limit_worker(args) -> int:
     counts, steps, b = [], 0, 0
     while b < len(bounds):
         for _ in range(16):  # a clock read per 16 steps is noise next to ~50 us per step
-            batch = obs[0][None] if k == 1 else np.stack(obs)
-            actions, _ = sampler.sample(policy.logits(batch))
-            for i, env in enumerate(envs):
-                o, _, terminated, truncated, _ = env.step(actions[i])
-                obs[i] = env.reset()[0] if terminated or truncated else o
+            actions, _ = sampler.sample(policy.logits(obs))
+            obs = envs.step(actions)[0]
             steps += k
         now = time.time()
         if now >= bounds[b]:
@@ -466,7 +467,10 @@ def transport_message(steps: int, seq: int = 1) -> dict:
                "action_dist_inputs": logits, "action_logp": logp.astype(np.float32),
                "is_terminated": True, "is_truncated": False,
                "episode_id": "bench-0", "weights_seq_no": seq}
-    return {"type": "EPISODES_AND_GET_STATE", "episodes": [episode], "timesteps": steps}
+    from shmrl.episode import EpisodeBatch
+
+    return {"type": "EPISODES_AND_GET_STATE", "episodes": EpisodeBatch.from_episodes([episode]),
+            "timesteps": steps}
 
 
 def serve_transport(client: subprocess.Popen, servers: list, steps: int) -> int:
@@ -650,9 +654,9 @@ def wait_for_version(p: Pipeline, seq: int, t0: float) -> dict[str, float]:
             raise TimeoutError(f"only {len(arrived)} of {p.sims} simulators ran version {seq} "
                                f"within {WAIT_S:.0f} s")
         for conn_id, msg in p.poll(0.05):
-            if msg is None or msg["type"] != "EPISODES_AND_GET_STATE" or not msg["episodes"]:
+            if msg is None or msg["type"] != "EPISODES_AND_GET_STATE" or not msg["episodes"].num_chunks:
                 continue
-            if all(ep.get("weights_seq_no") == seq for ep in msg["episodes"]):
+            if (msg["episodes"].weights_seq_no == seq).all():
                 arrived.setdefault(conn_id, time.perf_counter() - t0)
     return arrived
 

@@ -56,6 +56,12 @@ def _unframe(payload: bytes) -> memoryview:
     return memoryview(payload)[rllink.HEADER_LEN:]
 
 
+def ring_bytes_for(frame_bytes: int, minimum: int) -> int:
+    """The ring capacity, a power of two of at least ``minimum``, that takes frames of
+    ``frame_bytes`` (a frame may fill at most half a ring)."""
+    return max(minimum, 1 << (2 * (frame_bytes + 64)).bit_length())
+
+
 _server_ids = itertools.count()  # several servers in one process get distinct names
 
 
@@ -68,9 +74,10 @@ class ShmServer:
 
     MAX_FRAMES_PER_CLIENT = 16  # per poll(), so that one busy client cannot starve the others
     RECHECK_S = 0.01            # how soon a record that failed its checks is looked at again
+    REQUEST_RING_BYTES, REPLY_RING_BYTES = 1 << 20, 1 << 18   # defaults: see run.ring_bytes
 
-    def __init__(self, n_clients: int, *, request_ring_bytes: int = 1 << 20,
-                 reply_ring_bytes: int = 1 << 18, prefix: str = DEFAULT_PREFIX,
+    def __init__(self, n_clients: int, *, request_ring_bytes: int = REQUEST_RING_BYTES,
+                 reply_ring_bytes: int = REPLY_RING_BYTES, prefix: str = DEFAULT_PREFIX,
                  free_bytes: int | None = None):
         self.prefix, self.n_clients = prefix, n_clients
         self._pid = os.getpid()
