@@ -45,6 +45,7 @@ class RunConfig:
     logdir: str | None = None             # None: runs/<env>-<date>-<time>-<pid>
     env_steps_per_sample: int | None = None
     envs_per_sim: int = 1
+    sim_nice: int = 10
     lr: float | None = None
     gamma: float | None = None
     gae_lambda: float | None = None
@@ -126,7 +127,8 @@ def open_transports(config: RunConfig, spec, actor_sizes: list[int]) -> tuple[li
     if config.tcp_port is not None or (config.sims and config.transport == "tcp"):
         from shmrl.transport.tcp import TcpServer
         try:
-            tcp = TcpServer(config.tcp_host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes)
+            tcp = TcpServer(config.tcp_host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
+                            first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None)
         except BaseException:
             for server in servers:
                 server.close()
@@ -138,6 +140,10 @@ def open_transports(config: RunConfig, spec, actor_sizes: list[int]) -> tuple[li
         if config.transport == "tcp":
             addresses = [f"tcp:{host}:{port}"] * config.sims
     return servers, addresses, shm
+
+
+# With --auth-token a connection's first frame must be its PING: a few hundred bytes.
+FIRST_FRAME_MAX_BYTES = 4096
 
 
 def ring_bytes(config: RunConfig, spec, actor_sizes: list[int]) -> dict:
@@ -251,7 +257,8 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     try:
         if addresses:
             supervisor = Supervisor(addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim,
-                                    auth_token=config.auth_token, shm_server=shm, hang_timeout=config.hang_timeout)
+                                    auth_token=config.auth_token, shm_server=shm, hang_timeout=config.hang_timeout,
+                                    nice=config.sim_nice)
         learner = Learner(spec, servers, actor_sizes=actor_sizes, initial_weights=first_policy,
                           activation=config.activation, env_steps_per_sample=config.env_steps_per_sample,
                           train_batch_size=max(config.sims, 1) * config.env_steps_per_sample,
@@ -426,6 +433,10 @@ def build_parser(d: RunConfig) -> argparse.ArgumentParser:
     g.add_argument("--envs-per-sim", type=int, default=d.envs_per_sim, metavar="K",
                    help="environments each simulator steps together, one batched ONNX call per step "
                         "(default: %(default)s)")
+    g.add_argument("--sim-nice", type=int, default=d.sim_nice, metavar="N",
+                   help="run the local simulators N steps below the learner's CPU priority (0-19): the "
+                        "learner's update is what every simulator waits for, so on a busy machine it "
+                        "comes first (default: %(default)s)")
     g.add_argument("--async", dest="async_sampling", action="store_true", default=d.async_sampling,
                    help="simulators keep sampling while the learner trains: each EPISODES_AND_GET_STATE "
                         "is answered at once with the latest weights, not after the next update; PPO's "
@@ -478,6 +489,8 @@ def parse_args(argv=None) -> RunConfig:
     config = RunConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(RunConfig)})
     if config.sims < 0 or min(config.env_steps_per_sample, config.max_env_steps, config.envs_per_sim) < 1:
         p.error("--sims must be >= 0; --env-steps-per-sample, --max-env-steps and --envs-per-sim >= 1")
+    if not 0 <= config.sim_nice <= 19:
+        p.error("--sim-nice must be between 0 and 19")
     if config.checkpoint_every < 0 or config.keep_checkpoints < 1 or config.hang_timeout <= 0:
         p.error("--checkpoint-every must be >= 0, --keep-checkpoints >= 1 and --hang-timeout > 0")
     if config.sims == 0 and config.tcp_port is None:

@@ -180,16 +180,19 @@ def set_process_name(name: str) -> None:
 
 
 def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1,
-                     name: str = "shmrl-sim", auth_token: str | None = None) -> None:
+                     name: str = "shmrl-sim", auth_token: str | None = None, nice: int = 0) -> None:
     """Entry point of a simulator process started by ``shmrl.run``.
 
     Ctrl-C reaches the whole process group; the learner decides how to stop, so the
     simulator ignores SIGINT and ends when its learner closes the connection or
-    sends SIGTERM.
+    sends SIGTERM. ``nice``: how much lower than the learner's this process's CPU
+    priority is (the learner's update is what everyone waits for).
     """
     from shmrl.transport import connect
 
     set_process_name(name)
+    if nice:
+        os.nice(nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     client = connect(address)

@@ -50,8 +50,9 @@ class _Sim:
 class Supervisor:
     def __init__(self, addresses: list[str], *, env: str, seed: int, envs_per_sim: int = 1,
                  auth_token: str | None = None, shm_server=None, hang_timeout: float = 10.0,
-                 max_restarts: int = 5, restart_window: float = 60.0):
+                 max_restarts: int = 5, restart_window: float = 60.0, nice: int = 0):
         self.env, self.seed, self.envs_per_sim, self.auth_token = env, seed, envs_per_sim, auth_token
+        self.nice = nice  # simulators run this much below the learner's CPU priority
         self.shm = shm_server  # heartbeats and slot resets; None: processes are only watched
         self.hang_timeout, self.max_restarts, self.restart_window = hang_timeout, max_restarts, restart_window
         self.sims = [_Sim(i, a) for i, a in enumerate(addresses)]
@@ -84,7 +85,7 @@ class Supervisor:
         name = f"shmrl-sim{sim.index}"
         proc = self._ctx.Process(target=sim_process_main, name=name, daemon=True,
                                  args=(sim.address, self.env, self.seed * 1000 + sim.index,
-                                       self.envs_per_sim, name, self.auth_token))
+                                       self.envs_per_sim, name, self.auth_token, self.nice))
         proc.start()
         sim.proc = proc  # only once started: stop() joins every sim.proc
         sim.started = sim.progress_at = time.monotonic()

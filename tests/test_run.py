@@ -10,7 +10,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from conftest import alive, descendants, shm_entries
+from conftest import alive, descendants, process_name, shm_entries
 
 
 def test_run_learns_and_writes_its_logdir(start_run, tmp_path):
@@ -111,6 +111,19 @@ def test_simulators_never_import_torch(start_run):
     code = ("import sys, shmrl.sim, shmrl.transport.shm, shmrl.transport.inproc, shmrl.episode;"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_simulators_run_below_the_learners_priority(start_run):
+    """The learner's update is what every simulator waits for: on a busy machine it comes first."""
+    run = start_run("--sims", 2, "--sim-nice", 7, "--stop-return", 500, "--max-env-steps", 10_000_000)
+    run.wait_for("update    1 |", timeout=60)
+
+    def nice(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])   # field 19 of stat: nice
+
+    sims = [p for p in descendants(run.proc.pid) if process_name(p).startswith("shmrl-sim")]
+    assert len(sims) == 2 and all(nice(p) == nice(run.proc.pid) + 7 for p in sims)
 
 
 def test_help_explains_every_flag():
