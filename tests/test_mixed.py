@@ -101,6 +101,9 @@ def test_auth_token_gates_every_client(start_run, tmp_path):
     assert _exchange(port, b"%08d" % len(early) + early) == b""                     # not even state
     right = b'{"type": "PING", "auth_token": "s3cret"}'
     assert _exchange(port, b"%08d" % len(right) + right) == b'00000016{"type": "PONG"}'
+    # Before its PING is checked, a client gets no big frame read: refused from the header.
+    assert _exchange(port, b"%08d" % (64 << 20) + b"{" * 1000) == b""
+    assert "exceeds the maximum of 4096" in run.output()
     run.proc.wait(timeout=60)              # the local simulator presents the token and trains
     assert run.proc.returncode == 1, run.output()
     assert "authentication failed" in run.output()

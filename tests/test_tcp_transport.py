@@ -391,6 +391,20 @@ def test_a_hostile_client_is_dropped_while_a_good_one_goes_on(net, caplog, case)
     assert hub.store.steps_by_conn.get(conn_id, 0) == 0
 
 
+def test_first_frame_limit_refuses_a_big_first_frame_only(net, caplog):
+    server = net.server(first_frame_max_bytes=64)
+    net.hub(server)
+    big_first = net.raw(server)
+    big_first.sendall(b"%08d" % 65 + b"{")                      # refused from its header
+    assert read_to_eof(big_first) == b""
+    assert any("exceeds the maximum of 64" in m for m in log_lines(caplog, conn_id_of(big_first)))
+    good = net.raw(server)
+    good.sendall(rllib_frame({"type": "PING"}))                 # a small first frame, then anything
+    assert recv_frame(good) == rllib_frame({"type": "PONG"})
+    good.sendall(rllib_frame(episodes_msg(40, kind="EPISODES")) + rllib_frame({"type": "PING"}))
+    assert recv_frame(good) == rllib_frame({"type": "PONG"})    # the big second frame was taken
+
+
 def test_a_client_that_does_not_read_its_replies_is_dropped(net, caplog):
     server = net.server(max_out_bytes=1 << 20)
     hub = net.hub(server, onnx_file="x" * (256 << 10))          # 256 KiB per SET_STATE

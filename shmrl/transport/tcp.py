@@ -78,13 +78,14 @@ class _Conn:
     """One client connection. The IO thread alone uses the socket and the fields up to
     ``events``; the rest are shared with the learner's thread, under the server's lock."""
 
-    __slots__ = ("sock", "conn_id", "inbuf", "body_len", "frame_start", "last_traffic", "sendq",
+    __slots__ = ("sock", "conn_id", "inbuf", "body_len", "frame_start", "last_traffic", "sendq", "frames",
                  "events", "out", "out_bytes", "owed", "unpolled", "paused", "closed", "reason")
 
     def __init__(self, sock: socket.socket, conn_id: str, now: float):
         self.sock, self.conn_id = sock, conn_id
         self.inbuf = bytearray()          # the incomplete frame being read
         self.body_len: int | None = None  # its body length, once its header is in
+        self.frames = 0                   # complete frames received
         self.frame_start = now            # when its first byte arrived
         self.last_traffic = now
         self.sendq: collections.deque = collections.deque()  # frames (or unsent tails) being written
@@ -113,13 +114,16 @@ class TcpServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_frame_bytes: int = 64 << 20,
                  frame_timeout: float = 10.0, idle_timeout: float | None = None,
                  max_out_bytes: int = 64 << 20, max_connections: int = 1024,
-                 max_buffered_bytes: int = 256 << 20):
+                 max_buffered_bytes: int = 256 << 20, first_frame_max_bytes: int | None = None):
         if frame_timeout <= 0 or (idle_timeout is not None and idle_timeout <= 0):
             raise ValueError("frame_timeout and idle_timeout must be > 0 (idle_timeout None: off)")
         if max_frame_bytes < 0 or min(max_out_bytes, max_connections, max_buffered_bytes) <= 0:
             raise ValueError("max_frame_bytes must be >= 0, max_out_bytes, max_connections and "
                              "max_buffered_bytes > 0")
         self.max_frame_bytes, self.max_out_bytes = max_frame_bytes, max_out_bytes
+        # The largest first frame of a connection: with an auth token the first request must
+        # be a PING, so nobody unauthenticated gets a big frame read and decoded.
+        self.first_frame_max_bytes = max_frame_bytes if first_frame_max_bytes is None else first_frame_max_bytes
         # Incomplete frames of all connections together: many clients each sending a large
         # frame must not take the machine's memory (the largest one is closed instead).
         self.max_buffered_bytes = max_buffered_bytes
@@ -377,13 +381,15 @@ class TcpServer:
                 if conn.body_len is None:
                     if len(buf) < _HEADER:
                         return
-                    conn.body_len = rllink.parse_header(buf[:_HEADER], self.max_frame_bytes)
+                    conn.body_len = rllink.parse_header(
+                        buf[:_HEADER], self.max_frame_bytes if conn.frames else self.first_frame_max_bytes)
                 end = _HEADER + conn.body_len
                 if len(buf) < end:
                     return
                 body = bytes(memoryview(buf)[_HEADER:end])  # one copy; the view is gone before del
                 del buf[:end]
                 conn.body_len, conn.frame_start = None, now
+                conn.frames += 1
                 if not self._deliver(conn, rllink.decode_request(body)):
                     return
         except rllink.ProtocolError as e:
