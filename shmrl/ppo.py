@@ -141,17 +141,17 @@ class PPO:
         weights = [p.detach().numpy() for p in self.actor.parameters()]
         return with_log_std(weights, self.log_std.detach().numpy()) if self.continuous else weights
 
-    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probability of ``actions``, entropy), per row, under the current policy."""
+    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor,
+                 entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-probability of ``actions``, entropy or None), per row, under the current policy."""
         out = self.actor(obs)
         if self.continuous:  # diagonal Gaussian
             std = self.log_std.exp()
             logp = (-0.5 * ((actions - out) / std) ** 2 - self.log_std - HALF_LOG_2PI).sum(-1)
-            entropy = (self.log_std + 0.5 + HALF_LOG_2PI).sum().expand(len(obs))
-            return logp, entropy
+            return logp, (self.log_std + 0.5 + HALF_LOG_2PI).sum().expand(len(obs)) if entropy else None
         logp_all = torch.log_softmax(out, dim=-1)
         logp = logp_all.gather(1, actions[:, None]).squeeze(1)
-        return logp, -(logp_all.exp() * logp_all).sum(-1)
+        return logp, -(logp_all.exp() * logp_all).sum(-1) if entropy else None
 
     @torch.inference_mode()
     def values(self, obs: np.ndarray) -> np.ndarray:
@@ -217,8 +217,8 @@ class PPO:
             last_epoch = epoch == cfg.epochs - 1
             for start in range(0, n - mb + 1, mb):
                 s = slice(start, start + mb)
-                logp, entropy = self.log_prob(e_obs[s], e_actions[s])
-                entropy = entropy.mean()
+                # The entropy costs a few ops per step: only where the loss or the stats use it.
+                logp, entropy = self.log_prob(e_obs[s], e_actions[s], entropy=bool(cfg.ent_coef) or last_epoch)
                 # Ratio against the behaviour policy the client sampled with; the clamp
                 # keeps a client's absurd log-probability from producing inf.
                 log_ratio = torch.clamp(logp - e_logp_b[s], -20.0, 20.0)
@@ -226,13 +226,15 @@ class PPO:
                 adv = e_adv[s]
                 pi_loss = -torch.min(adv * ratio, adv * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)).mean()
                 v_loss = 0.5 * (self.critic(e_obs[s]).squeeze(-1) - e_returns[s]).pow(2).mean()
-                loss = pi_loss + cfg.vf_coef * v_loss - cfg.ent_coef * entropy
+                loss = pi_loss + cfg.vf_coef * v_loss
+                if cfg.ent_coef:
+                    loss = loss - cfg.ent_coef * entropy.mean()
                 self.optimizer.zero_grad()
                 loss.backward()
                 self.optimizer.step(cfg.max_grad_norm)
                 if last_epoch:
                     with torch.no_grad():
-                        stats += torch.stack([pi_loss, v_loss, entropy, ((ratio - 1) - log_ratio).mean(),
+                        stats += torch.stack([pi_loss, v_loss, entropy.mean(), ((ratio - 1) - log_ratio).mean(),
                                               ((ratio - 1).abs() > cfg.clip).float().mean()])
         stats /= max(n // mb, 1)
         return dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac"), stats.tolist()))
