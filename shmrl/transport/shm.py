@@ -90,6 +90,7 @@ class ShmServer:
         self._recheck = False       # some ring holds a record that failed its checks
         self._conn_ids = [f"shm:{i}" for i in range(n_clients)]
         self.frames_rejected = 0    # bad frames, each of which closed its connection
+        self._encoded: tuple = (None, None, b"")  # the last reply: (message, codec, body)
         self._closed = False
         swept = sweep_stale(prefix)
         if swept:
@@ -169,7 +170,15 @@ class ShmServer:
         return encode(msg, self.codec_of(conn_id))
 
     def reply(self, conn_id: str, msg: dict) -> None:
-        self.reply_encoded(conn_id, self.encode_for(conn_id, msg))
+        """Write ``msg`` to the client's reply ring. The last reply encoded is kept (by
+        identity and codec): the same SET_STATE goes to every client, encoded once. So do not
+        change a message after replying with it."""
+        codec = self.codec_of(conn_id)
+        last, last_codec, body = self._encoded
+        if msg is not last or codec != last_codec:
+            body = encode(msg, codec)
+            self._encoded = (msg, codec, body)
+        self.reply_encoded(conn_id, body)
 
     def reply_encoded(self, conn_id: str, body: bytes) -> None:
         """Write an already encoded reply body. Never blocks: a client whose reply ring is
