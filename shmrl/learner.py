@@ -48,6 +48,7 @@ class EpisodeStore:
         self.steps_dropped: dict[str, int] = {}
         self.steps_lost = 0        # stepped by a simulator that died before sending them: never received
         self.steps_by_conn: dict[str, int] = {}
+        self.first_steps_at: float | None = None   # time.time() when the first env steps arrived
         self._open: dict[tuple, tuple[float, int]] = {}   # glue key -> (return, length) so far
 
     def add(self, conn_id: str, batch: EpisodeBatch) -> None:
@@ -68,6 +69,8 @@ class EpisodeStore:
             else:
                 self._open[key if eid is not None else (conn_id, "obs", obs[last[i]].tobytes())] = (ret, length)
         if batch.num_steps:
+            if self.first_steps_at is None:
+                self.first_steps_at = time.time()
             self.pending.append(batch)
             self.pending_steps += batch.num_steps
             self.steps_received += batch.num_steps

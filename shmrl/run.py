@@ -354,6 +354,8 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                            "return_mean": learner.store.return_mean(), "episodes": learner.store.episodes_completed,
                            **counts(learner, supervisor),
                            "env_steps_per_s": steps_here / max(time.time() - t_learn, 1e-9),
+                           "first_sample_s": (learner.store.first_steps_at - t_start
+                                              if learner.store.first_steps_at else None),
                            "updates": learner.updates, "weights_seq_no": learner.weights_seq_no,
                            "resumed_from": str(resumed[0]) if resumed else None, "config": saved_config(config)}
                 (logdir / "policy.onnx").write_bytes(learner.model_bytes)
@@ -510,6 +512,9 @@ def main(argv=None) -> int:
         config = parse_args(argv)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         signal.signal(signal.SIGTERM, _terminate)
+        # Ctrl-C stops the run cleanly even if whoever started it ignored SIGINT (a shell's
+        # background job inherits it ignored, and Python then leaves it so).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         status, _ = train(config, t_start)
     except KeyboardInterrupt:  # before train() had anything to clean up
         return EXIT_INTERRUPTED

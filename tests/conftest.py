@@ -91,14 +91,15 @@ def children():
 class Run:
     """``python -m shmrl.run`` in its own process group, always killed in teardown."""
 
-    def __init__(self, args, tmp_path):
+    def __init__(self, args, tmp_path, preexec_fn=None):
         self.log_path = tmp_path / "run.log"
         self.log = open(self.log_path, "w")
         # In the test's own folder: a run without --logdir writes runs/... where it starts.
         if "--log-every" not in args:
             args = [*args, "--log-every", "0"]  # the tests watch for every update's line
         self.proc = subprocess.Popen([sys.executable, "-m", "shmrl.run", *args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
+                                     preexec_fn=preexec_fn)
 
     def output(self) -> str:
         self.log.flush()
@@ -125,8 +126,8 @@ class Run:
 def start_run(tmp_path):
     runs = []
 
-    def start(*args):
-        run = Run([str(a) for a in args], tmp_path)
+    def start(*args, preexec_fn=None):
+        run = Run([str(a) for a in args], tmp_path, preexec_fn)
         runs.append(run)
         return run
 

@@ -84,6 +84,19 @@ def test_ctrl_c_stops_everything_and_leaves_no_segment(start_run, tmp_path):
     assert (logdir / "checkpoints" / f"{summary['updates']:06d}" / "weights.npz").exists()
 
 
+def test_ctrl_c_works_even_if_the_run_was_started_with_sigint_ignored(start_run, tmp_path):
+    """A shell script's background job inherits SIGINT ignored; the run still stops on it
+    (and bench.py's memory subcommand stops runs that way)."""
+    run = start_run("--sims", 1, "--stop-return", 500, "--max-env-steps", 10_000_000, "--logdir", tmp_path / "logs",
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    run.wait_for("update    1 |", timeout=60)
+    os.killpg(run.proc.pid, signal.SIGINT)
+    run.proc.wait(timeout=10)
+    assert run.proc.returncode == 130, run.output()
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert 0 < summary["first_sample_s"] < summary["wall_s"]
+
+
 def test_sigterm_stops_everything(start_run):
     run = start_run("--sims", 2, "--stop-return", 500, "--max-env-steps", 10_000_000)
     run.wait_for("update    1 |", timeout=60)

@@ -687,7 +687,9 @@ def memory(args) -> dict:
         f"in its own process group; when it prints 'update    3 |', VmRSS (/proc/PID/status) and "
         f"Pss (/proc/PID/smaps_rollup) of the learner and every descendant (ppid chains in "
         f"/proc/*/stat); then SIGINT to the group. RSS counts pages shared between the forked "
-        f"simulators once per process; the Pss sum is the honest total. Start-up: seconds from "
+        f"simulators once per process; the Pss sum is the honest total. First sample: seconds from "
+        f"the run's process start until its learner received the first env steps (summary.json "
+        f"first_sample_s). Start-up: seconds from "
         f"launch to the first progress line ('update    1 |'), which comes after the first "
         f"batch ({args.sims} x 256 steps) has arrived and one PPO update; the update's own "
         f"train_s (metrics.jsonl) is reported to subtract. Median over --repeat {args.repeat}.",
@@ -695,7 +697,7 @@ def memory(args) -> dict:
     runs = [memory_run(args.sims) for _ in range(args.repeat)]
     result["processes"] = runs[0]["processes"]
     result["runs"] = [{k: v for k, v in r.items() if k != "processes"} for r in runs]
-    for key in ("rss_total_mib", "pss_total_mib", "first_progress_s", "first_update_train_s"):
+    for key in ("rss_total_mib", "pss_total_mib", "first_sample_s", "first_progress_s", "first_update_train_s"):
         values = [r[key] for r in runs if r[key] is not None]
         result[key] = median(values) if values else None
     return finished(result)
@@ -723,7 +725,10 @@ def memory_run(sims: int) -> dict:
                 for name in left:
                     os.unlink(f"/dev/shm/{name}")
         rows = [json.loads(x) for x in (Path(logdir) / "metrics.jsonl").read_text().splitlines() if x]
+        summary_path = Path(logdir) / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return {"processes": processes, "exit_code": exit_code, "shm_files_left": left,
+            "first_sample_s": summary.get("first_sample_s"),
             "rss_total_mib": sum(p["rss_mib"] for p in processes),
             "pss_total_mib": sum(p["pss_mib"] or 0 for p in processes),
             "first_progress_s": first,
@@ -864,7 +869,8 @@ def print_memory(r: dict) -> None:
         print(f"  {x['pid']:>7} | {x['role']:<18} | {x['rss_mib']:>8.1f} | {pss:>8}")
     print(f"  total: RSS {r['rss_total_mib']:.1f} MiB (shared pages counted per process), "
           f"PSS {r['pss_total_mib']:.1f} MiB")
-    fp, tr = r["first_progress_s"], r["first_update_train_s"]
+    fp, tr, fs = r["first_progress_s"], r["first_update_train_s"], r["first_sample_s"]
+    print(f"  first sample: the learner had its first env steps {fs:.2f} s after the run's process start")
     print(f"  start-up: first progress line {fp:.2f} s after launch (includes the first batch and "
           f"one PPO update of {tr:.2f} s); the run's own clock put update 1 at "
           f"{r['runs'][0]['first_update_elapsed_s']:.2f} s from its process start")
