@@ -136,7 +136,7 @@ def test_pendulum_training_beats_the_initial_random_policy(tmp_path, no_shm_left
     random_mean = statistics.fmean(evaluate(first, "Pendulum-v1", episodes=20))
     # About 6 s here; the greedy return is then about -250 (the training window's mean lags).
     summary = shmrl.train(env="Pendulum-v1", sims=2, seed=0, max_env_steps=26_000, stop_return=math.inf,
-                          logdir=str(tmp_path))
+                          train_batch_size=1024, logdir=str(tmp_path))   # 25 updates in the budget
     assert summary["exit_status"] == 1 and summary["env_steps"] >= 26_000
     assert summary["env_steps_dropped"] == {}
     trained = evaluate((tmp_path / "policy.onnx").read_bytes(), "Pendulum-v1", episodes=20)

@@ -162,3 +162,15 @@ def test_learner_killed_simulators_exit_and_next_run_sweeps_its_segments(start_r
     nxt = start_run("--sims", 1, "--stop-return", 500, "--max-env-steps", 1000)
     nxt.proc.wait(timeout=60)
     assert shm_entries(dead_pid) == []     # ...until the next run swept them
+
+
+def test_a_training_batch_is_the_same_however_many_simulators_share_it():
+    from shmrl.run import parse_args, resolve_config, RunConfig
+
+    for sims, per_message in ((8, 256), (4, 512), (3, 683), (0, 2048)):
+        argv = ["--sims", sims] + (["--tcp-port", 0] if sims == 0 else [])
+        config = parse_args(argv)
+        assert (config.train_batch_size, config.env_steps_per_sample) == (2048, per_message), sims
+    assert parse_args(["--sims", 4, "--env-steps-per-sample", 100]).env_steps_per_sample == 100
+    assert parse_args(["--train-batch-size", 4096]).env_steps_per_sample == 512
+    assert resolve_config(RunConfig(env="Pendulum-v1", sims=2)).env_steps_per_sample == 2048
