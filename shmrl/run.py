@@ -543,4 +543,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # By now everything is written and every process and segment of the run is gone; what is
+    # left, tearing down an interpreter that has loaded torch, takes about 0.4 s (measured
+    # here), which the command need not wait for.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
