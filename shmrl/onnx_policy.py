@@ -195,8 +195,11 @@ class OnnxPublisher:
 
 
 def encode_onnx_file(model_bytes: bytes) -> str:
-    """SET_STATE's ``onnx_file``: base64 of the gzip-compressed model, as RLlib sends it."""
-    return base64.b64encode(gzip.compress(model_bytes, compresslevel=1)).decode("ascii")
+    """SET_STATE's ``onnx_file``: base64 of the model in gzip format, as RLlib sends it.
+    Stored, not compressed: float weights barely compress (about 10% at level 1), and
+    level 0 encodes 14x and decodes 2x faster here (0.04 against 0.60 ms, 0.09 against
+    0.21 ms for the 64x64 policy), on every publish and in every simulator."""
+    return base64.b64encode(gzip.compress(model_bytes, compresslevel=0)).decode("ascii")
 
 
 def decode_onnx_file(onnx_file: str | bytes) -> bytes:
