@@ -102,7 +102,8 @@ def test_rollout_batch_holds_the_same_chunks_as_per_env_episodes(K):
                     age[k] = 0
                     new_obs[k] = rng.normal(size=4)          # the env's reset observation
                     reference[k] = Episode(new_obs[k].copy())
-            rollout.record(actions, logits, logp, new_obs, rewards, terminated, truncated, final_obs)
+            ended = (terminated | truncated).any()   # as vector envs give it: None when no env ended
+            rollout.record(actions, logits, logp, new_obs, rewards, terminated, truncated, final_obs if ended else None)
             obs = new_obs
         expected += [ep.to_rllink() for ep in finished] + [ep.to_rllink() for ep in reference if len(ep)]
         reference = [ep.cut() if len(ep) else ep for ep in reference]
