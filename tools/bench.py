@@ -141,7 +141,8 @@ class Pipeline:
             self.publisher = OnnxPublisher(ACTOR_SIZES, ACTIVATION)
             self.publish(weights)  # before any simulator asks: GET_STATE needs a state
             addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
-            self.supervisor = Supervisor(addresses, env=ENV_ID, seed=seed, envs_per_sim=envs_per_sim)
+            self.supervisor = Supervisor(addresses, env=ENV_ID, seed=seed, envs_per_sim=envs_per_sim,
+                                         nice=config.sim_nice)
             self.supervisor.start_all()
             self.procs = [sim.proc for sim in self.supervisor.sims]
         except BaseException:
