@@ -331,7 +331,6 @@ def test_no_pickle_on_any_wire(net, caplog, tmp_path):  # noqa: F811
     transport uses, and over TCP closes its connection."""
     import ast
     import pickle
-    import socket
 
     from shmrl import rllink
     from test_tcp_transport import read_to_eof

@@ -47,7 +47,6 @@ import re
 import select
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import (cpu_s, finished, group_alive, median, own_shm_files, percentile,  # noqa: E402
+                   started, status_kib)
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
@@ -69,29 +72,6 @@ WAIT_S = 60.0  # the longest any single wait may take before the tool gives up
 
 # ---------------------------------------------------------------- small helpers
 
-def median(xs) -> float:
-    return float(statistics.median(xs)) if len(xs) else math.nan
-
-
-def percentile(xs, q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else math.nan
-
-
-def host_info() -> dict:
-    return {"cpus": len(os.sched_getaffinity(0)), "loadavg": [round(x, 2) for x in os.getloadavg()],
-            "python": sys.version.split()[0]}
-
-
-def started(name: str, method: str, **params) -> dict:
-    return {"subcommand": name, "method": method, "params": params,
-            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host_before": host_info()}
-
-
-def finished(result: dict) -> dict:
-    result["host_after"] = host_info()
-    return result
-
-
 def frame(msg: dict) -> bytes:
     """A frame as RLlib 2.48's client writes one (json.dumps, 8-digit length header)."""
     body = json.dumps(msg).encode()
@@ -99,38 +79,7 @@ def frame(msg: dict) -> bytes:
 
 
 def rss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) used so far by ``pid``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return math.nan
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def own_shm_files(pid: int) -> list[str]:
-    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(f"shmrl_{pid}_"))
+    return status_kib(pid, "VmRSS")
 
 
 # ---------------------------------------------------------------- the server
@@ -652,7 +601,7 @@ def abuse(args) -> dict:
            f"as the socket takes it; 'control' {args.line_rate_seconds:g} s, that line-rate stream into a "
            f"sink process instead of the server (the machine's load without the server's)"
            if args.line_rate_seconds else "")
-        + f". A last 'unloaded' window follows. Per window: median, p99, max RTT per request kind; "
+        + ". A last 'unloaded' window follows. Per window: median, p99, max RTT per request kind; "
         f"figures: medians over rounds of window medians; ratio: window / unloaded. The gate is the "
         f"'abused' window. Server VmRSS every 50 ms; drops and reasons from its log.",
         rounds=args.rounds, abuse_seconds=args.abuse_seconds, unloaded_seconds=args.unloaded_seconds,
@@ -672,7 +621,7 @@ def abuse(args) -> dict:
             sink_proc = Sink()
         result["server"] = {"pid": server.pid, "port": server.port, "command": " ".join(server.cmd[1:]),
                             "ready_s": time.monotonic() - t0, "good_client": client.hello}
-        cpu0 = cpu_s(server.pid)
+        cpu0 = cpu_s([server.pid])
         rss_before = sampler.now_mib()
         for r in range(args.rounds):
             row = {"round": r, "windows": {}, "rss_mib": {}, "abusers": {}}
@@ -687,13 +636,13 @@ def abuse(args) -> dict:
                                       endless_rate=args.endless_mib_s if name == "abused" else 0.0,
                                       max_frame_bytes=max_frame)
                 sampler.phase = f"{name} {r}"
-                c0 = cpu_s(server.pid)
+                c0 = cpu_s([server.pid])
                 if abusers:
                     abusers.start()
                 w = client.measure(f"{name} {r}", seconds)
                 stats = window_stats(w)
                 stats["max_gap_between_replies_s"] = w["max_gap_between_replies_s"]
-                stats["server_cpu_s"] = cpu_s(server.pid) - c0
+                stats["server_cpu_s"] = cpu_s([server.pid]) - c0
                 rss = sampler.of(f"{name} {r}")
                 row["rss_mib"][name] = {"peak": max(rss), "end": sampler.now_mib()}
                 if abusers:
@@ -713,7 +662,7 @@ def abuse(args) -> dict:
         sampler.phase = "after"
         after = client.measure("after", args.unloaded_seconds)
         rss_after = sampler.now_mib()
-        result["server"]["cpu_s_total"] = cpu_s(server.pid) - cpu0
+        result["server"]["cpu_s_total"] = cpu_s([server.pid]) - cpu0
     finally:
         try:
             if abusers is not None:

@@ -48,11 +48,11 @@ HERE = Path(__file__).resolve()
 # ---------------------------------------------------------------- small helpers
 
 def median(xs) -> float:
-    return float(statistics.median(xs))
+    return float(statistics.median(xs)) if len(xs) else math.nan
 
 
 def percentile(xs, q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=float), q))
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else math.nan
 
 
 def host_info() -> dict:
@@ -859,6 +859,8 @@ def group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+    except PermissionError:  # exists, belongs to someone else
+        return True
 
 
 def print_memory(r: dict) -> None:
