@@ -20,6 +20,7 @@ import numpy as np
 @dataclass(frozen=True)
 class Discrete:
     n: int
+    start: int = 0  # the env's actions are start .. start + n - 1; the policy's are 0 .. n - 1
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,7 @@ class LoopVecEnv:
         # Continuous actions are sampled unbounded (their log-probability is what the
         # learner needs); the env gets them clipped to its bounds.
         self._bounds = (np.array(box.low, np.float32), np.array(box.high, np.float32)) if box else None
+        self._start = 0 if box else self.spec.action_space.start  # gymnasium's Discrete(n, start)
         self._rewards = np.zeros(num_envs, np.float32)
         self._terminated = np.zeros(num_envs, bool)
         self._truncated = np.zeros(num_envs, bool)
@@ -220,6 +222,8 @@ class LoopVecEnv:
             actions = np.clip(np.asarray(actions, np.float32).reshape(self.num_envs, -1), *self._bounds)
         elif isinstance(actions, np.ndarray):
             actions = actions.tolist()
+        if self._start:
+            actions = [a + self._start for a in actions]
         for k, a in enumerate(actions):
             env = self._envs[k]
             o, r, terminated, truncated, _ = env.step(a)
@@ -255,7 +259,7 @@ def _space(space) -> Discrete | Box:
     if isinstance(space, (Discrete, Box)):
         return space
     if hasattr(space, "n") and not getattr(space, "shape", ()):
-        return Discrete(int(space.n))
+        return Discrete(int(space.n), int(getattr(space, "start", 0)))
     if hasattr(space, "low") and hasattr(space, "high"):
         low, high = np.broadcast_to(space.low, space.shape), np.broadcast_to(space.high, space.shape)
         return Box(tuple(low.reshape(-1).tolist()), tuple(high.reshape(-1).tolist()), tuple(space.shape))

@@ -314,3 +314,27 @@ def test_checkpoint_flags():
     assert (parse_args([]).checkpoint_every, parse_args([]).keep_checkpoints) == (0, 3)  # only at the end
     with pytest.raises(SystemExit):
         parse_args(["--keep-checkpoints", "0"])
+
+
+class Shifted:
+    """gymnasium's Discrete(3, start=-1): the env's actions are -1, 0 and 1."""
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gymnasium.spaces.Discrete(3, start=-1)
+
+    def reset(self, seed=None, options=None):
+        self.seen = []
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.seen.append(action)
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+def test_a_discrete_space_with_a_start_gets_actions_of_its_own_range():
+    from shmrl.envs import make_vec_env
+
+    assert env_spec(Shifted).action_space == Discrete(3, start=-1)   # the policy still has 3 outputs
+    envs = make_vec_env(Shifted, 3, seed=0)
+    envs.reset()
+    envs.step(np.array([0, 1, 2]))                                   # the policy's action indices
+    assert [env.seen for env in envs._envs] == [[-1], [0], [1]]
