@@ -459,6 +459,20 @@ def test_idle_timeout_spares_a_client_waiting_for_its_reply(net, caplog):
         waiting.recv(1)
 
 
+def test_a_connection_that_never_speaks_is_closed_but_a_quiet_client_is_not(net, caplog):
+    server = net.server(hello_timeout=0.3)
+    hub = net.hub(server)
+    silent, spoke = net.raw(server), net.raw(server)
+    spoke.sendall(rllib_frame({"type": "PING"}))
+    assert recv_frame(spoke) == rllib_frame({"type": "PONG"})   # then quiet: it may be sampling
+    assert read_to_eof(silent) == b""
+    assert any("sent nothing in the 0.3 s after connecting" in m for m in log_lines(caplog, conn_id_of(silent)))
+    time.sleep(0.5)
+    assert hub.closed() == [conn_id_of(silent)]
+    spoke.sendall(rllib_frame({"type": "PING"}))
+    assert recv_frame(spoke) == rllib_frame({"type": "PONG"})
+
+
 def test_max_connections_refuses_the_excess_and_logs_once_per_burst(net, caplog):
     server = net.server(max_connections=2)
     hub = net.hub(server)

@@ -114,9 +114,14 @@ class TcpServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_frame_bytes: int = 64 << 20,
                  frame_timeout: float = 10.0, idle_timeout: float | None = None,
                  max_out_bytes: int = 64 << 20, max_connections: int = 1024,
-                 max_buffered_bytes: int = 256 << 20, first_frame_max_bytes: int | None = None):
-        if frame_timeout <= 0 or (idle_timeout is not None and idle_timeout <= 0):
-            raise ValueError("frame_timeout and idle_timeout must be > 0 (idle_timeout None: off)")
+                 max_buffered_bytes: int = 256 << 20, first_frame_max_bytes: int | None = None,
+                 hello_timeout: float = 30.0):
+        if frame_timeout <= 0 or hello_timeout <= 0 or (idle_timeout is not None and idle_timeout <= 0):
+            raise ValueError("frame_timeout, hello_timeout and idle_timeout must be > 0 (idle_timeout None: off)")
+        # A connection that has sent no byte this long after connecting is closed: every RLlink
+        # client starts with a PING, and silent sockets must not fill max_connections. (Once a
+        # client has spoken, silence may just be sampling: only idle_timeout ends that.)
+        self.hello_timeout = hello_timeout
         if max_frame_bytes < 0 or min(max_out_bytes, max_connections, max_buffered_bytes) <= 0:
             raise ValueError("max_frame_bytes must be >= 0, max_out_bytes, max_connections and "
                              "max_buffered_bytes > 0")
@@ -139,7 +144,7 @@ class TcpServer:
         self._refused = 0                    # connections refused since the last one accepted
         self.frames_rejected = 0             # bad frames, each of which closed its connection
         self._accept_paused_until: float | None = None
-        self._tick = max(0.01, min(1.0, frame_timeout / 4, (idle_timeout or math.inf) / 4))
+        self._tick = max(0.01, min(1.0, frame_timeout / 4, hello_timeout / 4, (idle_timeout or math.inf) / 4))
         self._next_check = 0.0
         self._recv_buf = memoryview(bytearray(self.RECV_BYTES))
         self._listener = self._selector = self._thread = None
@@ -487,6 +492,8 @@ class TcpServer:
             if now - conn.frame_start > self.frame_timeout:
                 self._close(conn, f"frame incomplete after {self.frame_timeout:g} s: slow or stalled "
                                   f"client (got {conn.frame_progress()})")
+        elif not conn.frames and now - conn.last_traffic > self.hello_timeout:
+            self._close(conn, f"sent nothing in the {self.hello_timeout:g} s after connecting")
         elif (self.idle_timeout is not None and now - conn.last_traffic > self.idle_timeout
               and not (conn.owed or conn.unpolled or conn.out_bytes)):
             self._close(conn, f"idle for {self.idle_timeout:g} s with no reply owed")
