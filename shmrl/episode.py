@@ -326,7 +326,8 @@ class Rollout:
             out.reshape(K, T, *a.shape[2:])[...] = a[:T].swapaxes(0, 1)
             return out
 
-        done = env_major(b[TERMINATED]) | env_major(b[TRUNCATED])
+        terminated, truncated = env_major(b[TERMINATED]), env_major(b[TRUNCATED])
+        done = terminated | truncated
         ends = done.copy()
         ends[T - 1::T] = True                        # a chunk also ends where the rollout does
         last = np.flatnonzero(ends)                  # each chunk's last step (flat index)
@@ -348,7 +349,7 @@ class Rollout:
             obs=obs, actions=env_major(b[ACTIONS]), rewards=env_major(b[REWARDS]).astype(np.float32),
             action_dist_inputs=env_major(b[ACTION_DIST_INPUTS]).astype(np.float32),
             action_logp=env_major(b[ACTION_LOGP]).astype(np.float32), lengths=lengths,
-            is_terminated=env_major(b[TERMINATED])[last], is_truncated=env_major(b[TRUNCATED])[last],
+            is_terminated=terminated[last], is_truncated=truncated[last],
             weights_seq_no=None if weights_seq_no is None else np.full(n, weights_seq_no))
         # Ids and running returns: a Python step per chunk (chunks are few next to steps).
         ids, chunk_done, chunk_env = [], done[last].tolist(), (first // T).tolist()
