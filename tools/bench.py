@@ -692,7 +692,8 @@ def memory(args) -> dict:
         f"the run's process start until its learner received the first env steps (summary.json "
         f"first_sample_s). Start-up: seconds from "
         f"launch to the first progress line ('update    1 |'), which comes after the first "
-        f"batch ({args.sims} x 256 steps) has arrived and one PPO update; the update's own "
+        f"batch (the default train batch, shared by the {args.sims} simulators) has arrived and one "
+        f"PPO update; the update's own "
         f"train_s (metrics.jsonl) is reported to subtract. Median over --repeat {args.repeat}.",
         sims=args.sims, repeat=args.repeat)
     runs = [memory_run(args.sims) for _ in range(args.repeat)]
