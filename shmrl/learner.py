@@ -298,6 +298,7 @@ class Learner:
         self._batch_out = False                    # a batch was handed over, no new weights yet
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # why the serving thread ended, if it did
@@ -366,8 +367,16 @@ class Learner:
             log.exception("the serving thread failed")
             self.failure = e
 
+    def _wake(self) -> None:
+        """Make the serving thread's next wait return at once."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: a wake-up is pending anyway
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake()  # the serving thread stops now, not at its next timeout
         if self._thread is not None:
             self._thread.join(5.0)
         self._selector.close()
@@ -387,7 +396,7 @@ class Learner:
         self.model_bytes = self.publisher.publish(actor_weights)
         self.weights_seq_no += 1
         self._published.put((self.weights_seq_no, encode_onnx_file(self.model_bytes)))
-        os.write(self._wake_w, b"\0")
+        self._wake()
 
     def train(self, ppo, batches: list[EpisodeBatch], version: int) -> dict | None:
         """One PPO update on the chunks of ``batches``, then publish the new weights."""
