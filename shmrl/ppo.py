@@ -157,15 +157,13 @@ class PPO:
     def values(self, obs: np.ndarray) -> np.ndarray:
         return self.critic(torch.tensor(obs)).squeeze(-1).numpy()  # a copy: obs may be read-only
 
-    def make_batch(self, chunks: EpisodeBatch | list[EpisodeBatch]) -> Batch:
+    def make_batch(self, chunks: EpisodeBatch) -> Batch:
         """GAE over episode chunks, with no Python loop over steps or chunks.
 
         A chunk that ended terminated bootstraps with 0; one that was truncated or cut
         (still running when its client sent it) bootstraps with V(last obs).
         """
         cfg = self.config
-        if isinstance(chunks, list):
-            chunks = EpisodeBatch.concat(chunks)
         lengths, n = chunks.lengths, chunks.num_chunks
         v_all = self.values(chunks.obs)                               # one value per obs row
         chunk_of_step = np.repeat(np.arange(n), lengths)

@@ -11,6 +11,7 @@ import torch
 
 import shmrl
 from shmrl.envs import Pendulum, env_spec
+from shmrl.episode import EpisodeBatch
 from shmrl.eval import evaluate
 from shmrl.learner import Learner
 from shmrl.onnx_policy import OnnxPolicy, OnnxPublisher, init_mlp_weights, initial_policy, policy_sizes, with_log_std
@@ -85,7 +86,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
         assert got is not None, "no batch from the simulator"
         chunks, version = got
         assert learner.store.steps_dropped == {}
-        batch = ppo.make_batch(chunks)
+        batch = ppo.make_batch(EpisodeBatch.concat(chunks))
         assert len(batch) == 256 and batch.actions.shape == (256, 1)
         assert np.abs(batch.actions).max() > 2.0   # sampled unclipped (the env clips what it applies)
         with torch.no_grad():

@@ -233,19 +233,29 @@ def test_sigterm_writes_a_checkpoint_and_resume_goes_on_from_it(start_run, tmp_p
 
 
 def test_too_little_shared_memory_is_a_clear_error_at_start(monkeypatch, capsys, tmp_path, no_shm_leftovers):
-    from shmrl import run
     from shmrl.transport import ring
 
     monkeypatch.setattr(ring, "shm_free_bytes", lambda path=ring.SHM_DIR: 3 << 20)   # a 3 MiB /dev/shm
+    err = failed_run_stderr(tmp_path, capsys)
+    assert re.search(r"shared memory: [\d.]+ MiB needed in /dev/shm but only 3\.0 MiB free", err), err
+
+
+def failed_run_stderr(tmp_path, capsys) -> str:
+    """What `python -m shmrl.run --sims 8` prints when it ends at start for want of shared
+    memory: the message names the size and how to raise it, exit status 3, no traceback."""
+    from shmrl import run
+
     sigterm = signal.getsignal(signal.SIGTERM)
+    sigint = signal.getsignal(signal.SIGINT)
     try:
         status = run.main(["--sims", "8", "--logdir", str(tmp_path / "logs")])
-    finally:
+    finally:  # run.main sets both handlers: give pytest its own back
         signal.signal(signal.SIGTERM, sigterm)
+        signal.signal(signal.SIGINT, sigint)
     err = capsys.readouterr().err
-    assert status == 3
-    assert re.search(r"shared memory: [\d.]+ MiB needed in /dev/shm but only 3\.0 MiB free", err), err
+    assert status == 3, err
     assert "--shm-size=" in err and "Traceback" not in err
+    return err
 
 
 def test_a_simulator_that_cannot_be_started_leaves_stop_working():
@@ -296,7 +306,6 @@ def test_dev_shm_filling_up_after_the_check_is_the_same_clear_error_never_a_sigb
     (another run starting beside this one). Every segment's pages are reserved when it is
     created (posix_fallocate), so that is an error at start, never a SIGBUS when a page is
     first touched; the segments made before it are unlinked."""
-    from shmrl import run
 
     real, calls = os.posix_fallocate, []
 
@@ -307,15 +316,9 @@ def test_dev_shm_filling_up_after_the_check_is_the_same_clear_error_never_a_sigb
         real(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", full_after_two)
-    sigterm = signal.getsignal(signal.SIGTERM)
-    try:
-        status = run.main(["--sims", "8", "--logdir", str(tmp_path / "logs")])
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
-    err = capsys.readouterr().err
-    assert status == 3 and len(calls) == 3
+    err = failed_run_stderr(tmp_path, capsys)
+    assert len(calls) == 3
     assert re.search(r"shared memory: [\d.]+ MiB needed in /dev/shm but only [\d.]+ MiB free", err), err
-    assert "--shm-size=" in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------- access

@@ -549,16 +549,12 @@ descriptor_values = st.one_of(st.integers(-2 ** 40, 2 ** 40), st.text(max_size=4
 @FUZZ
 @given(st.data())
 def test_fuzz_binary_descriptors(data):
-    body = rllink.encode_binary(VALID_MESSAGES[3])
-    head_len = int.from_bytes(body[4:8], "little")
-    head = json.loads(body[8:8 + head_len])
+    head, data_section = _head_and_data(VALID_MESSAGES[3])
     ep = head["episodes"][data.draw(st.integers(0, 1))]
     spec = ep[data.draw(st.sampled_from(["obs", "actions", "rewards", "action_dist_inputs", "action_logp"]))]["__nd__"]
     spec[data.draw(st.integers(0, 3))] = data.draw(descriptor_values)
-    start = -(-(8 + head_len) // 8) * 8
-    new = binary_body(head, body[start:])
     try:
-        out = decode_request(new)
+        out = decode_request(binary_body(head, data_section))
     except ProtocolError:
         return
     assert out["timesteps"] == out["episodes"].num_steps
@@ -567,9 +563,7 @@ def test_fuzz_binary_descriptors(data):
 @FUZZ
 @given(st.data())
 def test_fuzz_columnar_descriptors(data):
-    body = rllink.encode_binary(VALID_MESSAGES[4])
-    head_len = int.from_bytes(body[4:8], "little")
-    head = json.loads(body[8:8 + head_len])
+    head, data_section = _head_and_data(VALID_MESSAGES[4])
     cols = head["episodes"]["__cols__"]
     key = data.draw(st.sampled_from(sorted(cols)))
     if isinstance(cols[key], dict):
@@ -577,9 +571,8 @@ def test_fuzz_columnar_descriptors(data):
         spec[data.draw(st.integers(0, 3))] = data.draw(descriptor_values)
     else:
         cols[key] = data.draw(junk)
-    start = -(-(8 + head_len) // 8) * 8
     try:
-        out = decode_request(binary_body(head, body[start:]))
+        out = decode_request(binary_body(head, data_section))
     except ProtocolError:
         return
     batch = out["episodes"]

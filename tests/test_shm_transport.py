@@ -68,7 +68,7 @@ def serve(server, until, seconds: float = 10.0) -> list:
             if kind == "PING":
                 server.reply(conn_id, {"type": "PONG"})
             elif kind in ("GET_STATE", "EPISODES_AND_GET_STATE"):
-                server.reply_encoded(conn_id, server.encode_for(conn_id, STATE))
+                server.reply(conn_id, STATE)          # the same dict: encoded once per codec
     return received
 
 

@@ -602,8 +602,8 @@ def abuse(args) -> dict:
            f"sink process instead of the server (the machine's load without the server's)"
            if args.line_rate_seconds else "")
         + ". A last 'unloaded' window follows. Per window: median, p99, max RTT per request kind; "
-        f"figures: medians over rounds of window medians; ratio: window / unloaded. The gate is the "
-        f"'abused' window. Server VmRSS every 50 ms; drops and reasons from its log.",
+        "figures: medians over rounds of window medians; ratio: window / unloaded. The gate is the "
+        "'abused' window. Server VmRSS every 50 ms; drops and reasons from its log.",
         rounds=args.rounds, abuse_seconds=args.abuse_seconds, unloaded_seconds=args.unloaded_seconds,
         line_rate_seconds=args.line_rate_seconds, idle=args.idle, endless_mib_s=args.endless_mib_s,
         nonreader_rps=args.nonreader_rps, gap_ms=args.gap_ms, train_every=args.train_every,

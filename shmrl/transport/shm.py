@@ -164,11 +164,6 @@ class ShmServer:
         """The codec of this client's last request: the one its replies use."""
         return self._codec[self._index(conn_id)]
 
-    def encode_for(self, conn_id: str, msg: dict) -> bytes:
-        """The reply body for ``conn_id``; reusable with ``reply_encoded`` for every client
-        with the same ``codec_of`` (encode SET_STATE once, write it to many rings)."""
-        return encode(msg, self.codec_of(conn_id))
-
     def reply(self, conn_id: str, msg: dict) -> None:
         """Write ``msg`` to the client's reply ring. The last reply encoded is kept (by
         identity and codec): the same SET_STATE goes to every client, encoded once. So do not
@@ -181,7 +176,7 @@ class ShmServer:
         self.reply_encoded(conn_id, body)
 
     def reply_encoded(self, conn_id: str, body: bytes) -> None:
-        """Write an already encoded reply body. Never blocks: a client whose reply ring is
+        """Write an encoded reply body. Never blocks: a client whose reply ring is
         full is not reading its replies and gets disconnected (reported by the next poll).
         ValueError if the body can never fit the reply ring (raise ``reply_ring_bytes``)."""
         i = self._index(conn_id)
