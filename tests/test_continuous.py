@@ -4,7 +4,6 @@ import math
 import statistics
 import threading
 
-import gymnasium
 import numpy as np
 import pytest
 import torch
@@ -18,6 +17,7 @@ from shmrl.onnx_policy import OnnxPolicy, OnnxPublisher, init_mlp_weights, initi
 from shmrl.ppo import PPO, PPOConfig
 from shmrl.sim import GaussianSampler, run_simulator
 from shmrl.transport.inproc import InProcServer
+from test_envs import step_beside_gymnasium
 
 
 def gaussian_inputs(mean, log_std, rows: int = 1) -> np.ndarray:
@@ -108,24 +108,10 @@ def test_pendulum_spaces_are_gymnasiums():
 
 @pytest.mark.parametrize("seed", [0, 1, 7])
 def test_pendulum_matches_gymnasium_step_by_step(seed):
-    ref, mine = gymnasium.make("Pendulum-v1"), Pendulum()
-    ref_obs, _ = ref.reset(seed=seed)
-    obs, _ = mine.reset(seed=seed)
-    np.testing.assert_array_equal(obs, ref_obs)  # same seeding, same reset distribution
     rng = np.random.default_rng(seed)
-    steps = 0
-    while True:
-        # Step both from the same state (np.sin against math.sin could differ in the last bit).
-        mine._state = tuple(float(v) for v in ref.unwrapped.state)
-        action = rng.uniform(-3.0, 3.0, size=1).astype(np.float32)  # out of bounds too: both clip to +-2
-        ref_obs, ref_r, ref_term, ref_trunc, _ = ref.step(action)
-        obs, r, term, trunc, _ = mine.step(action)
-        steps += 1
-        np.testing.assert_allclose(obs, ref_obs, rtol=1e-6, atol=1e-6)
-        assert r == pytest.approx(float(ref_r), rel=1e-9, abs=1e-9)
-        assert (term, trunc) == (ref_term, ref_trunc)
-        if term or trunc:
-            break
+    # Torques out of bounds too: both clip to +-2.
+    steps, term, trunc = step_beside_gymnasium(
+        "Pendulum-v1", Pendulum(), seed, lambda obs: rng.uniform(-3.0, 3.0, size=1).astype(np.float32), atol=1e-6)
     assert steps == 200 and trunc and not term
 
 

@@ -10,27 +10,37 @@ def balancing_action(obs) -> int:
     return int(obs[2] + 0.5 * obs[3] > 0)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 7])
-@pytest.mark.parametrize("controller", ["random", "balancing"])
-def test_cartpole_matches_gymnasium_step_by_step(seed, controller):
-    ref, mine = gymnasium.make("CartPole-v1"), CartPole()
+def step_beside_gymnasium(env_id: str, mine, seed: int, next_action, atol: float) -> tuple[int, bool, bool]:
+    """Reset ``mine`` and gymnasium's ``env_id`` with ``seed`` and step both with the same
+    actions until the episode ends, checking each step; returns (steps, terminated, truncated)."""
+    ref = gymnasium.make(env_id)
     ref_obs, _ = ref.reset(seed=seed)
     obs, _ = mine.reset(seed=seed)
     np.testing.assert_array_equal(obs, ref_obs)  # same seeding, same reset distribution
-    rng = np.random.default_rng(seed)
     steps = 0
     while True:
         # Step both from the same state: gymnasium uses np.cos/np.sin, we use math's, and
         # a last-bit difference would grow along a chaotic trajectory.
         mine._state = tuple(float(v) for v in ref.unwrapped.state)
-        action = int(rng.integers(2)) if controller == "random" else balancing_action(ref_obs)
+        action = next_action(ref_obs)
         ref_obs, ref_r, ref_term, ref_trunc, _ = ref.step(action)
         obs, r, term, trunc, _ = mine.step(action)
         steps += 1
-        np.testing.assert_allclose(obs, ref_obs, rtol=1e-6, atol=1e-7)
-        assert (r, term, trunc) == (ref_r, ref_term, ref_trunc)
+        np.testing.assert_allclose(obs, ref_obs, rtol=1e-6, atol=atol)
+        assert r == pytest.approx(float(ref_r), rel=1e-9, abs=1e-9)
+        assert (term, trunc) == (ref_term, ref_trunc)
         if term or trunc:
-            break
+            return steps, term, trunc
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+@pytest.mark.parametrize("controller", ["random", "balancing"])
+def test_cartpole_matches_gymnasium_step_by_step(seed, controller):
+    rng = np.random.default_rng(seed)
+    random_action = lambda obs: int(rng.integers(2))  # noqa: E731
+    steps, term, trunc = step_beside_gymnasium("CartPole-v1", CartPole(), seed,
+                                               random_action if controller == "random" else balancing_action,
+                                               atol=1e-7)
     if controller == "balancing":
         assert steps == 500 and trunc and not term
 
