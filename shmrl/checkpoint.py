@@ -44,18 +44,50 @@ def save(logdir: Path, update: int, arrays: dict[str, np.ndarray], state: dict, 
     return final
 
 
-def latest(logdir: Path) -> Path | None:
-    """The newest complete checkpoint under ``logdir``, or None."""
+class CheckpointError(ValueError):
+    """No usable checkpoint: none there, or every one damaged; the message says which and why."""
+
+
+def all_checkpoints(logdir: Path) -> list[Path]:
+    """The checkpoint folders under ``logdir``, oldest first."""
     root = checkpoints_dir(logdir)
-    found = sorted(p for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+    return sorted(p for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+
+def latest(logdir: Path) -> Path | None:
+    """The newest checkpoint folder under ``logdir``, or None (it may still be damaged:
+    ``load_latest`` checks)."""
+    found = all_checkpoints(logdir)
     return found[-1] if found else None
 
 
 def load(path: Path) -> tuple[dict[str, np.ndarray], dict]:
-    """(arrays, state) of the checkpoint folder ``path``."""
+    """(arrays, state) of the checkpoint folder ``path``; every array is read in full, so
+    a truncated or corrupted file fails here (zip's CRC), not later."""
     state = json.loads((path / "state.json").read_text())
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this shmrl reads {FORMAT}")
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"checkpoint format {state.get('format') if isinstance(state, dict) else state!r}, "
+                         f"this shmrl reads {FORMAT}")
     with np.load(path / "weights.npz", allow_pickle=False) as f:
         arrays = {k: f[k] for k in f.files}
     return arrays, state
+
+
+def load_latest(logdir: Path) -> tuple[Path, dict[str, np.ndarray], dict, list[str]]:
+    """(path, arrays, state, damaged) of the newest intact checkpoint under ``logdir``;
+    ``damaged`` says, for each newer one that could not be read, which and why. A run
+    killed at the wrong moment, or a full disk, can leave the newest one unreadable; the
+    ones before it are kept for exactly that (``--keep-checkpoints``)."""
+    found = all_checkpoints(logdir)
+    if not found:
+        raise CheckpointError(f"no checkpoint in {checkpoints_dir(Path(logdir))}")
+    damaged = []
+    for path in reversed(found):
+        try:
+            arrays, state = load(path)
+        except Exception as e:  # BadZipFile, EOFError, OSError, JSON and format errors
+            damaged.append(f"{path} is damaged ({type(e).__name__}: {e})")
+            continue
+        return path, arrays, state, damaged
+    raise CheckpointError(f"every checkpoint in {checkpoints_dir(Path(logdir))} is damaged: "
+                          + "; ".join(damaged))

@@ -282,12 +282,22 @@ def spec_of(env, env_id: str) -> EnvSpec:
     return EnvSpec(env_id, obs, act, None if threshold is None else float(threshold))
 
 
+def _call_factory(factory, env_id: str):
+    """``factory()``; an exception in the user's code becomes a clear error at start."""
+    try:
+        return factory()
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"{env_id}: making the env failed: {type(e).__name__}: {e}") from None
+
+
 def resolve_env(env) -> tuple[Callable[[], object], EnvSpec]:
     """(factory, spec) for ``env``: a built-in id, ``gym:ID``, ``package.module:callable``
     or a callable. The factory pickles (with dill, as ``multiprocess`` does), so simulator
     processes can make their own envs."""
     if callable(env):
-        made = env()
+        made = _call_factory(env, getattr(env, "__name__", "custom"))
         try:
             return env, spec_of(made, getattr(env, "__name__", "custom"))
         finally:
@@ -309,7 +319,7 @@ def resolve_env(env) -> tuple[Callable[[], object], EnvSpec]:
     else:
         raise ValueError(f"unknown environment {env!r}; built in: {', '.join(sorted(ENVS))}; or gym:ID "
                          f"(gymnasium), or package.module:make_env (a function that makes one)")
-    made = factory()
+    made = _call_factory(factory, env)
     try:
         return factory, spec_of(made, env)
     finally:

@@ -6,6 +6,10 @@
 The policy acts greedily by default (the most likely action; the mean of a Gaussian), as
 evaluations usually do; ``--stochastic`` samples as training did. Like the simulators,
 this never imports torch: numpy and onnxruntime only.
+
+Exit status: 0 with the returns printed, 2 for a bad command line (one line ``error: ...``):
+a policy file that is missing or not an ONNX model, an unknown env, or a policy that does
+not fit the env.
 """
 from __future__ import annotations
 
@@ -18,20 +22,20 @@ import numpy as np
 
 from shmrl.envs import make_vec_env
 from shmrl.onnx_policy import OnnxPolicy
-from shmrl.sim import make_sampler
+from shmrl.sim import check_policy_fits, make_sampler
 
 
 def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: int = 0,
              stochastic: bool = False, num_envs: int = 8) -> list[float]:
     """The returns of ``episodes`` episodes. Each env runs its share of them (the first
     episodes to end across parallel envs would be the short ones)."""
-    policy = OnnxPolicy(model_bytes)
+    try:
+        policy = OnnxPolicy(model_bytes)
+    except Exception as e:  # onnxruntime's own errors: not a model, or one it cannot run
+        raise ValueError(f"not an ONNX model onnxruntime can run: {str(e).strip()[:200]}") from None
     envs = make_vec_env(env, min(num_envs, episodes), seed)
     spec = envs.spec
-    n_in = policy.session.get_inputs()[0].shape[-1]
-    if (n_in, policy.n_outputs) != (spec.obs_shape[0], spec.policy_outputs):
-        raise ValueError(f"the policy maps {n_in} inputs to {policy.n_outputs} outputs; {spec.env_id} needs "
-                         f"{spec.obs_shape[0]} to {spec.policy_outputs}: was it trained on another env?")
+    check_policy_fits(policy, spec)
     sampler = make_sampler(spec, np.random.default_rng(seed))
     obs = envs.reset()
     K = envs.num_envs
@@ -56,7 +60,9 @@ def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: in
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shmrl.eval", description=__doc__,
+    from shmrl.run import OneLineErrorParser
+
+    p = OneLineErrorParser(prog="python -m shmrl.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("policy", help="an ONNX policy file (policy.onnx of a run's log folder)")
     p.add_argument("--env", default="CartPole-v1", help="environment, as for shmrl.run (default: %(default)s)")
@@ -71,9 +77,12 @@ def main(argv=None) -> int:
         with open(a.policy, "rb") as f:
             model = f.read()
         returns = evaluate(model, a.env, a.episodes, a.seed, a.stochastic)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except OSError as e:
+        print(f"error: {a.policy}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {a.policy}: {e}", file=sys.stderr)
+        return 2
     mean, std = statistics.fmean(returns), statistics.pstdev(returns)
     if a.json:
         print(json.dumps({"env": a.env, "episodes": len(returns), "return_mean": mean, "return_std": std,

@@ -88,6 +88,15 @@ def policy_from_flat(flat: np.ndarray, spec, hidden: int) -> list[np.ndarray]:
     return with_log_std(means, flat[n:n + d])
 
 
+def flat_params_size(spec, hidden: int) -> int:
+    """The length of PPO's flat parameter buffer for ``spec`` (actor, log-std, critic)."""
+    sizes = policy_sizes(spec, hidden)
+    mean_sizes = [*sizes[:-1], sizes[-1] // 2] if spec.continuous else sizes
+    critic_sizes = [*sizes[:-1], 1]
+    count = sum(n_in * n_out + n_out for ss in (mean_sizes, critic_sizes) for n_in, n_out in zip(ss[:-1], ss[1:]))
+    return count + (mean_sizes[-1] if spec.continuous else 0)
+
+
 def split_mlp_weights(flat: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """(w0, b0, w1, b1, ...) of an MLP of ``sizes`` from the start of a flat array (the
     layout of PPO's parameter buffer, whose actor comes first)."""

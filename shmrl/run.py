@@ -9,18 +9,23 @@ simulator that keeps failing fails the run. Ctrl-C and SIGTERM stop everything w
 seconds and write a checkpoint first.
 
 Exit status: 0 when the stop return is reached, 1 when the env-step budget runs out
-first, 3 when a part of the run fails (a simulator that keeps dying, a transport that
-breaks, too little shared memory), 130 after Ctrl-C, 143 after SIGTERM.
+first, 2 when the command line asks for what cannot be done (a bad flag value, an unknown
+env, a port in use, a log folder that cannot be made, a checkpoint that is damaged or
+does not fit; one line ``error: ...``, nothing started or written), 3 when a part of the
+run fails (a simulator that keeps dying, a transport that breaks, too little shared
+memory), 130 after Ctrl-C, 143 after SIGTERM.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -30,7 +35,7 @@ from typing import Callable
 
 log = logging.getLogger("shmrl.run")
 
-EXIT_SOLVED, EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 3, 130
+EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 @dataclass
@@ -70,6 +75,7 @@ class RunConfig:
     keep_checkpoints: int = 3
     resume: str | None = None
     log_every: float | None = None        # None: every update on a terminal, else every 10 s
+    tensorboard: bool | None = None       # None: when the tensorboard package is installed
 
 
 # Defaults for any environment, and the settings measured best for the built-in ones
@@ -111,6 +117,12 @@ class RunFailed(RuntimeError):
     """A part of the run failed (a simulator died, a transport broke)."""
 
 
+class ConfigError(ValueError):
+    """What the run was asked to do cannot be done, found before anything starts: a port in
+    use, a log folder that cannot be made, a checkpoint that is damaged or does not fit.
+    ``python -m shmrl.run`` prints it as one line and exits 2, like a bad flag."""
+
+
 def process_start_time() -> float:
     """Wall-clock time at which this process started (Linux /proc), else now.
 
@@ -140,9 +152,11 @@ def open_transports(config: RunConfig, spec, actor_sizes: list[int]) -> tuple[li
         try:
             tcp = TcpServer(config.tcp_host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
                             first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None)
-        except BaseException:
+        except BaseException as e:
             for server in servers:
                 server.close()
+            if isinstance(e, (OSError, OverflowError)):
+                raise ConfigError(listen_error(config, e)) from None
             raise
         servers.append(tcp)
         host, port = tcp.address
@@ -155,6 +169,48 @@ def open_transports(config: RunConfig, spec, actor_sizes: list[int]) -> tuple[li
 
 # With --auth-token a connection's first frame must be its PING: a few hundred bytes.
 FIRST_FRAME_MAX_BYTES = 4096
+
+
+def listen_error(config: RunConfig, e: Exception) -> str:
+    """Why the TCP port could not be opened, in the words of the flags that chose it."""
+    where = f"--tcp-host {config.tcp_host} --tcp-port {config.tcp_port or 0}"
+    code = getattr(e, "errno", None)
+    if code == errno.EADDRINUSE:
+        return f"{where}: the port is already in use (another run or program listens there; choose " \
+               f"another port, or --tcp-port 0 for any free one)"
+    if code == errno.EADDRNOTAVAIL:
+        return f"{where}: {config.tcp_host} is not an address of this machine"
+    if code == errno.EACCES:
+        return f"{where}: permission denied (ports below 1024 need privileges)"
+    if isinstance(e, socket.gaierror):
+        return f"{where}: cannot resolve {config.tcp_host!r} ({e.strerror})"
+    return f"{where}: cannot listen there: {getattr(e, 'strerror', None) or e}"
+
+
+def load_resume_checkpoint(config: RunConfig, spec) -> tuple:
+    """(path, arrays, state) of the newest intact checkpoint of ``config.resume``, checked
+    against this run's env and network before anything is started or written: a run that
+    cannot resume must leave the folder it would resume as it found it."""
+    from shmrl import checkpoint
+    from shmrl.onnx_policy import flat_params_size
+
+    try:
+        path, arrays, state, damaged = checkpoint.load_latest(Path(config.resume))
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"--resume {config.resume}: {e}") from None
+    for reason in damaged:
+        log.warning("--resume %s: %s; going on from %s instead", config.resume, reason, path)
+    saved_env = state.get("config", {}).get("env")
+    if saved_env is not None and saved_env != env_name(config.env):
+        raise ConfigError(f"--resume {config.resume}: its checkpoint was trained on {saved_env}, not "
+                          f"{env_name(config.env)}; a run resumes on the env it was trained on")
+    expected = flat_params_size(spec, config.hidden)
+    if arrays.get("params") is None or arrays["params"].shape != (expected,):
+        have = "no" if arrays.get("params") is None else arrays["params"].size
+        raise ConfigError(f"--resume {config.resume}: {path} holds {have} parameters, a network of "
+                          f"--hidden {config.hidden} for {spec.env_id} has {expected}: was it saved with "
+                          f"other layer sizes?")
+    return path, arrays, state
 
 
 def ring_bytes(config: RunConfig, spec, actor_sizes: list[int]) -> dict:
@@ -231,6 +287,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     from shmrl import checkpoint
     from shmrl.envs import env_spec
     from shmrl.learner import Learner
+    from shmrl.metrics import MetricsLog, tensorboard_available
     from shmrl.onnx_policy import initial_policy, policy_from_flat, policy_sizes
     from shmrl.supervisor import Supervisor
     from shmrl.transport.ring import ShmSpaceError
@@ -243,11 +300,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
         config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     logdir = Path(config.logdir)
-    logdir.mkdir(parents=True, exist_ok=True)
-    resumed = None
-    if config.resume:
-        path = checkpoint.latest(Path(config.resume))
-        resumed = (path, *checkpoint.load(path))
+    resumed = load_resume_checkpoint(config, spec) if config.resume else None
     # The first policy is published and served before torch is imported (about 2 s):
     # the simulators start (their fork server loads numpy and onnxruntime) and sample
     # on one core while this process loads torch on the other.
@@ -257,11 +310,21 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
         first_policy, first_seq = policy_from_flat(arrays["params"], spec, config.hidden), state["weights_seq_no"] + 1
     else:
         first_policy, first_seq = initial_policy(spec, config.hidden, config.seed), 1
+    if config.tensorboard is None:
+        config.tensorboard = tensorboard_available()
+    elif config.tensorboard and not tensorboard_available():
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
     try:
         servers, addresses, shm = open_transports(config, spec, actor_sizes)
     except ShmSpaceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED, {}
+    try:  # the last thing that can refuse the run: nothing is written before it
+        logdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        for server in servers:
+            server.close()
+        raise ConfigError(f"--logdir {logdir}: cannot create it: {e.strerror or e}") from None
     status, summary = EXIT_FAILED, {}
     learner = supervisor = ppo = metrics = error = None
     steps_at_start, t_learn = 0, time.time()
@@ -313,7 +376,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             launcher.join()
         if launch_error:
             raise RunFailed(f"could not start the simulators: {launch_error[0]!r}")
-        metrics = open(logdir / "metrics.jsonl", "a" if resumed else "w")
+        metrics = MetricsLog(logdir, append=bool(resumed), tensorboard=config.tensorboard)
         # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
         log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
         last_line = -math.inf
@@ -341,8 +404,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                 if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
                     print(progress_line(row, len(store.returns)), flush=True)
                     last_line = now
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
+                metrics.write(row)
                 if config.checkpoint_every and learner.updates % config.checkpoint_every == 0:
                     save_checkpoint(config, learner, ppo, config.keep_checkpoints)
     except RunFailed as e:
@@ -388,7 +450,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
 
 def build_parser(d: RunConfig) -> argparse.ArgumentParser:
     """The command line, with ``d`` as the defaults (a resumed run's are its saved configuration)."""
-    p = argparse.ArgumentParser(prog="python -m shmrl.run", description=__doc__,
+    p = OneLineErrorParser(prog="python -m shmrl.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sims", type=int, default=d.sims,
                    help="simulator processes, each with its own shared-memory ring (default: %(default)s)")
@@ -416,6 +478,10 @@ def build_parser(d: RunConfig) -> argparse.ArgumentParser:
     r.add_argument("--log-every", type=float, default=d.log_every, metavar="S",
                    help="print a progress line at most every S seconds (0: every update); default: every "
                         "update on a terminal, every 10 s when stdout is a file or a pipe")
+    r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=d.tensorboard,
+                   help="also write the metrics as TensorBoard scalars into the log folder (tensorboard "
+                        "--logdir runs); default: when the tensorboard package is installed "
+                        "(pip install 'shmrl[tensorboard]')")
     r.add_argument("--resume", default=None, metavar="DIR",
                    help="go on from the last checkpoint in DIR (weights, optimizer, env-step counts, "
                         "weights_seq_no, return window), with its configuration except for the flags given "
@@ -481,6 +547,13 @@ def build_parser(d: RunConfig) -> argparse.ArgumentParser:
     return p
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line, ``error: ...``, and exit 2."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+
 def parse_args(argv=None) -> RunConfig:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     # The defaults depend on the env (or on the run being resumed): find those first, so
@@ -494,13 +567,13 @@ def parse_args(argv=None) -> RunConfig:
     if known.resume:
         from shmrl import checkpoint
 
-        path = checkpoint.latest(Path(known.resume))
-        if path is None:
-            build_parser(defaults).error(f"--resume {known.resume}: no checkpoint in "
-                                         f"{checkpoint.checkpoints_dir(Path(known.resume))}")
-        saved = json.loads((path / "state.json").read_text())["config"]
+        try:  # train() says which checkpoints it passed over, and why
+            _, _, state, _ = checkpoint.load_latest(Path(known.resume))
+        except checkpoint.CheckpointError as e:
+            build_parser(defaults).error(f"--resume {known.resume}: {e}")
         fields = {f.name for f in dataclasses.fields(RunConfig)}
-        defaults = RunConfig(**{k: v for k, v in saved.items() if k in fields and k != "auth_token"})
+        defaults = RunConfig(**{k: v for k, v in state.get("config", {}).items()
+                                if k in fields and k != "auth_token"})
         defaults.logdir = known.resume
     p = build_parser(defaults)
     a = p.parse_args(argv)
@@ -513,8 +586,20 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--sim-nice must be between 0 and 19")
     if config.checkpoint_every < 0 or config.keep_checkpoints < 1 or config.hang_timeout <= 0:
         p.error("--checkpoint-every must be >= 0, --keep-checkpoints >= 1 and --hang-timeout > 0")
+    if config.tcp_port is not None and not 0 <= config.tcp_port <= 65535:
+        p.error(f"--tcp-port {config.tcp_port}: a port is a number from 0 to 65535 (0: any free port)")
     if config.sims == 0 and config.tcp_port is None:
         p.error("--sims 0 runs no local simulator: give --tcp-port for external clients")
+    if config.max_frame_bytes < 1024:
+        p.error("--max-frame-bytes must be >= 1024 (a PING alone takes 16)")
+    if not (config.lr > 0 and 0 < config.gamma <= 1 and 0 <= config.gae_lambda <= 1 and config.clip > 0
+            and config.ent_coef >= 0 and config.reward_scale > 0):
+        p.error("--lr, --clip and --reward-scale must be > 0, --gamma in (0, 1], --gae-lambda in [0, 1] and "
+                "--ent-coef >= 0")
+    if min(config.epochs, config.minibatch_size, config.hidden, config.torch_threads) < 1 or config.max_policy_lag < 0:
+        p.error("--epochs, --minibatch-size, --hidden and --torch-threads must be >= 1, --max-policy-lag >= 0")
+    if config.log_every is not None and config.log_every < 0:
+        p.error("--log-every must be >= 0")
     from shmrl.envs import env_spec
 
     try:
@@ -534,6 +619,9 @@ def main(argv=None) -> int:
         # background job inherits it ignored, and Python then leaves it so).
         signal.signal(signal.SIGINT, signal.default_int_handler)
         status, _ = train(config, t_start)
+    except ConfigError as e:  # found before anything started
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     except KeyboardInterrupt:  # before train() had anything to clean up
         return EXIT_INTERRUPTED
     except Exception:  # a bug: say so, and exit as a failed part (1 means the budget ran out)

@@ -7,6 +7,10 @@ external client in a game engine would.
 
     python -m shmrl.sim --connect localhost:5556   # an RLlink JSON server (shmrl's or RLlib's)
     python -m shmrl.sim --attach shmrl_1234_s0c0   # a slot of a running learner's shared memory
+
+Exit status: 0 when the server ends the session, 1 when the connection fails or is lost,
+2 for a bad command line (one line ``error: ...``), including an env whose spaces do not
+fit the server's policy; 130 after Ctrl-C.
 """
 from __future__ import annotations
 
@@ -134,6 +138,7 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     seq = state["weights_seq_no"]
     policy = OnnxPolicy(decode_onnx_file(state["onnx_file"]))
     envs = make_vec_env(env_id, envs_per_sim, seed * 1_000_003)
+    check_policy_fits(policy, envs.spec)
     sampler = make_sampler(envs.spec, np.random.default_rng(seed))
     rollout = Rollout(envs_per_sim, steps_per_env)
     obs = envs.reset()
@@ -168,6 +173,17 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
             log.info("sent %d env steps; weights %s; mean return of the last %d episodes: %s",
                      sent, seq, len(recent), mean)
     return sent
+
+
+def check_policy_fits(policy: OnnxPolicy, spec) -> None:
+    """A ValueError unless the policy takes the env's observations and gives its action
+    distribution: a simulator started with another env than the learner's."""
+    n_in, n_out = policy.session.get_inputs()[0].shape[-1], policy.n_outputs
+    # A model from elsewhere (RLlib's) may leave a size unnamed: check what it states.
+    if any(isinstance(have, int) and have != need
+           for have, need in ((n_in, spec.obs_shape[0]), (n_out, spec.policy_outputs))):
+        raise ValueError(f"the policy maps {n_in} inputs to {n_out} outputs; {spec.env_id} needs "
+                         f"{spec.obs_shape[0]} to {spec.policy_outputs}: was it trained on another env?")
 
 
 def set_process_name(name: str) -> None:
@@ -205,7 +221,9 @@ def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shmrl.sim", description=__doc__,
+    from shmrl.run import OneLineErrorParser
+
+    p = OneLineErrorParser(prog="python -m shmrl.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--connect", metavar="HOST:PORT", help="RLlink JSON server to train against over TCP")
@@ -220,9 +238,23 @@ def main(argv=None) -> int:
                    help="seconds to wait for any one reply; RLlib's server answers only after its "
                         "training step (default: %(default)s)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.envs_per_sim < 1 or args.timeout <= 0:
+        p.error("--envs-per-sim must be >= 1 and --timeout > 0")
+    from shmrl.envs import env_spec
     from shmrl.transport import connect
 
+    try:
+        env_spec(args.env)
+    except ValueError as e:
+        p.error(str(e))
+    if args.connect:
+        from shmrl.transport.tcp import parse_address
+
+        try:
+            parse_address(args.connect)
+        except ValueError as e:
+            p.error(f"--connect: {e}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     address = f"tcp:{args.connect}" if args.connect else f"shm:{args.attach}"
     try:
         client = connect(address, timeout=args.timeout)
@@ -237,6 +269,9 @@ def main(argv=None) -> int:
     except (ConnectionError, TimeoutError, rllink.ProtocolError) as e:
         print(f"error: {address}: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # the server's policy does not fit --env
+        print(f"error: {address}: {e}", file=sys.stderr)
+        return 2
     finally:
         client.close()
     return 0

@@ -77,13 +77,13 @@ def test_eval_of_a_balancing_policy_reports_500_with_no_spread(tmp_path, capsys)
 ])
 def test_eval_refuses_a_policy_that_does_not_fit_the_env(env, message, tmp_path, capsys):
     (tmp_path / "policy.onnx").write_bytes(always(0))
-    assert shmrl_eval.main([str(tmp_path / "policy.onnx"), "--env", env]) == 1
+    assert shmrl_eval.main([str(tmp_path / "policy.onnx"), "--env", env]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
 
 
 def test_eval_of_a_missing_file_is_a_clear_error(tmp_path, capsys):
-    assert shmrl_eval.main([str(tmp_path / "nope.onnx")]) == 1
+    assert shmrl_eval.main([str(tmp_path / "nope.onnx")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "nope.onnx" in err
 

@@ -1,0 +1,155 @@
+"""Start-up mistakes a user can make give one line ``error: ...`` and exit status 2, with
+nothing started and nothing written; a damaged checkpoint falls back to an intact one."""
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import shmrl_files
+
+pytestmark = pytest.mark.usefixtures("no_shm_leftovers")
+
+
+def command(module: str, *args, cwd=None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, proc.stderr
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A short CartPole run with a checkpoint after every update (three are kept)."""
+    logdir = tmp_path_factory.mktemp("trained") / "run"
+    proc = command("shmrl.run", "--sims", 2, "--max-env-steps", 8000, "--checkpoint-every", 1,
+                   "--logdir", logdir, "--no-tensorboard", timeout=120)
+    assert proc.returncode == 1, proc.stderr     # the step budget
+    assert len(list((logdir / "checkpoints").iterdir())) == 3
+    return logdir
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------ shmrl.run
+
+def test_a_tcp_port_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = shmrl_files()
+        proc = command("shmrl.run", "--sims", 1, "--tcp-port", port, "--logdir", tmp_path / "a")
+    assert_one_line_error(proc, f"--tcp-port {port}", "already in use")
+    assert shmrl_files() == before   # the shared-memory rings made before the port was tried are gone
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--tcp-port", 99999], ["--tcp-port 99999", "0 to 65535"]),
+    (["--tcp-port", -1], ["--tcp-port -1"]),
+    (["--tcp-port", 0, "--tcp-host", "192.0.2.1"], ["192.0.2.1 is not an address of this machine"]),
+    (["--logdir", "/proc/self/no/such/dir"], ["--logdir /proc/self/no/such/dir", "cannot create it"]),
+    (["--hidden", 0], ["--hidden"]),
+    (["--gamma", 1.5], ["--gamma"]),
+    (["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
+    (["--env", "Nope-v0"], ["unknown environment 'Nope-v0'"]),
+    (["--sims", 0], ["--sims 0", "--tcp-port"]),
+])
+def test_bad_command_lines_of_run(args, fragments, tmp_path):
+    proc = command("shmrl.run", "--sims", 1, *args, cwd=tmp_path)
+    assert_one_line_error(proc, *fragments)
+    assert not (tmp_path / "runs").exists()     # nothing written
+
+
+def test_a_logdir_that_is_a_file(tmp_path):
+    (tmp_path / "taken").write_text("a file, not a folder")
+    assert_one_line_error(command("shmrl.run", "--sims", 1, "--logdir", tmp_path / "taken"), "cannot create it")
+
+
+def test_resume_with_another_env_changes_nothing(run_copy):
+    before = snapshot(run_copy)
+    proc = command("shmrl.run", "--resume", run_copy, "--env", "Pendulum-v1")
+    assert_one_line_error(proc, "trained on CartPole-v1, not Pendulum-v1")
+    assert snapshot(run_copy) == before
+
+
+def test_resume_with_other_layer_sizes_changes_nothing(run_copy):
+    before = snapshot(run_copy)
+    proc = command("shmrl.run", "--resume", run_copy, "--hidden", 64)
+    assert_one_line_error(proc, "parameters", "--hidden 64", "other layer sizes")
+    assert snapshot(run_copy) == before
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+    assert_one_line_error(command("shmrl.run", "--resume", tmp_path), "no checkpoint in")
+
+
+def test_resume_falls_back_from_a_damaged_checkpoint_to_the_newest_intact_one(run_copy):
+    *older, newest = sorted((run_copy / "checkpoints").iterdir())
+    weights = newest / "weights.npz"
+    weights.write_bytes(weights.read_bytes()[:100])     # truncated, as by a full disk
+    proc = command("shmrl.run", "--resume", run_copy, "--max-env-steps", 10_000, "--log-every", 0, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert f"{newest} is damaged (BadZipFile" in proc.stderr and f"going on from {older[-1]}" in proc.stdout + \
+        proc.stderr, proc.stderr
+    assert f"resuming from {older[-1]} (update {int(older[-1].name)}" in proc.stdout, proc.stdout
+    summary = json.loads((run_copy / "summary.json").read_text())
+    assert summary["resumed_from"] == str(older[-1])
+
+
+def test_resume_when_every_checkpoint_is_damaged_changes_nothing(run_copy):
+    for folder in (run_copy / "checkpoints").iterdir():
+        (folder / "state.json").write_text("{")
+    before = snapshot(run_copy)
+    proc = command("shmrl.run", "--resume", run_copy)
+    assert_one_line_error(proc, "every checkpoint in", "is damaged", "JSONDecodeError")
+    assert snapshot(run_copy) == before
+
+
+# ------------------------------------------------------------ shmrl.sim and shmrl.eval
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--connect", "localhost"], ["--connect", "expected HOST:PORT"]),
+    (["--connect", "localhost:1", "--env", "Nope-v0"], ["unknown environment"]),
+    (["--connect", "localhost:1", "--envs-per-sim", 0], ["--envs-per-sim"]),
+    ([], ["one of the arguments --connect --attach is required"]),
+])
+def test_bad_command_lines_of_sim(args, fragments):
+    assert_one_line_error(command("shmrl.sim", *args), *fragments)
+
+
+def test_a_simulator_whose_env_does_not_fit_the_servers_policy(start_run, tmp_path):
+    run = start_run("--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "server")
+    run.wait_for("listening for RLlink clients on", timeout=60)
+    port = run.output().split("listening for RLlink clients on ")[1].split()[0].rsplit(":", 1)[1]
+    proc = command("shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", "Pendulum-v1", "--timeout", 30)
+    assert_one_line_error(proc, "maps 4 inputs to 2 outputs; Pendulum-v1 needs 3 to 2")
+
+
+def test_bad_command_lines_of_eval(trained, tmp_path):
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not a model")
+    policy = trained / "policy.onnx"
+    assert_one_line_error(command("shmrl.eval", tmp_path / "nope.onnx"), "nope.onnx", "No such file")
+    assert_one_line_error(command("shmrl.eval", garbage), "not an ONNX model")
+    assert_one_line_error(command("shmrl.eval", policy, "--env", "Pendulum-v1"), "Pendulum-v1 needs 3 to 2")
+    assert_one_line_error(command("shmrl.eval", policy, "--episodes", 0), "--episodes")
+    assert_one_line_error(command("shmrl.eval", policy, "--env", "gym:Nope-v0"), "doesn't exist")
