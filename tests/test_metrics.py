@@ -1,0 +1,42 @@
+"""The run's metrics as TensorBoard scalars, read back with TensorBoard's own reader."""
+import json
+
+import pytest
+
+import shmrl
+from shmrl.metrics import scalars
+
+event_accumulator = pytest.importorskip(
+    "tensorboard.backend.event_processing.event_accumulator",
+    reason="the tensorboard extra is not installed (pip install 'shmrl[tensorboard]'; the test extra has it)")
+
+
+def test_a_run_writes_every_metrics_row_as_tensorboard_scalars(tmp_path, no_shm_leftovers, no_sim_leftovers):
+    summary = shmrl.train(env="CartPole-v1", sims=2, max_env_steps=8000, logdir=str(tmp_path), tensorboard=True)
+    assert summary["updates"] >= 3
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    acc = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("rollout/return_mean", "train/pi_loss", "train/v_loss", "train/entropy", "train/approx_kl",
+                "throughput/env_steps_per_s", "throughput/policy_lag", "counters/env_steps",
+                "counters/env_steps_by_client/shm:0", "counters/env_steps_by_client/shm:1"):
+        assert tag in tags, sorted(tags)
+    loss = acc.Scalars("train/pi_loss")
+    assert [e.step for e in loss] == [r["env_steps"] for r in rows]          # x-axis: env steps
+    assert [e.value for e in loss] == pytest.approx([r["pi_loss"] for r in rows], rel=1e-6, abs=1e-7)
+    by_client = acc.Scalars("counters/env_steps_by_client/shm:1")
+    assert by_client[-1].value == rows[-1]["env_steps_by_client"]["shm:1"]
+
+
+def test_no_tensorboard_writes_no_event_file(tmp_path, no_shm_leftovers, no_sim_leftovers):
+    shmrl.train(env="CartPole-v1", sims=1, max_env_steps=5000, logdir=str(tmp_path), tensorboard=False)
+    assert (tmp_path / "metrics.jsonl").read_text() and not list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_scalars_flatten_counters_and_leave_out_what_is_not_a_finite_number():
+    row = {"update": 3, "return_mean": float("nan"), "pi_loss": -0.5, "env_steps_dropped": {"stale": 7},
+           "env_steps_by_client": {"shm:0": 10, "tcp:1.2.3.4:5": 20}, "solved": True, "error": None}
+    assert scalars(row) == {"train/update": 3.0, "train/pi_loss": -0.5, "counters/env_steps_dropped/stale": 7.0,
+                            "counters/env_steps_by_client/shm:0": 10.0,
+                            "counters/env_steps_by_client/tcp:1.2.3.4:5": 20.0}
