@@ -15,6 +15,7 @@ import torch
 
 from shmrl.envs import env_spec
 from shmrl.learner import Learner
+from shmrl.onnx_policy import PolicyNet
 from shmrl.ppo import PPO, PPOConfig
 from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer
@@ -31,8 +32,8 @@ def main() -> None:
     spec = env_spec("CartPole-v1")
     inproc, tcp = InProcServer(), TcpServer("127.0.0.1", args.tcp_port)
     print(f"RLlink clients may attach to {tcp.address[0]}:{tcp.address[1]}")
-    ppo = PPO(4, 2, PPOConfig())
-    learner = Learner(spec, [inproc, tcp], actor_sizes=ppo.actor_sizes, initial_weights=ppo.actor_weights(),
+    ppo = PPO(PolicyNet(spec, hidden=64), PPOConfig())
+    learner = Learner(spec, [inproc, tcp], policy=ppo.net.template, initial_weights=ppo.published_weights(),
                       env_steps_per_sample=256, train_batch_size=512)
     clients = [inproc.connect() for _ in range(2)]
 

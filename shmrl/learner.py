@@ -20,7 +20,9 @@ import numpy as np
 from shmrl import rllink
 from shmrl.envs import Discrete, EnvSpec
 from shmrl.episode import EpisodeBatch
-from shmrl.onnx_policy import OnnxPublisher, encode_onnx_file
+from shmrl.onnx_graph import ModelTemplate
+from shmrl.onnx_policy import encode_onnx_file
+from shmrl.stats import RunningMeanStd, discounted_sums
 
 log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
@@ -36,7 +38,10 @@ class EpisodeStore:
     its order of messages).
     """
 
-    def __init__(self, window: int = 100):
+    def __init__(self, window: int = 100, reward_gamma: float | None = None):
+        """``reward_gamma``: keep the running variance of each stream's discounted return
+        (``reward_stats``), by which rewards are scaled for training (VecNormalize's reward
+        normalization, at the learner and per client stream instead of in a wrapper)."""
         self.pending: list[EpisodeBatch] = []
         self.pending_steps = 0
         self.returns: deque = deque(maxlen=window)
@@ -49,25 +54,31 @@ class EpisodeStore:
         self.steps_lost = 0        # stepped by a simulator that died before sending them: never received
         self.steps_by_conn: dict[str, int] = {}
         self.first_steps_at: float | None = None   # time.time() when the first env steps arrived
-        self._open: dict[tuple, tuple[float, int]] = {}   # glue key -> (return, length) so far
+        # glue key -> (return, length, discounted return) of an episode so far
+        self._open: dict[tuple, tuple[float, int, float]] = {}
+        self.reward_gamma = reward_gamma
+        self.reward_stats = RunningMeanStd() if reward_gamma is not None else None
 
     def add(self, conn_id: str, batch: EpisodeBatch) -> None:
         """Take a message's chunks: their steps wait for training, their returns complete
         episodes (one Python step per chunk, none per env step)."""
         ids = batch.episode_ids
         obs, first, last = batch.obs, batch.obs_first.tolist(), batch.obs_last.tolist()
+        before = [self._open.pop((conn_id, "id", ids[i]) if ids is not None and ids[i] is not None
+                                 else (conn_id, "obs", obs[first[i]].tobytes()), (0.0, 0, 0.0))
+                  for i in range(batch.num_chunks)]
+        discounted = self._discounted_returns(batch, [b[2] for b in before])
         for i, (ret, length, done) in enumerate(zip(batch.chunk_returns().tolist(), batch.lengths.tolist(),
                                                      batch.is_done.tolist())):
-            eid = ids[i] if ids is not None else None
-            key = (conn_id, "id", eid) if eid is not None else (conn_id, "obs", obs[first[i]].tobytes())
-            ret_before, length_before = self._open.pop(key, (0.0, 0))
-            ret, length = ret + ret_before, length + length_before
+            ret, length = ret + before[i][0], length + before[i][1]
             if done:
                 self.returns.append(ret)
                 self.lengths.append(length)
                 self.episodes_completed += 1
             else:
-                self._open[key if eid is not None else (conn_id, "obs", obs[last[i]].tobytes())] = (ret, length)
+                eid = ids[i] if ids is not None else None
+                key = (conn_id, "id", eid) if eid is not None else (conn_id, "obs", obs[last[i]].tobytes())
+                self._open[key] = (ret, length, discounted[i])
         if batch.num_steps:
             if self.first_steps_at is None:
                 self.first_steps_at = time.time()
@@ -75,6 +86,25 @@ class EpisodeStore:
             self.pending_steps += batch.num_steps
             self.steps_received += batch.num_steps
             self.steps_by_conn[conn_id] = self.steps_by_conn.get(conn_id, 0) + batch.num_steps
+
+    def _discounted_returns(self, batch: EpisodeBatch, carries: list[float]) -> list[float]:
+        """Each chunk's discounted return at its last step, going on from ``carries`` (its
+        episode's so far); every step's goes into ``reward_stats``. Zeros without them."""
+        if self.reward_stats is None or not batch.num_steps:
+            return [0.0] * batch.num_chunks
+        lengths = batch.lengths
+        chunk_of_step = np.repeat(np.arange(batch.num_chunks), lengths)
+        col = np.arange(batch.num_steps) - batch.offsets[chunk_of_step]
+        padded = np.zeros((batch.num_chunks, int(lengths.max())))
+        padded[chunk_of_step, col] = batch.rewards
+        sums = discounted_sums(padded, self.reward_gamma, np.asarray(carries))
+        self.reward_stats.update(sums[chunk_of_step, col])
+        return np.where(lengths > 0, sums[np.arange(batch.num_chunks), np.maximum(lengths - 1, 0)],
+                        carries).tolist()
+
+    def reward_scale(self) -> float:
+        """1 / the standard deviation of discounted returns (1 without ``reward_stats``)."""
+        return 1.0 if self.reward_stats is None else float(1.0 / np.sqrt(self.reward_stats.var + 1e-8))
 
     def forget(self, conn_id: str) -> None:
         """A connection closed: its open episodes will never complete."""
@@ -130,8 +160,11 @@ class EpisodeStore:
                 "steps_by_conn": dict(self.steps_by_conn), "episodes_completed": self.episodes_completed,
                 "returns": list(self.returns), "lengths": list(self.lengths)}
 
-    def restore(self, counters: dict) -> None:
-        """Continue from ``counters()`` of an earlier run."""
+    def restore(self, counters: dict, arrays: dict | None = None) -> None:
+        """Continue from ``counters()`` of an earlier run (and the reward statistics among
+        its checkpoint's ``arrays``, if this store keeps them)."""
+        if self.reward_stats is not None and arrays is not None and "reward_stats.mean" in arrays:
+            self.reward_stats.set_state(arrays, "reward_stats")
         for key in ("steps_received", "steps_trained", "steps_lost", "episodes_completed"):
             setattr(self, key, int(counters[key]))
         self.steps_taken = self.steps_trained
@@ -274,21 +307,24 @@ class Learner:
     waiting, and chunks more than ``max_policy_lag`` versions old are dropped as stale.
     """
 
-    def __init__(self, spec: EnvSpec, servers: list, *, actor_sizes: list[int], initial_weights: list,
-                 activation: str = "ReLU", env_steps_per_sample: int, train_batch_size: int,
+    def __init__(self, spec: EnvSpec, servers: list, *, policy: ModelTemplate, initial_weights: dict,
+                 env_steps_per_sample: int, train_batch_size: int,
                  on_policy: bool = True, max_policy_lag: int = 2, auth_token: str | None = None,
-                 window: int = 100, first_weights_seq_no: int = 1, housekeeping=None):
-        """Publishes ``initial_weights`` (an MLP of ``actor_sizes``) at once, as version
+                 window: int = 100, first_weights_seq_no: int = 1, housekeeping=None,
+                 reward_gamma: float | None = None):
+        """Publishes ``initial_weights`` (into the graph ``policy``) at once, as version
         ``first_weights_seq_no``: clients can sample before the trainer (torch) is even
         loaded. ``housekeeping(learner)``, if given, runs in the serving thread after every
-        round of requests (the supervisor watches the simulators from there)."""
+        round of requests (the supervisor watches the simulators from there).
+        ``reward_gamma``: scale rewards by the running std of discounted returns (see
+        ``EpisodeStore``)."""
         self.spec, self.servers = spec, servers
         self.train_batch_size = train_batch_size
         self.max_policy_lag = max_policy_lag
-        self.store = EpisodeStore(window)
+        self.store = EpisodeStore(window, reward_gamma)
         self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy,
                        max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token)
-        self.publisher = OnnxPublisher(actor_sizes, activation)
+        self.policy = policy
         self.housekeeping = housekeeping
         self.weights_seq_no = first_weights_seq_no - 1
         self.updates = 0
@@ -391,28 +427,31 @@ class Learner:
         except queue.Empty:
             return None
 
-    def publish(self, actor_weights: list) -> None:
-        """Export ``actor_weights`` as the next version; the serving thread sends it out."""
-        self.model_bytes = self.publisher.publish(actor_weights)
+    def publish(self, weights: dict) -> None:
+        """Export ``weights`` as the next version; the serving thread sends it out."""
+        self.model_bytes = self.policy.publish(weights)
         self.weights_seq_no += 1
         self._published.put((self.weights_seq_no, encode_onnx_file(self.model_bytes)))
         self._wake()
 
-    def train(self, ppo, batches: list[EpisodeBatch], version: int) -> dict | None:
-        """One PPO update on the chunks of ``batches``, then publish the new weights."""
+    def train(self, ppo, batches: list[EpisodeBatch], version: int, progress: float = 0.0) -> dict | None:
+        """One PPO update on the chunks of ``batches``, then publish the new weights (and
+        observation statistics). ``progress``: the fraction of the step budget trained."""
         t0 = time.perf_counter()
         if not batches:
-            self.publish(ppo.actor_weights())   # releases any client held back; nothing to learn from
+            self.publish(ppo.published_weights())   # releases any client held back; nothing to learn from
             return None
         chunks = EpisodeBatch.concat(batches)
         seq = chunks.weights_seq_no
         lags = version - seq[seq >= 0]
-        batch = ppo.make_batch(chunks)
-        stats = ppo.update(batch)
+        scale = ppo.config.reward_scale * self.store.reward_scale()
+        batch = ppo.make_batch(chunks, reward_scale=scale)
+        stats = ppo.update(batch, progress)
+        ppo.update_obs_stats(chunks)
         self.store.steps_trained += chunks.num_steps   # only this thread writes it
         self.updates += 1
-        self.publish(ppo.actor_weights())
+        self.publish(ppo.published_weights())
         stats.update(update=self.updates, batch_steps=len(batch),
                      policy_lag=float(lags.mean()) if len(lags) else 0.0,
-                     train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no)
+                     train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no, reward_scale=scale)
         return stats

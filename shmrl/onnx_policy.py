@@ -2,17 +2,15 @@
 run by simulators with onnxruntime. This module never imports torch, nor the onnx
 package: the learner publishes its first model before torch is even imported.
 
-The graph is an MLP (Gemm + activation layers) whose single input is named
-``onnx::Gemm_0`` (float32, shape [batch, obs_dim]) and whose output 0 is the action
-distribution inputs (the logits), which is exactly what RLlib's own client feeds and
-reads (RLLINK.md). Weights use torch's ``nn.Linear`` layout ([out, in]; Gemm transB=1),
-so the learner hands over its parameters without transposing.
-
-The model file is written here directly as protobuf: the graph never changes shape, so
-its bytes are fixed pieces with the weights' raw bytes in between, and publishing a new
-version is one ``bytes.join`` (a few µs). The bytes are those ``onnx.helper`` would
-write for the same graph (a test compares them), and importing onnx would cost the
-learner about 0.3 s of start-up.
+The graph (``PolicyNet``) takes raw observations under the input name ``onnx::Gemm_0``
+(float32, shape [batch, obs_dim]), normalizes them with the learner's running statistics
+when asked to (its first nodes: subtract the mean, multiply by the inverse standard
+deviation, clip to +-10), runs an MLP, and gives output 0, the action distribution inputs
+(the logits, or means and log-stds). That is exactly what RLlib's own client feeds and
+reads (RLLINK.md), and no client ever holds the statistics. Weights use torch's
+``nn.Linear`` layout ([out, in]; Gemm transB=1), so the learner hands its parameters over
+without transposing. The model is written with ``shmrl.onnx_graph``: a new version is one
+``bytes.join`` of fixed pieces and weight bytes.
 """
 from __future__ import annotations
 
@@ -22,13 +20,14 @@ import math
 
 import numpy as np
 
+from shmrl.onnx_graph import Graph, ModelTemplate
+
 INPUT_NAME = "onnx::Gemm_0"
 OUTPUT_NAME = "action_dist_inputs"
 # torch.nn activation class name -> ONNX operator.
 ONNX_ACTIVATIONS = {"ReLU": "Relu", "Tanh": "Tanh", "Sigmoid": "Sigmoid", "ELU": "Elu"}
-IR_VERSION, OPSET = 8, 17   # old enough for every onnxruntime RLlib 2.48 ships with
-_FLOAT = 1                  # onnx TensorProto.FLOAT
-_INT_ATTRIBUTE = 2          # onnx AttributeProto.INT
+OBS_CLIP = 10.0     # normalized observations are clipped to +-10, as VecNormalize does
+LOG_STD_INIT = 0.0  # a Gaussian policy starts with standard deviation 1 per action dimension
 
 
 def init_mlp_weights(sizes: list[int], out_gain: float, rng: np.random.Generator) -> list[np.ndarray]:
@@ -46,15 +45,6 @@ def init_mlp_weights(sizes: list[int], out_gain: float, rng: np.random.Generator
     return params
 
 
-LOG_STD_INIT = 0.0  # a Gaussian policy starts with standard deviation 1 per action dimension
-
-
-def policy_sizes(spec, hidden: int) -> list[int]:
-    """Layer sizes of the published policy: observation, two hidden layers, then the logits
-    (Discrete) or a mean and a log-std per action dimension (Box)."""
-    return [spec.obs_shape[0], hidden, hidden, spec.policy_outputs]
-
-
 def with_log_std(mean_weights: list[np.ndarray], log_std: np.ndarray) -> list[np.ndarray]:
     """The published layout of a Gaussian policy: the mean network's last layer gets a row
     of zero weights per action dimension whose bias is its log-std, so output 0 is
@@ -65,142 +55,100 @@ def with_log_std(mean_weights: list[np.ndarray], log_std: np.ndarray) -> list[np
             np.concatenate([b, log_std]).astype(np.float32)]
 
 
-def initial_policy(spec, hidden: int, seed: int) -> list[np.ndarray]:
-    """The first policy, in the published layout: orthogonal weights with a small last layer,
-    so that its first actions are near uniform (or near zero, with std 1)."""
-    sizes = policy_sizes(spec, hidden)
-    if not spec.continuous:
-        return init_mlp_weights(sizes, 0.01, np.random.default_rng(seed))
-    d = sizes[-1] // 2
-    means = init_mlp_weights([*sizes[:-1], d], 0.01, np.random.default_rng(seed))
-    return with_log_std(means, np.full(d, LOG_STD_INIT, np.float32))
+def mlp_names(n_layers: int) -> list[str]:
+    """The names of an MLP's weights in the graph: w0, b0, w1, b1, ..."""
+    return [f"{wb}{i}" for i in range(n_layers) for wb in "wb"]
 
 
-def policy_from_flat(flat: np.ndarray, spec, hidden: int) -> list[np.ndarray]:
-    """The published policy from PPO's flat parameter buffer (actor first, then for a Box
-    space its log-std): how a resumed run publishes before torch is loaded."""
-    sizes = policy_sizes(spec, hidden)
-    if not spec.continuous:
-        return split_mlp_weights(flat, sizes)
-    d = sizes[-1] // 2
-    means = split_mlp_weights(flat, [*sizes[:-1], d])
-    n = sum(w.size for w in means)
-    return with_log_std(means, flat[n:n + d])
-
-
-def flat_params_size(spec, hidden: int) -> int:
-    """The length of PPO's flat parameter buffer for ``spec`` (actor, log-std, critic)."""
-    sizes = policy_sizes(spec, hidden)
-    mean_sizes = [*sizes[:-1], sizes[-1] // 2] if spec.continuous else sizes
-    critic_sizes = [*sizes[:-1], 1]
-    count = sum(n_in * n_out + n_out for ss in (mean_sizes, critic_sizes) for n_in, n_out in zip(ss[:-1], ss[1:]))
-    return count + (mean_sizes[-1] if spec.continuous else 0)
-
-
-def split_mlp_weights(flat: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
-    """(w0, b0, w1, b1, ...) of an MLP of ``sizes`` from the start of a flat array (the
-    layout of PPO's parameter buffer, whose actor comes first)."""
-    out, offset = [], 0
-    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
-        for shape in ((n_out, n_in), (n_out,)):
-            n = math.prod(shape)
-            out.append(np.asarray(flat[offset:offset + n], np.float32).reshape(shape))
-            offset += n
-    return out
-
-
-# ---------------------------------------------------------------- protobuf, by hand
-
-class _Slot:
-    """Where the raw bytes of parameter ``index`` go in the serialized model."""
-
-    def __init__(self, index: int, nbytes: int):
-        self.index, self.nbytes = index, nbytes
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
-def _int(field: int, value: int) -> list:
-    return [_varint(field << 3) + _varint(value)]
-
-
-def _str(field: int, value: str | bytes) -> list:
-    raw = value.encode() if isinstance(value, str) else value
-    return [_varint(field << 3 | 2) + _varint(len(raw)) + raw]
-
-
-def _msg(field: int, *pieces: list) -> list:
-    """A length-delimited sub-message made of ``pieces`` (lists of bytes and _Slots)."""
-    flat = [p for piece in pieces for p in piece]
-    n = sum(p.nbytes if isinstance(p, _Slot) else len(p) for p in flat)
-    return [_varint(field << 3 | 2) + _varint(n), *flat]
-
-
-def _value_info(field: int, name: str, dims: list) -> list:
-    shape = [_msg(1, _str(2, d) if isinstance(d, str) else _int(1, d)) for d in dims]
-    tensor_type = _msg(1, _int(1, _FLOAT), _msg(2, *shape))
-    return _msg(field, _str(1, name), _msg(2, tensor_type))
-
-
-def _mlp_pieces(sizes: list[int], activation: str) -> list:
-    """ModelProto of the MLP, fields in number order as protobuf writes them."""
+def mlp_graph(sizes: list[int], activation: str = "ReLU", normalize_obs: bool = False) -> Graph:
+    """Observation (normalized, with ``normalize_obs``) -> MLP of ``sizes`` -> output 0."""
     if activation not in ONNX_ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {sorted(ONNX_ACTIVATIONS)}")
-    nodes, initializers = [], []
-    x, last = INPUT_NAME, len(sizes) - 2
+    g = Graph()
+    x = g.input(INPUT_NAME, ["batch", sizes[0]])
+    if normalize_obs:
+        centred = g.node("Sub", [x, g.param("obs_mean", (sizes[0],))], "obs_centred")
+        scaled = g.node("Mul", [centred, g.param("obs_inv_std", (sizes[0],))], "obs_scaled")
+        x = g.node("Clip", [scaled, g.const("obs_clip_min", np.float32(-OBS_CLIP)),
+                            g.const("obs_clip_max", np.float32(OBS_CLIP))], "obs_normalized")
+    last = len(sizes) - 2
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        for k, (name, dims) in enumerate(((f"w{i}", [n_out, n_in]), (f"b{i}", [n_out]))):
-            initializers.append(_msg(5, *(_int(1, d) for d in dims), _int(2, _FLOAT), _str(8, name),
-                                     [_varint(9 << 3 | 2) + _varint(4 * math.prod(dims)),
-                                      _Slot(2 * i + k, 4 * math.prod(dims))]))
-        pre = OUTPUT_NAME if i == last else f"z{i}"
-        transB = _msg(5, _str(1, "transB"), _int(3, 1), _int(20, _INT_ATTRIBUTE))
-        nodes.append(_msg(1, _str(1, x), _str(1, f"w{i}"), _str(1, f"b{i}"), _str(2, pre),
-                          _str(4, "Gemm"), transB))
-        if i != last:
-            x = f"h{i}"
-            nodes.append(_msg(1, _str(1, pre), _str(2, x), _str(4, ONNX_ACTIVATIONS[activation])))
-    graph = _msg(7, *nodes, _str(2, "shmrl_policy"), *initializers,
-                 _value_info(11, INPUT_NAME, ["batch", sizes[0]]),
-                 _value_info(12, OUTPUT_NAME, ["batch", sizes[-1]]))
-    opset = _msg(8, _str(1, ""), _int(2, OPSET))
-    return [*_int(1, IR_VERSION), *_str(2, "shmrl"), *graph, *opset]
+        w, b = g.param(f"w{i}", (n_out, n_in)), g.param(f"b{i}", (n_out,))
+        pre = g.node("Gemm", [x, w, b], OUTPUT_NAME if i == last else f"z{i}", transB=1)
+        x = pre if i == last else g.node(ONNX_ACTIVATIONS[activation], [pre], f"h{i}")
+    g.output(OUTPUT_NAME, ["batch", sizes[-1]])
+    return g
+
+
+class PolicyNet:
+    """The published policy of an environment: layer sizes, whether observations are
+    normalized in the graph, the graph's template and the first weights.
+
+    Weights are a dict by graph name: ``w0, b0, ...`` (the last layer is the head, with a
+    Gaussian's log-std rows, see ``with_log_std``) and, with ``normalize_obs``,
+    ``obs_mean`` and ``obs_inv_std``."""
+
+    def __init__(self, spec, hidden: int, activation: str = "ReLU", normalize_obs: bool = False,
+                 log_std_init: float = LOG_STD_INIT):
+        self.spec, self.hidden, self.activation, self.normalize_obs = spec, hidden, activation, normalize_obs
+        self.log_std_init = log_std_init
+        self.obs_dim = spec.obs_shape[0]
+        self.sizes = [self.obs_dim, hidden, hidden, spec.policy_outputs]
+        self.template: ModelTemplate = mlp_graph(self.sizes, activation, normalize_obs).template()
+
+    @property
+    def action_dims(self) -> int:
+        """Discrete actions, or dimensions of a Gaussian's mean."""
+        return self.spec.policy_outputs // 2 if self.spec.continuous else self.spec.policy_outputs
+
+    def weights(self, mlp: list[np.ndarray], obs_mean=None, obs_var=None) -> dict[str, np.ndarray]:
+        """The graph's weights from the MLP's (w0, b0, ..., in the published layout) and the
+        observation statistics (mean and variance; ignored unless ``normalize_obs``)."""
+        out = dict(zip(mlp_names(len(self.sizes) - 1), mlp))
+        if self.normalize_obs:
+            mean = np.zeros(self.obs_dim) if obs_mean is None else obs_mean
+            var = np.ones(self.obs_dim) if obs_var is None else obs_var
+            out["obs_mean"] = np.asarray(mean, np.float32)
+            out["obs_inv_std"] = (1.0 / np.sqrt(np.asarray(var, np.float64) + 1e-8)).astype(np.float32)
+        return out
+
+    def mlp(self, weights: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return [weights[name] for name in mlp_names(len(self.sizes) - 1)]
+
+    def initial_weights(self, seed: int) -> dict[str, np.ndarray]:
+        """The first policy: orthogonal weights with a small last layer, so that its first
+        actions are near uniform (or near zero, with std 1); statistics of a standard normal."""
+        if not self.spec.continuous:
+            return self.weights(init_mlp_weights(self.sizes, 0.01, np.random.default_rng(seed)))
+        d = self.action_dims
+        means = init_mlp_weights([*self.sizes[:-1], d], 0.01, np.random.default_rng(seed))
+        return self.weights(with_log_std(means, np.full(d, self.log_std_init, np.float32)))
+
+    def check(self, weights: dict[str, np.ndarray]) -> str | None:
+        """Why ``weights`` (a checkpoint's) do not fit this network, or None."""
+        for name, shape in self.template.shapes.items():
+            if name not in weights:
+                return f"it has no {name!r} (saved without observation normalization?)"
+            if weights[name].shape != shape:
+                return f"its {name!r} has shape {weights[name].shape}, this network's {shape}"
+        extra = set(weights) - set(self.template.shapes)
+        return f"it has {sorted(extra)}, this network does not (saved with observation normalization?)" \
+            if extra else None
 
 
 class OnnxPublisher:
-    """The serialized graph as fixed pieces; ``publish`` puts the weights' bytes between them."""
+    """A plain MLP policy (no normalization) from its weights as a list w0, b0, ...: the
+    published form tests and benchmarks build by hand."""
 
     def __init__(self, sizes: list[int], activation: str = "ReLU"):
-        self.sizes, self.activation = list(sizes), activation
-        pieces = []  # merge the fixed bytes between slots
-        for p in _mlp_pieces(self.sizes, activation):
-            if isinstance(p, bytes) and pieces and isinstance(pieces[-1], bytes):
-                pieces[-1] += p
-            else:
-                pieces.append(p)
-        self._pieces = pieces
-        self._slots = [p for p in pieces if isinstance(p, _Slot)]
-        self.shapes = [shape for n_in, n_out in zip(self.sizes[:-1], self.sizes[1:])
-                       for shape in ((n_out, n_in), (n_out,))]
+        self.sizes = list(sizes)
+        self.template = mlp_graph(self.sizes, activation).template()
 
     def publish(self, params: list[np.ndarray]) -> bytes:
-        """The model file with ``params`` (w0, b0, w1, b1, ...; float32-able) patched in."""
-        if len(params) != len(self.shapes):
-            raise ValueError(f"expected {len(self.shapes)} arrays, got {len(params)}")
-        raw = []
-        for i, (p, shape) in enumerate(zip(params, self.shapes)):
-            p = np.ascontiguousarray(p, dtype="<f4")
-            if tuple(p.shape) != shape:
-                raise ValueError(f"{'wb'[i % 2]}{i // 2}: shape {tuple(p.shape)} != {shape}")
-            raw.append(p.tobytes())
-        return b"".join(raw[p.index] if isinstance(p, _Slot) else p for p in self._pieces)
+        names = mlp_names(len(self.sizes) - 1)
+        if len(params) != len(names):
+            raise ValueError(f"expected {len(names)} arrays, got {len(params)}")
+        return self.template.publish(dict(zip(names, params)))
 
 
 def encode_onnx_file(model_bytes: bytes) -> str:

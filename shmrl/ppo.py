@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from shmrl.episode import EpisodeBatch
-from shmrl.onnx_policy import LOG_STD_INIT, init_mlp_weights, with_log_std
+from shmrl.onnx_policy import OBS_CLIP, PolicyNet, init_mlp_weights, with_log_std
+from shmrl.stats import RunningMeanStd, discounted_sums
 
 HALF_LOG_2PI = 0.5 * float(np.log(2 * np.pi))
 
@@ -28,10 +29,7 @@ class PPOConfig:
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
     reward_scale: float = 1.0  # rewards are multiplied by this for training (returns stay as they are)
-    hidden: int = 64
-    # ReLU, not the customary tanh: on this CPU torch's tanh costs 20x a ReLU and
-    # dominated the update (108 vs 5 us for 512x64); CartPole learns as well with it.
-    activation: str = "ReLU"
+    lr_anneal: bool = False    # the learning rate falls linearly to 0 over the run's env-step budget
 
 
 def mlp(sizes: list[int], weights: list[np.ndarray], activation: str = "ReLU") -> nn.Sequential:
@@ -96,7 +94,7 @@ class FlatAdam:
 @dataclass
 class Batch:
     """One training batch, flat over all steps of all chunks (numpy, float32/int64)."""
-    obs: np.ndarray
+    obs: np.ndarray         # as the networks see them: normalized where the policy normalizes
     actions: np.ndarray
     logp: np.ndarray        # behaviour log-probabilities the clients reported
     advantages: np.ndarray
@@ -107,39 +105,48 @@ class Batch:
 
 
 class PPO:
-    def __init__(self, obs_dim: int, n_actions: int, config: PPOConfig, seed: int = 0,
-                 actor_weights: list[np.ndarray] | None = None, continuous: bool = False):
-        """``n_actions``: the number of discrete actions, or with ``continuous`` the action
-        dimensions of a diagonal Gaussian policy (a mean network and a state-independent
-        log-std). ``actor_weights``: the policy to start from, in the published layout
-        (``shmrl.run`` publishes the first one before torch is loaded); by default
-        orthogonal weights drawn from ``seed``, with a small last layer."""
-        self.config, self.continuous = config, continuous
+    def __init__(self, net: PolicyNet, config: PPOConfig, seed: int = 0,
+                 initial_weights: dict[str, np.ndarray] | None = None):
+        """``net``: the published policy (layer sizes, activation, observation normalization),
+        whose actor PPO trains beside a critic of the same shape. ``initial_weights``: the
+        policy to start from, as published (``shmrl.run`` publishes the first one before torch
+        is loaded); by default ``net``'s own first weights for ``seed``."""
+        self.net, self.config, self.continuous = net, config, net.spec.continuous
         self.rng = np.random.default_rng(seed)
-        h = config.hidden
-        self.actor_sizes = [obs_dim, h, h, 2 * n_actions if continuous else n_actions]  # published
-        mean_sizes = [obs_dim, h, h, n_actions]
-        if actor_weights is None:
-            actor_weights = init_mlp_weights(mean_sizes, 0.01, np.random.default_rng(seed))
-            if continuous:
-                actor_weights = with_log_std(actor_weights, np.full(n_actions, LOG_STD_INIT))
-        params = []
-        if continuous:  # the published last layer is [means; log-std rows]: take it apart
+        d = net.action_dims
+        actor_weights = net.mlp(initial_weights if initial_weights is not None else net.initial_weights(seed))
+        mean_sizes = [*net.sizes[:-1], d]
+        if self.continuous:  # the published last layer is [means; log-std rows]: take it apart
             *hidden, w, b = actor_weights
-            actor_weights = [*hidden, w[:n_actions], b[:n_actions]]
-            self.log_std = nn.Parameter(torch.tensor(b[n_actions:], dtype=torch.float32))
-        self.actor = mlp(mean_sizes, actor_weights, config.activation)
-        params = [*self.actor.parameters(), *([self.log_std] if continuous else [])]
-        critic_sizes = [obs_dim, h, h, 1]
+            actor_weights = [*hidden, w[:d], b[:d]]
+            self.log_std = nn.Parameter(torch.tensor(b[d:], dtype=torch.float32))
+        self.actor = mlp(mean_sizes, actor_weights, net.activation)
+        params = [*self.actor.parameters(), *([self.log_std] if self.continuous else [])]
+        critic_sizes = [*net.sizes[:-1], 1]
         self.critic = mlp(critic_sizes, init_mlp_weights(critic_sizes, 1.0, np.random.default_rng([seed, 1])),
-                          config.activation)
-        # Flat parameter order: actor, its log-std (Box), critic (see onnx_policy.policy_from_flat).
+                          net.activation)
+        # Observations are normalized with these statistics on their way into both networks:
+        # in the published graph for the actor, in make_batch for the learner.
+        self.obs_stats = RunningMeanStd(net.spec.obs_shape) if net.normalize_obs else None
+        # Flat parameter order: actor, its log-std (Box), critic.
         self.optimizer = FlatAdam([*params, *self.critic.parameters()], lr=config.lr)
 
-    def actor_weights(self) -> list[np.ndarray]:
-        """The policy's parameters in the published layout (w0, b0, w1, b1, ...)."""
+    def published_weights(self) -> dict[str, np.ndarray]:
+        """The policy as the ONNX graph takes it: the actor (the log-std in its last layer's
+        extra rows, for a Box) and the observation statistics."""
         weights = [p.detach().numpy() for p in self.actor.parameters()]
-        return with_log_std(weights, self.log_std.detach().numpy()) if self.continuous else weights
+        if self.continuous:
+            weights = with_log_std(weights, self.log_std.detach().numpy())
+        stats = self.obs_stats
+        return self.net.weights(weights, *((stats.mean, stats.var) if stats is not None else ()))
+
+    def normalize(self, obs: np.ndarray) -> np.ndarray:
+        """Observations as the networks see them (what the published graph's first nodes do)."""
+        stats = self.obs_stats
+        if stats is None:
+            return obs
+        inv_std = (1.0 / np.sqrt(stats.var + 1e-8)).astype(np.float32)
+        return np.clip((obs - stats.mean.astype(np.float32)) * inv_std, -OBS_CLIP, OBS_CLIP)
 
     def log_prob(self, obs: torch.Tensor, actions: torch.Tensor,
                  entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -155,17 +162,20 @@ class PPO:
 
     @torch.inference_mode()
     def values(self, obs: np.ndarray) -> np.ndarray:
+        """V of observations as the networks see them (normalized)."""
         return self.critic(torch.tensor(obs)).squeeze(-1).numpy()  # a copy: obs may be read-only
 
-    def make_batch(self, chunks: EpisodeBatch) -> Batch:
+    def make_batch(self, chunks: EpisodeBatch, reward_scale: float | None = None) -> Batch:
         """GAE over episode chunks, with no Python loop over steps or chunks.
 
         A chunk that ended terminated bootstraps with 0; one that was truncated or cut
-        (still running when its client sent it) bootstraps with V(last obs).
+        (still running when its client sent it) bootstraps with V(last obs). Rewards are
+        multiplied by ``reward_scale`` (default: the config's).
         """
         cfg = self.config
         lengths, n = chunks.lengths, chunks.num_chunks
-        v_all = self.values(chunks.obs)                               # one value per obs row
+        obs = self.normalize(chunks.obs)
+        v_all = self.values(obs)                                      # one value per obs row
         chunk_of_step = np.repeat(np.arange(n), lengths)
         step_idx = np.arange(chunks.num_steps) + chunk_of_step        # each step's obs row
         v = v_all[step_idx]
@@ -173,32 +183,38 @@ class PPO:
         # No bootstrap after the last step of a terminated chunk.
         nonterminal = np.ones(len(v_all), np.float32)
         nonterminal[chunks.obs_last[chunks.is_terminated & (lengths > 0)]] = 0.0
-        rewards = chunks.rewards * np.float32(cfg.reward_scale)
+        scale = cfg.reward_scale if reward_scale is None else reward_scale
+        rewards = chunks.rewards * np.float32(scale)
         deltas = rewards + cfg.gamma * v_next * nonterminal[step_idx + 1] - v
 
-        # Discounted reverse cumsum per chunk, vectorized across chunks: pad to
-        # [n_chunks, T_max] (zeros after a chunk's end keep the recursion exact).
+        # Per chunk, padded to [n_chunks, T_max]: zeros after a chunk's end keep the
+        # reverse recursion exact.
         t_max = int(lengths.max()) if n else 0
-        padded = np.zeros((n, t_max + 1), np.float32)
+        padded = np.zeros((n, t_max), np.float32)
         col = np.arange(chunks.num_steps) - chunks.offsets[chunk_of_step]
         padded[chunk_of_step, col] = deltas
-        discount = cfg.gamma * cfg.gae_lambda
-        for t in range(t_max - 1, -1, -1):
-            padded[:, t] += discount * padded[:, t + 1]
-        advantages = padded[chunk_of_step, col]
+        advantages = discounted_sums(padded, cfg.gamma * cfg.gae_lambda, reverse=True)[chunk_of_step, col]
 
         return Batch(
-            obs=chunks.obs[step_idx],
+            obs=obs[step_idx],
             actions=np.array(chunks.actions),  # copies: decoded arrays may be read-only views
             logp=np.array(chunks.action_logp),
             advantages=advantages.astype(np.float32),
             returns=(advantages + v).astype(np.float32),
         )
 
-    def update(self, batch: Batch) -> dict:
+    def update_obs_stats(self, chunks: EpisodeBatch) -> None:
+        """Take a batch's observations into the running statistics (after training on it:
+        the batch was normalized with the statistics its policy was published with)."""
+        if self.obs_stats is not None:
+            self.obs_stats.update(chunks.obs)
+
+    def update(self, batch: Batch, progress: float = 0.0) -> dict:
         """``epochs`` passes of clipped-surrogate minibatch steps over ``batch``. Returns the
-        losses and diagnostics averaged over the last epoch's minibatches."""
+        losses and diagnostics averaged over the last epoch's minibatches. ``progress``: the
+        fraction of the run's env-step budget trained so far (for ``lr_anneal``)."""
         cfg = self.config
+        self.optimizer.lr = cfg.lr * max(1.0 - progress, 0.0) if cfg.lr_anneal else cfg.lr
         n = len(batch)
         mb = min(cfg.minibatch_size, n)
         actions = batch.actions.astype(np.float32 if self.continuous else np.int64, copy=False)
@@ -235,18 +251,26 @@ class PPO:
                         stats += torch.stack([pi_loss, v_loss, entropy.mean(), ((ratio - 1) - log_ratio).mean(),
                                               ((ratio - 1).abs() > cfg.clip).float().mean()])
         stats /= max(n // mb, 1)
-        return dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac"), stats.tolist()))
+        return {**dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac"), stats.tolist())),
+                "lr": self.optimizer.lr}
 
     def get_state(self) -> tuple[dict[str, np.ndarray], dict]:
         """Everything training needs to go on, as arrays and JSON-able values (no pickle):
-        every parameter and both Adam moments are flat buffers of the optimizer."""
+        every parameter and both Adam moments are flat buffers of the optimizer; the
+        published policy (``policy/<name>``, what a resumed run publishes before torch is
+        loaded) holds the observation statistics."""
         opt = self.optimizer
         arrays = {"params": opt.flat.numpy().copy(), "exp_avg": opt.exp_avg.numpy().copy(),
-                  "exp_avg_sq": opt.exp_avg_sq.numpy().copy()}
+                  "exp_avg_sq": opt.exp_avg_sq.numpy().copy(),
+                  **{f"policy/{k}": v for k, v in self.published_weights().items()}}
+        if self.obs_stats is not None:
+            arrays.update(self.obs_stats.get_state("obs_stats"))
         return arrays, {"adam_t": opt.t, "rng": self.rng.bit_generator.state}
 
     def set_state(self, arrays: dict[str, np.ndarray], values: dict) -> None:
         opt = self.optimizer
+        if self.obs_stats is not None:
+            self.obs_stats.set_state(arrays, "obs_stats")
         for name, buf in (("params", opt.flat), ("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
             if arrays[name].shape != tuple(buf.shape):
                 raise ValueError(f"checkpoint {name!r} has {arrays[name].shape[0]} values, this network "

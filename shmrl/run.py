@@ -42,7 +42,7 @@ EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3
 class RunConfig:
     """Everything a run takes, one field per command-line flag (``python -m shmrl.run
     --help``). Fields left None take the environment's defaults: see ``resolve_config``."""
-    sims: int = 8
+    sims: int | None = None               # None: the env's preset (8 for most)
     env: str | Callable = "CartPole-v1"  # an id, gym:ID, package.module:make_env, or a callable
     seed: int = 0
     stop_return: float | None = None      # None: the env's reward threshold, else train to the budget
@@ -60,9 +60,15 @@ class RunConfig:
     ent_coef: float | None = None
     clip: float | None = None
     reward_scale: float | None = None
+    normalize_obs: bool | None = None
+    normalize_reward: bool | None = None
+    lr_anneal: bool | None = None
+    vf_coef: float | None = None
+    max_grad_norm: float | None = None
     hidden: int | None = None
     activation: str | None = None
-    torch_threads: int = 1
+    log_std_init: float | None = None
+    torch_threads: int | None = None
     transport: str = "shm"
     tcp_host: str = "127.0.0.1"
     tcp_port: int | None = None
@@ -78,35 +84,17 @@ class RunConfig:
     tensorboard: bool | None = None       # None: when the tensorboard package is installed
 
 
-# Defaults for any environment, and the settings measured best for the built-in ones
-# (CartPole: a sweep of seeds for the fewest seconds to solve; Pendulum: see the README).
-GENERIC_DEFAULTS = dict(max_env_steps=1_000_000, train_batch_size=2048, envs_per_sim=1, lr=3e-4, gamma=0.99,
-                        gae_lambda=0.95, epochs=10, minibatch_size=256, ent_coef=0.0, clip=0.2,
-                        reward_scale=1.0, hidden=64, activation="Tanh")
-ENV_DEFAULTS = {
-    # Measured for the fewest seconds to solve (tools/solve.py; sweeps in the commit notes):
-    # rewards scaled by 0.1 (the value loss of returns near 100 otherwise takes most of the
-    # clipped gradient) solve in fewer updates, and more consistently; a 32-unit network costs
-    # less per gradient step and learns as fast; 4 envs per simulator sample at about half
-    # the cost per step of 1. ReLU, not the customary tanh: torch's tanh costs about 20x a
-    # ReLU on this CPU.
-    "CartPole-v1": dict(stop_return=475.0, envs_per_sim=4, lr=5e-3, epochs=4, minibatch_size=512, hidden=32,
-                        reward_scale=0.1, activation="ReLU"),
-    # Rewards scaled by 0.1 for training halve the env steps to -250 (the value loss of
-    # returns near -300 otherwise dominates the clipped gradient).
-    "Pendulum-v1": dict(stop_return=-250.0, max_env_steps=2_000_000, train_batch_size=4096, lr=1e-3,
-                        gamma=0.95, epochs=10, minibatch_size=512, reward_scale=0.1, activation="ReLU"),
-}
+def env_defaults(env, spec=None) -> dict:
+    """The defaults of ``env`` from shmrl/presets.toml (``spec``: to find its family)."""
+    from shmrl.presets import defaults
+
+    return defaults(env, spec)[0]
 
 
-def env_defaults(env) -> dict:
-    return {**GENERIC_DEFAULTS, **(ENV_DEFAULTS.get(env, {}) if isinstance(env, str) else {})}
-
-
-def resolve_config(config: RunConfig) -> RunConfig:
-    """A copy with every field left None set to the environment's default; unless given,
-    each simulator's message holds its share of a training batch."""
-    defaults = env_defaults(config.env)
+def resolve_config(config: RunConfig, spec=None) -> RunConfig:
+    """A copy with every field left None set to the environment's default (its preset);
+    unless given, each simulator's message holds its share of a training batch."""
+    defaults = env_defaults(config.env, spec)
     config = dataclasses.replace(config, **{k: v for k, v in defaults.items() if getattr(config, k) is None})
     if config.env_steps_per_sample is None:
         config.env_steps_per_sample = -(-config.train_batch_size // max(config.sims, 1))
@@ -138,13 +126,13 @@ def process_start_time() -> float:
         return time.time()
 
 
-def open_transports(config: RunConfig, spec, actor_sizes: list[int]) -> tuple[list, list[str], object]:
+def open_transports(config: RunConfig, spec, net) -> tuple[list, list[str], object]:
     """The learner's servers, the address each local simulator connects to, and the
     shared-memory server (None if the simulators use TCP or there are none)."""
     servers, addresses, shm = [], [], None
     if config.sims and config.transport == "shm":
         from shmrl.transport.shm import ShmServer
-        shm = ShmServer(config.sims, **ring_bytes(config, spec, actor_sizes))
+        shm = ShmServer(config.sims, **ring_bytes(config, spec, net))
         servers.append(shm)
         addresses = [f"shm:{shm.address(i)}" for i in range(config.sims)]
     if config.tcp_port is not None or (config.sims and config.transport == "tcp"):
@@ -187,12 +175,11 @@ def listen_error(config: RunConfig, e: Exception) -> str:
     return f"{where}: cannot listen there: {getattr(e, 'strerror', None) or e}"
 
 
-def load_resume_checkpoint(config: RunConfig, spec) -> tuple:
+def load_resume_checkpoint(config: RunConfig, net) -> tuple:
     """(path, arrays, state) of the newest intact checkpoint of ``config.resume``, checked
     against this run's env and network before anything is started or written: a run that
     cannot resume must leave the folder it would resume as it found it."""
     from shmrl import checkpoint
-    from shmrl.onnx_policy import flat_params_size
 
     try:
         path, arrays, state, damaged = checkpoint.load_latest(Path(config.resume))
@@ -204,16 +191,27 @@ def load_resume_checkpoint(config: RunConfig, spec) -> tuple:
     if saved_env is not None and saved_env != env_name(config.env):
         raise ConfigError(f"--resume {config.resume}: its checkpoint was trained on {saved_env}, not "
                           f"{env_name(config.env)}; a run resumes on the env it was trained on")
-    expected = flat_params_size(spec, config.hidden)
-    if arrays.get("params") is None or arrays["params"].shape != (expected,):
-        have = "no" if arrays.get("params") is None else arrays["params"].size
-        raise ConfigError(f"--resume {config.resume}: {path} holds {have} parameters, a network of "
-                          f"--hidden {config.hidden} for {spec.env_id} has {expected}: was it saved with "
-                          f"other layer sizes?")
+    why = net.check(saved_policy(arrays))
+    if why:
+        raise ConfigError(f"--resume {config.resume}: {path} does not fit a network of --hidden {config.hidden} "
+                          f"for {net.spec.env_id}: {why}; was it saved with other layer sizes?")
     return path, arrays, state
 
 
-def ring_bytes(config: RunConfig, spec, actor_sizes: list[int]) -> dict:
+def saved_policy(arrays: dict) -> dict:
+    """The published policy in a checkpoint's arrays (``policy/<name>``)."""
+    return {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("policy/")}
+
+
+def policy_net(config: RunConfig, spec):
+    """The published policy of this run's configuration."""
+    from shmrl.onnx_policy import PolicyNet
+
+    return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
+                     log_std_init=config.log_std_init)
+
+
+def ring_bytes(config: RunConfig, spec, net) -> dict:
     """Ring capacities that take every frame of this run: a simulator's EPISODES message
     (``env_steps_per_sample`` rounded up to whole steps of its envs) and a SET_STATE of
     this policy."""
@@ -223,7 +221,7 @@ def ring_bytes(config: RunConfig, spec, actor_sizes: list[int]) -> dict:
     steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
     action_size = math.prod(spec.action_space.shape) if spec.continuous else 1
     request = rllink.episodes_body_bytes(steps, math.prod(spec.obs_shape), action_size, spec.policy_outputs)
-    params = sum(n_in * n_out + n_out for n_in, n_out in zip(actor_sizes[:-1], actor_sizes[1:]))
+    params = sum(math.prod(shape) for shape in net.template.shapes.values())
     reply = rllink.set_state_body_bytes(4 * params + 4096)   # float32 weights and the graph around them
     return {"request_ring_bytes": ring_bytes_for(8 + request, ShmServer.REQUEST_RING_BYTES),
             "reply_ring_bytes": ring_bytes_for(8 + reply, ShmServer.REPLY_RING_BYTES)}
@@ -274,6 +272,8 @@ def save_checkpoint(config: RunConfig, learner, ppo, keep: int) -> Path:
     from shmrl import checkpoint
 
     arrays, ppo_values = ppo.get_state()
+    if learner.store.reward_stats is not None:
+        arrays.update(learner.store.reward_stats.get_state("reward_stats"))
     return checkpoint.save(Path(config.logdir), learner.updates, arrays, keep=keep, state={
         "weights_seq_no": learner.weights_seq_no, "config": {**saved_config(config), "auth_token": None},
         "counters": learner.store.counters(), "ppo": ppo_values})
@@ -288,34 +288,33 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     from shmrl.envs import env_spec
     from shmrl.learner import Learner
     from shmrl.metrics import MetricsLog, tensorboard_available
-    from shmrl.onnx_policy import initial_policy, policy_from_flat, policy_sizes
     from shmrl.supervisor import Supervisor
     from shmrl.transport.ring import ShmSpaceError
 
-    config = resolve_config(config)
     spec = env_spec(config.env)
+    config = resolve_config(config, spec)
     if config.stop_return is None:  # the env's threshold; without one, train to the step budget
         config.stop_return = spec.reward_threshold if spec.reward_threshold is not None else math.inf
     if config.logdir is None:
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
         config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     logdir = Path(config.logdir)
-    resumed = load_resume_checkpoint(config, spec) if config.resume else None
+    net = policy_net(config, spec)
+    resumed = load_resume_checkpoint(config, net) if config.resume else None
     # The first policy is published and served before torch is imported (about 2 s):
     # the simulators start (their fork server loads numpy and onnxruntime) and sample
     # on one core while this process loads torch on the other.
-    actor_sizes = policy_sizes(spec, config.hidden)
     if resumed:
         path, arrays, state = resumed
-        first_policy, first_seq = policy_from_flat(arrays["params"], spec, config.hidden), state["weights_seq_no"] + 1
+        first_policy, first_seq = saved_policy(arrays), state["weights_seq_no"] + 1
     else:
-        first_policy, first_seq = initial_policy(spec, config.hidden, config.seed), 1
+        first_policy, first_seq = net.initial_weights(config.seed), 1
     if config.tensorboard is None:
         config.tensorboard = tensorboard_available()
     elif config.tensorboard and not tensorboard_available():
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
     try:
-        servers, addresses, shm = open_transports(config, spec, actor_sizes)
+        servers, addresses, shm = open_transports(config, spec, net)
     except ShmSpaceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED, {}
@@ -333,15 +332,16 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             supervisor = Supervisor(addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim,
                                     auth_token=config.auth_token, shm_server=shm, hang_timeout=config.hang_timeout,
                                     nice=config.sim_nice)
-        learner = Learner(spec, servers, actor_sizes=actor_sizes, initial_weights=first_policy,
-                          activation=config.activation, env_steps_per_sample=config.env_steps_per_sample,
+        learner = Learner(spec, servers, policy=net.template, initial_weights=first_policy,
+                          env_steps_per_sample=config.env_steps_per_sample,
                           train_batch_size=config.train_batch_size,
                           on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
                           auth_token=config.auth_token, first_weights_seq_no=first_seq,
-                          housekeeping=supervisor.check if supervisor else None)
+                          housekeeping=supervisor.check if supervisor else None,
+                          reward_gamma=config.gamma if config.normalize_reward else None)
         store = learner.store
         if resumed:
-            store.restore(state["counters"])
+            store.restore(state["counters"], arrays)
             learner.updates = state["update"]
             print(f"resuming from {path} (update {state['update']}, {store.steps_received} env steps, "
                   f"weights {first_seq - 1})", flush=True)
@@ -363,13 +363,12 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
         from shmrl.ppo import PPO, PPOConfig
 
         torch.set_num_threads(config.torch_threads)
-        n_actions = spec.policy_outputs // 2 if spec.continuous else spec.policy_outputs
-        ppo = PPO(spec.obs_shape[0], n_actions,
-                  PPOConfig(lr=config.lr, gamma=config.gamma, gae_lambda=config.gae_lambda,
-                            clip=config.clip, epochs=config.epochs, minibatch_size=config.minibatch_size,
-                            ent_coef=config.ent_coef, reward_scale=config.reward_scale, hidden=config.hidden,
-                            activation=config.activation),
-                  seed=config.seed, actor_weights=first_policy, continuous=spec.continuous)
+        ppo = PPO(net, PPOConfig(lr=config.lr, gamma=config.gamma, gae_lambda=config.gae_lambda, clip=config.clip,
+                                 epochs=config.epochs, minibatch_size=config.minibatch_size,
+                                 ent_coef=config.ent_coef, vf_coef=config.vf_coef,
+                                 max_grad_norm=config.max_grad_norm, reward_scale=config.reward_scale,
+                                 lr_anneal=config.lr_anneal),
+                  seed=config.seed, initial_weights=first_policy)
         if resumed:
             ppo.set_state(arrays, state["ppo"])
         if supervisor:
@@ -392,14 +391,15 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             if store.steps_received >= config.max_env_steps:
                 status = EXIT_BUDGET
                 break
-            stats = learner.train(ppo, *batch) if batch else None
+            stats = learner.train(ppo, *batch, progress=store.steps_trained / config.max_env_steps) if batch else None
             if stats:
                 now = time.time()
                 row = {"update": stats["update"], "return_mean": store.return_mean(),
                        "episodes": store.episodes_completed,
                        "env_steps_per_s": (store.steps_received - steps_at_start) / max(now - t_learn, 1e-9),
                        **{k: stats[k] for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac",
-                                               "train_s", "batch_steps", "weights_seq_no", "policy_lag")},
+                                               "train_s", "batch_steps", "weights_seq_no", "policy_lag",
+                                               "lr", "reward_scale")},
                        **counts(learner, supervisor), "elapsed_s": now - t_start}
                 if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
                     print(progress_line(row, len(store.returns)), flush=True)
@@ -448,10 +448,15 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     return status, summary
 
 
-def build_parser(d: RunConfig) -> argparse.ArgumentParser:
+def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
     """The command line, with ``d`` as the defaults (a resumed run's are its saved configuration)."""
+    from shmrl.presets import PRESETS_FILE, defaults
+
+    sources = " + ".join(defaults(d.env, spec)[1])
     p = OneLineErrorParser(prog="python -m shmrl.run", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog=f"The defaults shown are those of --env {env_name(d.env)}: {sources} in "
+                                  f"{PRESETS_FILE}" + (f", saved by the run in {d.logdir}" if d.resume else ""))
     p.add_argument("--sims", type=int, default=d.sims,
                    help="simulator processes, each with its own shared-memory ring (default: %(default)s)")
     p.add_argument("--env", default=d.env,
@@ -535,13 +540,27 @@ def build_parser(d: RunConfig) -> argparse.ArgumentParser:
                    help="steps per gradient step (default: %(default)s)")
     g.add_argument("--ent-coef", type=float, default=d.ent_coef, help="entropy bonus (default: %(default)s)")
     g.add_argument("--clip", type=float, default=d.clip, help="PPO ratio clip (default: %(default)s)")
+    g.add_argument("--vf-coef", type=float, default=d.vf_coef, help="weight of the value loss (default: %(default)s)")
+    g.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
+                   help="clip the global gradient norm of each step to this (default: %(default)s)")
+    g.add_argument("--lr-anneal", action=argparse.BooleanOptionalAction, default=d.lr_anneal,
+                   help="let the learning rate fall linearly to 0 over --max-env-steps (default: %(default)s)")
     g.add_argument("--reward-scale", type=float, default=d.reward_scale, metavar="C",
                    help="train on rewards times C (returns are reported unscaled) (default: %(default)s)")
+    g.add_argument("--normalize-reward", action=argparse.BooleanOptionalAction, default=d.normalize_reward,
+                   help="also divide the rewards trained on by the running standard deviation of each "
+                        "client stream's discounted return, as VecNormalize does (default: %(default)s)")
+    g.add_argument("--normalize-obs", action=argparse.BooleanOptionalAction, default=d.normalize_obs,
+                   help="normalize observations by running mean and variance of all received, clipped to "
+                        "+-10, inside the published ONNX policy: clients feed raw observations "
+                        "(default: %(default)s)")
     g.add_argument("--hidden", type=int, default=d.hidden,
                    help="units in each of the two hidden layers of the policy and value networks "
                         "(default: %(default)s)")
     g.add_argument("--activation", choices=("ReLU", "Tanh"), default=d.activation,
                    help="activation of the hidden layers (default: %(default)s)")
+    g.add_argument("--log-std-init", type=float, default=d.log_std_init,
+                   help="initial log standard deviation of a Gaussian policy (Box actions) (default: %(default)s)")
     g.add_argument("--torch-threads", type=int, default=d.torch_threads,
                    help="torch threads of the learner; the simulators need the other cores (default: %(default)s)")
     return p
@@ -563,21 +582,27 @@ def parse_args(argv=None) -> RunConfig:
     pre.add_argument("--sims", type=int, default=RunConfig.sims)
     pre.add_argument("--resume")
     known, _ = pre.parse_known_args(argv)
-    defaults = resolve_config(RunConfig(env=known.env, sims=known.sims))
+    from shmrl.envs import env_spec
+
+    try:
+        spec = env_spec(known.env)
+    except ValueError as e:
+        OneLineErrorParser(prog="python -m shmrl.run").error(str(e))
+    defaults = resolve_config(RunConfig(env=known.env, sims=known.sims), spec)
     if known.resume:
         from shmrl import checkpoint
 
         try:  # train() says which checkpoints it passed over, and why
             _, _, state, _ = checkpoint.load_latest(Path(known.resume))
         except checkpoint.CheckpointError as e:
-            build_parser(defaults).error(f"--resume {known.resume}: {e}")
+            build_parser(defaults, spec).error(f"--resume {known.resume}: {e}")
         fields = {f.name for f in dataclasses.fields(RunConfig)}
         defaults = RunConfig(**{k: v for k, v in state.get("config", {}).items()
                                 if k in fields and k != "auth_token"})
         defaults.logdir = known.resume
-    p = build_parser(defaults)
+    p = build_parser(defaults, spec)
     a = p.parse_args(argv)
-    config = resolve_config(RunConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(RunConfig)}))
+    config = resolve_config(RunConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(RunConfig)}), spec)
     if config.sims < 0 or min(config.train_batch_size, config.env_steps_per_sample, config.max_env_steps,
                               config.envs_per_sim) < 1:
         p.error("--sims must be >= 0; --train-batch-size, --env-steps-per-sample, --max-env-steps and "
@@ -600,12 +625,8 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--epochs, --minibatch-size, --hidden and --torch-threads must be >= 1, --max-policy-lag >= 0")
     if config.log_every is not None and config.log_every < 0:
         p.error("--log-every must be >= 0")
-    from shmrl.envs import env_spec
-
-    try:
-        env_spec(config.env)
-    except ValueError as e:
-        p.error(str(e))
+    if config.vf_coef < 0 or config.max_grad_norm <= 0:
+        p.error("--vf-coef must be >= 0 and --max-grad-norm > 0")
     return config
 
 

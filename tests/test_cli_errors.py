@@ -94,7 +94,7 @@ def test_resume_with_another_env_changes_nothing(run_copy):
 def test_resume_with_other_layer_sizes_changes_nothing(run_copy):
     before = snapshot(run_copy)
     proc = command("shmrl.run", "--resume", run_copy, "--hidden", 64)
-    assert_one_line_error(proc, "parameters", "--hidden 64", "other layer sizes")
+    assert_one_line_error(proc, "does not fit", "--hidden 64", "shape (32, 4)", "other layer sizes")
     assert snapshot(run_copy) == before
 
 

@@ -9,15 +9,19 @@ import pytest
 import torch
 
 import shmrl
-from shmrl.envs import Pendulum, env_spec
+from shmrl.envs import Box, EnvSpec, Pendulum, env_spec
 from shmrl.episode import EpisodeBatch
 from shmrl.eval import evaluate
 from shmrl.learner import Learner
-from shmrl.onnx_policy import OnnxPolicy, OnnxPublisher, init_mlp_weights, initial_policy, policy_sizes, with_log_std
+from shmrl.onnx_policy import OnnxPolicy, PolicyNet, init_mlp_weights, with_log_std
 from shmrl.ppo import PPO, PPOConfig
 from shmrl.sim import GaussianSampler, run_simulator
 from shmrl.transport.inproc import InProcServer
 from test_envs import step_beside_gymnasium
+
+
+# A Box observation of 3 and a Box action of 2 dimensions.
+Box2D = EnvSpec("box2d", Box((-1.0,) * 3, (1.0,) * 3, (3,)), Box((-1.0, -1.0), (1.0, 1.0), (2,)))
 
 
 def gaussian_inputs(mean, log_std, rows: int = 1) -> np.ndarray:
@@ -51,10 +55,11 @@ def test_ppo_log_prob_equals_the_logp_sampled_from_its_published_onnx_policy():
     output as [means, log-stds] exactly as the sampler does, so its first ratio is 1."""
     obs_dim, d = 3, 2
     weights = with_log_std(init_mlp_weights([obs_dim, 64, 64, d], 1.0, np.random.default_rng(0)), [-0.5, 0.4])
-    ppo = PPO(obs_dim, d, PPOConfig(), actor_weights=weights, continuous=True)
-    for mine, given in zip(ppo.actor_weights(), weights):   # what it publishes after an update
+    net = PolicyNet(Box2D, 64, "ReLU")
+    ppo = PPO(net, PPOConfig(), initial_weights=net.weights(weights))
+    for mine, given in zip(net.mlp(ppo.published_weights()), weights):   # what it publishes after an update
         np.testing.assert_array_equal(mine, given)
-    policy = OnnxPolicy(OnnxPublisher(ppo.actor_sizes, ppo.config.activation).publish(weights))
+    policy = OnnxPolicy(net.template.publish(net.weights(weights)))
     obs = np.random.default_rng(1).normal(size=(256, obs_dim)).astype(np.float32)
     out = policy.logits(obs)
     with torch.no_grad():
@@ -71,10 +76,11 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
     checks its chunks against the Box space and PPO rebuilds the same log-probabilities."""
     spec = env_spec("Pendulum-v1")
     # As shmrl.run starts: the first policy is published as given, and PPO starts from it.
-    weights = with_log_std(init_mlp_weights([3, 64, 64, 1], 1.0, np.random.default_rng(0)), [-0.7])
-    ppo = PPO(3, 1, PPOConfig(), actor_weights=weights, continuous=True)
+    net = PolicyNet(spec, 64, "ReLU")
+    weights = net.weights(with_log_std(init_mlp_weights([3, 64, 64, 1], 1.0, np.random.default_rng(0)), [-0.7]))
+    ppo = PPO(net, PPOConfig(), initial_weights=weights)
     server = InProcServer()
-    learner = Learner(spec, [server], actor_sizes=policy_sizes(spec, 64), initial_weights=weights,
+    learner = Learner(spec, [server], policy=net.template, initial_weights=weights,
                       env_steps_per_sample=256, train_batch_size=256)
     client = server.connect(timeout=10)
     thread = threading.Thread(target=run_simulator, args=(client, "Pendulum-v1"), kwargs=dict(max_messages=1),
@@ -119,7 +125,8 @@ def test_pendulum_training_beats_the_initial_random_policy(tmp_path, no_shm_left
     spec = env_spec("Pendulum-v1")
     # The run's own first policy (seed 0): near-zero means, std 1. Its greedy return is
     # about -1250, with a spread of about 85 for the mean of 20 episodes.
-    first = OnnxPublisher(policy_sizes(spec, 64), "ReLU").publish(initial_policy(spec, 64, seed=0))
+    net = PolicyNet(spec, 64, "ReLU")
+    first = net.template.publish(net.initial_weights(seed=0))
     random_mean = statistics.fmean(evaluate(first, "Pendulum-v1", episodes=20))
     # About 6 s here; the greedy return is then about -250 (the training window's mean lags).
     summary = shmrl.train(env="Pendulum-v1", sims=2, seed=0, max_env_steps=26_000, stop_return=math.inf,

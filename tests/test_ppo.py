@@ -3,9 +3,16 @@ import pytest
 import torch
 
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.onnx_policy import (INPUT_NAME, ONNX_ACTIVATIONS, OUTPUT_NAME, OnnxPolicy, OnnxPublisher,
+from shmrl.envs import env_spec
+from shmrl.onnx_policy import (INPUT_NAME, ONNX_ACTIVATIONS, OUTPUT_NAME, OnnxPolicy, OnnxPublisher, PolicyNet,
                                decode_onnx_file, encode_onnx_file, init_mlp_weights)
 from shmrl.ppo import PPO, PPOConfig
+
+CARTPOLE = env_spec("CartPole-v1")
+
+
+def cartpole_ppo(config=None, seed=0, **net):
+    return PPO(PolicyNet(CARTPOLE, 64, "ReLU", **net), config or PPOConfig(), seed=seed)
 
 
 def random_chunk(rng, n, terminated=False, truncated=False):
@@ -32,7 +39,7 @@ def naive_gae(chunk, values, gamma, lam):
 
 def test_vectorized_gae_matches_textbook_gae():
     rng = np.random.default_rng(0)
-    ppo = PPO(4, 2, PPOConfig(gamma=0.97, gae_lambda=0.9))
+    ppo = cartpole_ppo(PPOConfig(gamma=0.97, gae_lambda=0.9))
     chunks = [random_chunk(rng, 7, terminated=True), random_chunk(rng, 0), random_chunk(rng, 12),
               random_chunk(rng, 1, terminated=True), random_chunk(rng, 5, truncated=True)]
     batch = ppo.make_batch(EpisodeBatch.from_episodes(chunks))
@@ -46,7 +53,7 @@ def test_vectorized_gae_matches_textbook_gae():
 
 def test_update_moves_policy_toward_advantaged_action():
     rng = np.random.default_rng(1)
-    ppo = PPO(4, 2, PPOConfig(lr=3e-3, epochs=4, minibatch_size=64))
+    ppo = cartpole_ppo(PPOConfig(lr=3e-3, epochs=4, minibatch_size=64))
     chunks = []
     for t in range(256):  # one-step episodes: action 1 is rewarded, action 0 is not
         c = Episode(rng.normal(size=4).astype(np.float32))
@@ -62,9 +69,9 @@ def test_update_moves_policy_toward_advantaged_action():
 
 
 def test_onnx_publication_matches_torch_actor_and_rllib_input_name():
-    ppo = PPO(4, 2, PPOConfig(), seed=3)
-    publisher = OnnxPublisher(ppo.actor_sizes)
-    model = publisher.publish(ppo.actor_weights())
+    ppo = cartpole_ppo(seed=3)
+    publisher = ppo.net.template
+    model = publisher.publish(ppo.published_weights())
     policy = OnnxPolicy(decode_onnx_file(encode_onnx_file(model)))
     assert policy.session.get_inputs()[0].name == INPUT_NAME == "onnx::Gemm_0"
     for batch in (1, 8):  # dynamic batch dimension
@@ -76,7 +83,7 @@ def test_onnx_publication_matches_torch_actor_and_rllib_input_name():
     with torch.no_grad():
         for p in ppo.actor.parameters():
             p.add_(0.1)
-    model2 = publisher.publish(ppo.actor_weights())
+    model2 = publisher.publish(ppo.published_weights())
     assert len(model2) == len(model) and model2 != model
     obs = np.ones((2, 4), np.float32)
     with torch.no_grad():
@@ -129,8 +136,8 @@ def test_initial_weights_are_orthogonal_with_the_given_gains():
     assert not (b0.any() or b1.any() or b2.any()) and w0.dtype == np.float32
     again = init_mlp_weights([4, 64, 64, 2], 0.01, np.random.default_rng(1))
     assert all((a == b).all() for a, b in zip(again, [w0, b0, w1, b1, w2, b2]))
-    ppo = PPO(4, 2, PPOConfig(), seed=1)                                     # PPO's default actor
-    assert all((a == b).all() for a, b in zip(ppo.actor_weights(), again))
+    ppo = cartpole_ppo(seed=1)                                               # PPO's default actor
+    assert all((a == b).all() for a, b in zip(ppo.net.mlp(ppo.published_weights()), again))
 
 
 def test_publish_rejects_wrong_shapes():

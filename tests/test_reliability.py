@@ -16,13 +16,12 @@ from conftest import alive, descendants, shm_entries
 from shmrl.envs import env_spec
 from shmrl.episode import EpisodeBatch
 from shmrl.learner import Learner
-from shmrl.onnx_policy import init_mlp_weights
+from shmrl.onnx_policy import PolicyNet
 from shmrl.supervisor import Supervisor
 from shmrl.transport.shm import ShmClient, ShmServer
 from test_shm_transport import make_episode
 from test_tcp_transport import net  # noqa: F401 (a fixture)
 
-SIZES = [4, 64, 64, 2]
 fork = multiprocess.get_context("fork")
 
 
@@ -178,8 +177,8 @@ def test_supervisor_counts_the_steps_a_dead_simulator_never_sent(no_shm_leftover
     learner = supervisor = None
     try:
         supervisor = Supervisor([f"shm:{server.address(0)}"], env="CartPole-v1", seed=0, shm_server=server)
-        learner = Learner(env_spec("CartPole-v1"), [server], actor_sizes=SIZES,
-                          initial_weights=init_mlp_weights(SIZES, 0.01, np.random.default_rng(0)),
+        net = PolicyNet(env_spec("CartPole-v1"), 64)
+        learner = Learner(net.spec, [server], policy=net.template, initial_weights=net.initial_weights(0),
                           env_steps_per_sample=64, train_batch_size=10_000)
         doomed = fork.Process(target=sends_60_of_100, args=(server.address(0),), name="doomed")
         doomed.start()
@@ -287,19 +286,21 @@ def test_a_checkpoint_restores_weights_optimizer_and_rng_exactly(tmp_path):
     from shmrl import checkpoint
     from shmrl.ppo import PPO, PPOConfig
 
+    net = PolicyNet(env_spec("CartPole-v1"), 64, normalize_obs=True)
+
     def chunks(seed):
         return EpisodeBatch.from_episodes([make_episode(48, seed + k).finalize() for k in range(4)])
 
     config = PPOConfig(epochs=2, minibatch_size=64)
-    first = PPO(4, 2, config, seed=1)
+    first = PPO(net, config, seed=1)
     first.update(first.make_batch(chunks(0)))                  # Adam's moments and step count are not zero
     arrays, values = first.get_state()
     checkpoint.save(tmp_path, 1, arrays, {"ppo": values})
     loaded, state = checkpoint.load(checkpoint.latest(tmp_path))
-    second = PPO(4, 2, config, seed=2)
+    second = PPO(net, config, seed=2)
     second.set_state(loaded, state["ppo"])
-    for a, b in zip(first.actor_weights(), second.actor_weights()):
-        np.testing.assert_array_equal(a, b)
+    for name, a in first.published_weights().items():            # observation statistics included
+        np.testing.assert_array_equal(a, second.published_weights()[name])
     stats = [ppo.update(ppo.make_batch(chunks(10))) for ppo in (first, second)]  # minibatch order: the rng
     assert stats[0] == pytest.approx(stats[1], rel=1e-6, abs=1e-7)
     after = [ppo.get_state()[0] for ppo in (first, second)]

@@ -267,17 +267,17 @@ def test_rings_take_every_frame_of_the_run(env, hidden, envs_per_sim, steps):
     cannot, used to stall a run (--hidden 512 hung, --env-steps-per-sample 16384 crashed)."""
     from shmrl.envs import env_spec, make_vec_env
     from shmrl.episode import Rollout
-    from shmrl.onnx_policy import OnnxPublisher, encode_onnx_file, initial_policy, policy_sizes
-    from shmrl.run import RunConfig, resolve_config, ring_bytes
+    from shmrl.onnx_policy import encode_onnx_file
+    from shmrl.run import RunConfig, policy_net, resolve_config, ring_bytes
     from shmrl.sim import make_sampler
     from shmrl.transport.ring import Ring
 
-    config = resolve_config(RunConfig(env=env, hidden=hidden, envs_per_sim=envs_per_sim,
-                                      env_steps_per_sample=steps))
     spec = env_spec(env)
-    sizes = policy_sizes(spec, hidden)
-    rings = ring_bytes(config, spec, sizes)
-    model = OnnxPublisher(sizes, config.activation).publish(initial_policy(spec, hidden, 0))
+    config = resolve_config(RunConfig(env=env, hidden=hidden, envs_per_sim=envs_per_sim,
+                                      env_steps_per_sample=steps), spec)
+    net = policy_net(config, spec)
+    rings = ring_bytes(config, spec, net)
+    model = net.template.publish(net.initial_weights(0))
     set_state = {"type": "SET_STATE", "onnx_file": encode_onnx_file(model), "weights_seq_no": 1}
     # The worst case for a message's size: every env's episode ends at every step (short chunks).
     envs, per_env = make_vec_env(env, envs_per_sim, 0), -(-steps // envs_per_sim)

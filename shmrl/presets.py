@@ -1,0 +1,39 @@
+"""Per-environment defaults, read from ``presets.toml`` beside this file (the place to
+read or change them): [default], then the env's family, then the env's own table."""
+from __future__ import annotations
+
+import functools
+import tomllib
+from pathlib import Path
+
+PRESETS_FILE = Path(__file__).with_name("presets.toml")
+
+
+@functools.cache
+def _presets() -> dict:
+    with open(PRESETS_FILE, "rb") as f:
+        return tomllib.load(f)
+
+
+def family_of(spec) -> str | None:
+    """The family whose defaults an env without a table of its own takes, if any."""
+    space = getattr(spec, "action_space", None)
+    if space is not None and getattr(spec, "continuous", False) and len(space.shape) == 1:
+        return "continuous"
+    return None
+
+
+def defaults(env, spec=None) -> tuple[dict, list[str]]:
+    """(settings, where they came from) for ``env`` (an id string or a callable) whose spec
+    is ``spec`` (needed only to find its family)."""
+    presets = _presets()
+    out, sources = dict(presets["default"]), ["default"]
+    own = presets.get("env", {}).get(env) if isinstance(env, str) else None
+    family = family_of(spec) if own is None and spec is not None else None
+    if family is not None:
+        out.update(presets["family"][family])
+        sources.append(f"family.{family}")
+    if own is not None:
+        out.update(own)
+        sources.append(f'env."{env}"')
+    return out, sources
