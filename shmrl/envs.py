@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -249,9 +250,29 @@ def _gym_make(env_id: str):
     except ImportError:
         raise ValueError(f"--env gym:{env_id} needs gymnasium: pip install 'shmrl[gym]'") from None
     try:
+        if "mujoco" in str(getattr(gymnasium.spec(env_id), "entry_point", "")):
+            _log_mujoco_warnings()
         return gymnasium.make(env_id)
     except gymnasium.error.Error as e:  # an unknown id or version, a missing dependency
         raise ValueError(f"--env gym:{env_id}: {e}") from None
+
+
+def _log_mujoco_warnings() -> None:
+    """MuJoCo's warnings go to the log, once each, instead of into a MUJOCO_LOG.TXT it
+    would write in the working directory (mujoco 4 warns of every gymnasium model's
+    deprecated 'settotalmass')."""
+    try:
+        import mujoco
+    except ImportError:
+        return  # gymnasium.make says what is missing
+    seen = set()
+
+    def warn(message: str) -> None:
+        if message not in seen:
+            seen.add(message)
+            logging.getLogger("shmrl.envs").debug("MuJoCo: %s", message)
+
+    mujoco.set_mju_user_warning(warn)
 
 
 def _space(space) -> Discrete | Box:
