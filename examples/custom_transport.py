@@ -15,7 +15,7 @@ import torch
 
 from shmrl.envs import env_spec
 from shmrl.learner import Learner
-from shmrl.onnx_policy import PolicyNet
+from shmrl.net import PolicyNet
 from shmrl.ppo import PPO, PPOConfig
 from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer

@@ -1,21 +1,33 @@
-"""A standalone RLlink client for CartPole: the template to port into a game engine.
+"""A standalone RLlink client: the template to port into a game engine.
 
 It imports nothing from shmrl: only the standard library, numpy and onnxruntime. It
 speaks RLlink's JSON variant over TCP, so it trains against `python -m shmrl.run
 --tcp-port 5556` (with or without local simulators) or any RLlink JSON server.
 
-    python examples/external_client.py --port 5556
+    python examples/external_client.py --port 5556                 # CartPole-v1
+    python examples/external_client.py --port 5556 --game forager  # a Dict observation,
+        # an action mask and a two-part action; the learner runs with
+        # --env examples.external_client:forager_spaces (spaces only: the game is here)
 
 The loop, which is all an integration has to reproduce:
 1. connect; PING -> PONG; GET_CONFIG -> SET_CONFIG (env_steps_per_sample,
    force_on_policy); GET_STATE -> SET_STATE (the ONNX policy, base64 of gzip).
 2. step the environment `env_steps_per_sample` times: feed the observation to the ONNX
-   model (input `onnx::Gemm_0`, float32 [1, obs_dim]; output 0 = logits), sample from the
-   softmax, record obs / action / reward / logits / log-probability.
+   model and sample from output 0 (see below), record obs / action / reward / output 0 /
+   log-probability.
 3. send EPISODES_AND_GET_STATE with the chunks (an episode still running is sent as a
    chunk with both flags false and continues in the next message from its last obs),
    install the model from the SET_STATE reply, go to 2.
 4. when the server goes away, reconnect and start again at 1.
+
+The ONNX contract (README, "The ONNX policy"): a flat Box observation is fed as input
+`onnx::Gemm_0`, float32 [1, obs_dim]. A Dict observation feeds one input per leaf,
+`obs.<leaf>` (nested keys joined with dots), in the leaf's dtype (float32; uint8 for an
+image; int64 for a Discrete), and its `action_mask` to the input `action_mask` (uint8):
+the graph gives masked actions a logit of -1e9, so sampling never picks them. Output 0
+holds every action part side by side: a Discrete's logits, a Box's means then log-stds.
+On the wire a Dict observation is a JSON object per step, and a multi-part action one
+list of numbers per step (a Discrete part as its index).
 """
 from __future__ import annotations
 
@@ -69,13 +81,34 @@ def load_policy(set_state: dict) -> ort.InferenceSession:
     return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
 
 
-def act(session: ort.InferenceSession, obs: list[float]) -> tuple[int, list[float], float]:
-    logits = session.run(None, {"onnx::Gemm_0": np.array([obs], np.float32)})[0][0].tolist()
+def categorical(logits: list[float]) -> tuple[int, float]:
+    """An index drawn from softmax(logits), and its log-probability."""
     m = max(logits)
     probs = [math.exp(v - m) for v in logits]
-    total = sum(probs)
     action = random.choices(range(len(logits)), weights=probs)[0]
-    return action, logits, math.log(probs[action] / total)
+    return action, math.log(probs[action] / sum(probs))
+
+
+def act(session: ort.InferenceSession, obs: list[float]) -> tuple[int, list[float], float]:
+    """CartPole: one Discrete action from a flat observation."""
+    logits = session.run(None, {"onnx::Gemm_0": np.array([obs], np.float32)})[0][0].tolist()
+    action, logp = categorical(logits)
+    return action, logits, logp
+
+
+def act_forager(session: ort.InferenceSession, obs: dict) -> tuple[list[float], list[float], float]:
+    """The forager: a Dict observation (one input per leaf, the mask among them) and a
+    Tuple(Discrete(3), Box(1)) action: output 0 is [3 logits, mean, log-std]."""
+    feeds = {"obs.position": np.array([obs["position"]], np.float32),
+             "obs.target": np.array([obs["target"]], np.int64),
+             "action_mask": np.array([obs["action_mask"]], np.uint8)}
+    out = session.run(None, feeds)[0][0].tolist()
+    move, logp = categorical(out[:3])                   # masked moves have logits of -1e9
+    mean, log_std = out[3], out[4]
+    noise = random.gauss(0.0, 1.0)
+    speed = mean + math.exp(log_std) * noise            # unclipped: the game clips what it applies
+    logp += -0.5 * noise * noise - log_std - 0.5 * math.log(2 * math.pi)
+    return [float(move), speed], out, logp
 
 
 # ---------------------------------------------------------------- the environment
@@ -103,20 +136,61 @@ class CartPole:
         return np.float32(self.state).tolist(), 1.0, terminated, truncated
 
 
+class Forager:
+    """A game with a Dict observation and an action mask: walk toward the target side of a
+    1-D world. Each step one of the three moves (left, stay, right) is forbidden (never
+    the target's); the right move earns 1, the speed costs a little. 20 steps an episode."""
+
+    def reset(self) -> dict:
+        self.steps, self.position = 0, random.uniform(-1.0, 1.0)
+        return self._observe()
+
+    def _observe(self) -> dict:
+        self.target = random.randrange(3)
+        mask = [1, 1, 1]
+        mask[random.choice([m for m in range(3) if m != self.target])] = 0
+        return {"position": [self.position], "target": self.target, "action_mask": mask}
+
+    def step(self, action: list[float]):
+        move, speed = int(action[0]), min(max(action[1], 0.0), 1.0)
+        self.position = min(max(self.position + (move - 1) * 0.1 * speed, -1.0), 1.0)
+        reward = (1.0 if move == self.target else 0.0) - 0.05 * speed
+        self.steps += 1
+        return self._observe(), reward, False, self.steps >= 20
+
+
+def forager_spaces():
+    """The forager's spaces, for the learner: `--env examples.external_client:forager_spaces`
+    (with --sims 0: it only needs the spaces). Only here is gymnasium imported."""
+    from gymnasium import spaces
+
+    class Spaces:
+        observation_space = spaces.Dict({"position": spaces.Box(-1.0, 1.0, (1,), np.float32),
+                                         "target": spaces.Discrete(3),
+                                         "action_mask": spaces.MultiBinary(3)})
+        action_space = spaces.Tuple((spaces.Discrete(3), spaces.Box(0.0, 1.0, (1,), np.float32)))
+
+    return Spaces()
+
+
+GAMES = {"cartpole": (CartPole, act), "forager": (Forager, act_forager)}
+
+
 # ---------------------------------------------------------------- the client loop
-def new_chunk(obs: list[float]) -> dict:
+def new_chunk(obs) -> dict:
     return {"obs": [obs], "actions": [], "rewards": [], "action_dist_inputs": [], "action_logp": [],
             "is_terminated": False, "is_truncated": False}
 
 
-def run_session(host: str, port: int, on_connected) -> None:
+def run_session(host: str, port: int, on_connected, game: str = "cartpole") -> None:
+    make_env, act = GAMES[game]
     with socket.create_connection((host, port), timeout=60) as sock:
         request(sock, {"type": "PING"}, "PONG")
         on_connected()
         config = request(sock, {"type": "GET_CONFIG"}, "SET_CONFIG")
         session = load_policy(request(sock, {"type": "GET_STATE"}, "SET_STATE"))
         steps_per_sample = config["env_steps_per_sample"]
-        env = CartPole()
+        env = make_env()
         chunk = new_chunk(env.reset())
         episode_return, returns = 0.0, []
         while True:
@@ -153,6 +227,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=5556)
     p.add_argument("--retry-s", type=float, default=2.0, help="wait between reconnection attempts")
     p.add_argument("--max-retries", type=int, default=None, help="give up after this many failures in a row")
+    p.add_argument("--game", choices=sorted(GAMES), default="cartpole", help="what to play (default: %(default)s)")
     args = p.parse_args()
     failures = 0
 
@@ -162,7 +237,7 @@ def main() -> None:
 
     while True:
         try:
-            run_session(args.host, args.port, connected)
+            run_session(args.host, args.port, connected, args.game)
         except (ConnectionError, OSError) as e:   # refused, reset, closed, timed out
             failures += 1
             if args.max_retries is not None and failures > args.max_retries:

@@ -17,41 +17,41 @@ from typing import Callable
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Discrete:
-    n: int
-    start: int = 0  # the env's actions are start .. start + n - 1; the policy's are 0 .. n - 1
-
-
-@dataclass(frozen=True)
-class Box:
-    low: tuple
-    high: tuple
-    shape: tuple
+from shmrl import spaces
+from shmrl.spaces import Box, Discrete  # noqa: F401 (the built-in envs' spaces; shmrl.envs.Box as before)
 
 
 @dataclass(frozen=True)
 class EnvSpec:
-    """What the learner needs to know about an environment to check clients' data."""
+    """What the learner needs to know about an environment to check clients' data: its
+    spaces (``shmrl.spaces``) and how observations and actions are laid out."""
     env_id: str
-    observation_space: Box
-    action_space: Discrete | Box
+    observation_space: object
+    action_space: object
     reward_threshold: float | None = None  # the return at which it counts as solved, if known
+
+    @functools.cached_property
+    def obs(self) -> spaces.ObsLayout:
+        return spaces.obs_layout(self.observation_space)
+
+    @functools.cached_property
+    def actions(self) -> spaces.ActionLayout:
+        return spaces.action_layout(self.action_space)
 
     @property
     def obs_shape(self) -> tuple:
-        return self.observation_space.shape
+        """The shape of a flat observation (the only leaf of a non-structured space)."""
+        return self.obs.leaves[0].shape
 
     @property
     def continuous(self) -> bool:
-        return isinstance(self.action_space, Box)
+        """A single Box action (a diagonal Gaussian policy)."""
+        return self.actions.single_box
 
     @property
     def policy_outputs(self) -> int:
-        """Size of the policy's output: logits, or a mean and a log-std per action dimension."""
-        space = self.action_space
-        return 2 * math.prod(space.shape) if isinstance(space, Box) else space.n
+        """Size of the policy's output: logits, means and log-stds of every action part."""
+        return self.actions.dist_size
 
 
 class CartPole:
@@ -195,45 +195,47 @@ class VecCartPole:
 
 class LoopVecEnv:
     """Any gymnasium-style single env as a vector of ``num_envs``, stepped in a Python loop,
-    with the same interface (and same-step reset) as ``VecCartPole``. The arrays it returns
-    are reused by the next step: copy what you keep."""
+    with the same interface (and same-step reset) as ``VecCartPole``. Observations come in
+    the stored form of the space layer (an array, or a dict of arrays for a Dict or Tuple
+    space); the arrays it returns are reused by the next step: copy what you keep."""
 
     def __init__(self, make, num_envs: int, seed: int | None = None, spec: EnvSpec | None = None):
         self.num_envs = num_envs
         self._envs = [make() for _ in range(num_envs)]
         self._seed = seed
         self.spec = spec if spec is not None else spec_of(self._envs[0], "env")
-        box = self.spec.action_space if self.spec.continuous else None
-        # Continuous actions are sampled unbounded (their log-probability is what the
-        # learner needs); the env gets them clipped to its bounds.
-        self._bounds = (np.array(box.low, np.float32), np.array(box.high, np.float32)) if box else None
-        self._start = 0 if box else self.spec.action_space.start  # gymnasium's Discrete(n, start)
+        self._layout, self._actions = self.spec.obs, self.spec.actions
         self._rewards = np.zeros(num_envs, np.float32)
         self._terminated = np.zeros(num_envs, bool)
         self._truncated = np.zeros(num_envs, bool)
 
-    def reset(self) -> np.ndarray:
-        self._obs = np.stack([np.asarray(env.reset(seed=None if self._seed is None else self._seed + k)[0],
-                                         np.float32) for k, env in enumerate(self._envs)])
+    def reset(self) -> np.ndarray | dict:
+        split = self._layout.split
+        self._obs = self._layout.stack([split(env.reset(seed=None if self._seed is None else self._seed + k)[0])
+                                        for k, env in enumerate(self._envs)])
         return self._obs
+
+    def _put(self, target, k: int, o) -> None:
+        if isinstance(target, dict):
+            for name, value in self._layout.split(o).items():
+                target[name][k] = value
+        else:
+            target[k] = o
 
     def step(self, actions):
         obs, final_obs = self._obs, None
-        if self._bounds is not None:
-            actions = np.clip(np.asarray(actions, np.float32).reshape(self.num_envs, -1), *self._bounds)
-        elif isinstance(actions, np.ndarray):
-            actions = actions.tolist()
-        if self._start:
-            actions = [a + self._start for a in actions]
-        for k, a in enumerate(actions):
+        # Continuous actions are sampled unbounded (their log-probability is what the
+        # learner needs); the env gets them clipped to its bounds.
+        for k, a in enumerate(self._actions.to_env(actions)):
             env = self._envs[k]
             o, r, terminated, truncated, _ = env.step(a)
             if terminated or truncated:
                 if final_obs is None:
-                    final_obs = obs.copy()
-                final_obs[k] = o
+                    final_obs = {n: v.copy() for n, v in obs.items()} if isinstance(obs, dict) else obs.copy()
+                self._put(final_obs, k, o)
                 o = env.reset()[0]
-            obs[k], self._rewards[k], self._terminated[k], self._truncated[k] = o, r, terminated, truncated
+            self._put(obs, k, o)
+            self._rewards[k], self._terminated[k], self._truncated[k] = r, terminated, truncated
         return obs, self._rewards, self._terminated, self._truncated, final_obs
 
 
@@ -249,12 +251,41 @@ def _gym_make(env_id: str):
         import gymnasium
     except ImportError:
         raise ValueError(f"--env gym:{env_id} needs gymnasium: pip install 'shmrl[gym]'") from None
+    namespace = env_id.split("/", 1)[0] if "/" in env_id else env_id.split("-", 1)[0]
+    package = GYM_PACKAGES.get(namespace)
+    if package is not None:
+        try:
+            module = importlib.import_module(package[0])
+        except ImportError:
+            raise ValueError(f"--env gym:{env_id} needs {package[0]}: pip install '{package[1]}'") from None
+        if package[0] == "minatar.gym" and env_id not in gymnasium.registry:
+            module.register_envs()
+        elif package[0] == "ale_py":
+            gymnasium.register_envs(module)
     try:
         if "mujoco" in str(getattr(gymnasium.spec(env_id), "entry_point", "")):
             _log_mujoco_warnings()
+        if namespace == "ALE":
+            return _atari(gymnasium, env_id)
         return gymnasium.make(env_id)
     except gymnasium.error.Error as e:  # an unknown id or version, a missing dependency
         raise ValueError(f"--env gym:{env_id}: {e}") from None
+
+
+# Packages that register a gymnasium namespace when imported: (module, what to install).
+GYM_PACKAGES = {"ALE": ("ale_py", "shmrl[atari]"), "MiniGrid": ("minigrid", "shmrl[minigrid]"),
+                "BabyAI": ("minigrid", "shmrl[minigrid]"), "MinAtar": ("minatar.gym", "shmrl[minatar]")}
+
+
+def _atari(gymnasium, env_id: str):
+    """An ALE game with the usual preprocessing, by gymnasium's own wrappers: 4 frames
+    skipped (max-pooled), up to 30 no-ops at reset, 84x84 grey frames, the last 4 stacked
+    (an observation of shape (4, 84, 84), uint8); rewards and episodes as the game has them."""
+    from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
+
+    env = gymnasium.make(env_id, frameskip=1, repeat_action_probability=0.0)
+    return FrameStackObservation(AtariPreprocessing(env, frame_skip=4, screen_size=84, grayscale_obs=True,
+                                                    noop_max=30), 4)
 
 
 def _log_mujoco_warnings() -> None:
@@ -275,18 +306,6 @@ def _log_mujoco_warnings() -> None:
     mujoco.set_mju_user_warning(warn)
 
 
-def _space(space) -> Discrete | Box:
-    """A gymnasium space (or one of ours) as ours."""
-    if isinstance(space, (Discrete, Box)):
-        return space
-    if hasattr(space, "n") and not getattr(space, "shape", ()):
-        return Discrete(int(space.n), int(getattr(space, "start", 0)))
-    if hasattr(space, "low") and hasattr(space, "high"):
-        low, high = np.broadcast_to(space.low, space.shape), np.broadcast_to(space.high, space.shape)
-        return Box(tuple(low.reshape(-1).tolist()), tuple(high.reshape(-1).tolist()), tuple(space.shape))
-    raise ValueError(f"unsupported space {space!r}: shmrl trains Discrete and Box spaces")
-
-
 def spec_of(env, env_id: str) -> EnvSpec:
     """The spec of a live env object: its spaces, and gymnasium's reward threshold if any."""
     if isinstance(getattr(env, "spec", None), EnvSpec):
@@ -294,13 +313,25 @@ def spec_of(env, env_id: str) -> EnvSpec:
     if not (hasattr(env, "observation_space") and hasattr(env, "action_space")):
         raise ValueError(f"{env_id}: made {type(env).__name__!r}, not an env: it has no observation_space "
                          f"and action_space")
-    obs, act = _space(env.observation_space), _space(env.action_space)
-    if not isinstance(obs, Box):
-        raise ValueError(f"{env_id}: the observation space must be a Box, got {env.observation_space!r}")
-    if len(obs.shape) != 1:  # the policy's input is [batch, obs_dim]
-        raise ValueError(f"{env_id}: observations must be 1-D (flatten them), got shape {obs.shape}")
     threshold = getattr(getattr(env, "spec", None), "reward_threshold", None)
-    return EnvSpec(env_id, obs, act, None if threshold is None else float(threshold))
+    spec = EnvSpec(env_id, spaces.from_gym(env.observation_space), spaces.from_gym(env.action_space),
+                   None if threshold is None else float(threshold))
+    try:
+        layout, actions = spec.obs, spec.actions
+    except ValueError as e:
+        raise ValueError(f"{env_id}: {e}") from None
+    mask = layout.mask
+    if mask is not None and mask.shape != (len(actions.mask_columns),):
+        raise ValueError(f"{env_id}: the observation's action_mask has shape {mask.shape}; it must have one "
+                         f"entry per value of every Discrete action part ({len(actions.mask_columns)})")
+    for path, why in layout.skipped:
+        if (env_id, path) not in _SKIPPED_SAID:
+            _SKIPPED_SAID.add((env_id, path))
+            logging.getLogger("shmrl.envs").info("%s: observation %r is left out: %s", env_id, path, why)
+    return spec
+
+
+_SKIPPED_SAID: set = set()   # (env, leaf) already said to be left out: said once per process
 
 
 def _call_factory(factory, env_id: str):

@@ -34,6 +34,46 @@ STEP_FIELDS = (ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP)  # one row per
 _ids = itertools.count()
 
 
+# Observations are one array (rows x shape) or, for a Dict or Tuple space, a dict of such
+# arrays by leaf name (shmrl.spaces). These few helpers are all that differs.
+
+def obs_map(fn, obs):
+    """``fn`` applied to every leaf array of ``obs``."""
+    return {k: fn(v) for k, v in obs.items()} if isinstance(obs, dict) else fn(obs)
+
+
+def obs_concat(parts: list):
+    if parts and isinstance(parts[0], dict):
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return np.concatenate(parts)
+
+
+def obs_rows(obs) -> int:
+    return len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
+
+
+def obs_row_bytes(obs, i: int) -> bytes:
+    """Row ``i`` as bytes: what glues a continuation chunk to its episode without an id."""
+    if isinstance(obs, dict):
+        return b"".join(v[i].tobytes() for v in obs.values())
+    return obs[i].tobytes()
+
+
+def stack_obs(rows: list):
+    """Per-step observations (arrays, or dicts of leaf values) as one observation batch."""
+    if rows and isinstance(rows[0], dict):
+        return {k: np.stack([np.asarray(r[k]) for r in rows]) for k in rows[0]}
+    arr = np.asarray(rows)
+    return arr if arr.dtype == np.uint8 else arr.astype(np.float32)   # images stay bytes
+
+
+def obs_steps(obs) -> list:
+    """The inverse of ``stack_obs``: one observation per row (dicts of leaf rows)."""
+    if isinstance(obs, dict):
+        return [{k: v[i] for k, v in obs.items()} for i in range(obs_rows(obs))]
+    return obs
+
+
 def new_episode_id() -> str:
     return f"{os.getpid():x}-{next(_ids):x}"
 
@@ -83,8 +123,9 @@ class Episode:
 
     def finalize(self) -> "Episode":
         """Turn the step lists into numpy arrays (in place) and return self."""
-        self.obs = np.asarray(self.obs, dtype=np.float32)
-        n = len(self.obs) - 1
+        if isinstance(self.obs, list):
+            self.obs = stack_obs(self.obs)
+        n = obs_rows(self.obs) - 1
         self.actions = np.asarray(self.actions)
         if self.actions.dtype.kind in "iub" or n == 0:
             self.actions = self.actions.astype(np.int64)
@@ -99,7 +140,7 @@ class Episode:
         """The RLlink episode dict (numpy arrays; ``encode_json`` turns them into lists)."""
         self.finalize()
         d = {
-            OBS: self.obs,
+            OBS: obs_steps(self.obs),
             ACTIONS: self.actions,
             REWARDS: self.rewards,
             ACTION_DIST_INPUTS: self.action_dist_inputs,
@@ -183,7 +224,8 @@ class EpisodeBatch:
         """Chunk ``i`` as an Episode whose arrays are views into this batch."""
         a, b = self.offsets[i], self.offsets[i + 1]
         ep = Episode.__new__(Episode)
-        ep.obs = self.obs[self.obs_first[i]:self.obs_last[i] + 1]
+        rows = slice(self.obs_first[i], self.obs_last[i] + 1)
+        ep.obs = obs_map(lambda v: v[rows], self.obs)
         ep.actions, ep.rewards = self.actions[a:b], self.rewards[a:b]
         ep.action_dist_inputs, ep.action_logp = self.action_dist_inputs[a:b], self.action_logp[a:b]
         ep.is_terminated, ep.is_truncated = bool(self.is_terminated[i]), bool(self.is_truncated[i])
@@ -213,9 +255,9 @@ class EpisodeBatch:
         """The chunks where the boolean mask ``keep`` is true, in order."""
         keep = np.asarray(keep, bool)
         steps = np.repeat(keep, self.lengths)
-        obs_rows = np.repeat(keep, self.lengths + 1)
+        obs_keep = np.repeat(keep, self.lengths + 1)
         return EpisodeBatch(
-            obs=self.obs[obs_rows], actions=self.actions[steps], rewards=self.rewards[steps],
+            obs=obs_map(lambda v: v[obs_keep], self.obs), actions=self.actions[steps], rewards=self.rewards[steps],
             action_dist_inputs=self.action_dist_inputs[steps], action_logp=self.action_logp[steps],
             lengths=self.lengths[keep], is_terminated=self.is_terminated[keep],
             is_truncated=self.is_truncated[keep], weights_seq_no=self.weights_seq_no[keep],
@@ -231,8 +273,9 @@ class EpisodeBatch:
         if any(b.episode_ids is not None for b in batches):
             ids = [e for b in batches for e in (b.episode_ids or [None] * b.num_chunks)]
         return cls(**{k: np.concatenate([getattr(b, k) for b in batches])
-                      for k in ("obs", "actions", "rewards", "action_dist_inputs", "action_logp", "lengths",
-                                "is_terminated", "is_truncated", "weights_seq_no")}, episode_ids=ids)
+                      for k in ("actions", "rewards", "action_dist_inputs", "action_logp", "lengths",
+                                "is_terminated", "is_truncated", "weights_seq_no")},
+                   obs=obs_concat([b.obs for b in batches]), episode_ids=ids)
 
     @classmethod
     def from_episodes(cls, episodes: list) -> "EpisodeBatch":
@@ -250,7 +293,7 @@ class EpisodeBatch:
             return np.concatenate([getattr(e, field) for e in stepped])
 
         ids = [e.id for e in eps]
-        return cls(obs=np.concatenate([e.obs for e in eps]), actions=steps(ACTIONS), rewards=steps(REWARDS),
+        return cls(obs=obs_concat([e.obs for e in eps]), actions=steps(ACTIONS), rewards=steps(REWARDS),
                    action_dist_inputs=steps(ACTION_DIST_INPUTS), action_logp=steps(ACTION_LOGP),
                    lengths=[len(e) for e in eps], is_terminated=[e.is_terminated for e in eps],
                    is_truncated=[e.is_truncated for e in eps],
@@ -279,10 +322,10 @@ class Rollout:
         self._bufs: dict[str, np.ndarray] | None = None
         self._final_obs: list[tuple] = []  # (step, envs that ended, their final obs)
 
-    def start(self, obs: np.ndarray) -> None:
-        """Begin a rollout from ``obs`` (one row per env)."""
+    def start(self, obs) -> None:
+        """Begin a rollout from ``obs`` (one row per env; a dict of leaves for a Dict space)."""
         self.t = 0
-        self._obs0 = np.array(obs, np.float32)  # a copy: envs reuse their arrays
+        self._obs0 = obs_map(np.array, obs)  # a copy: envs reuse their arrays
 
     def record(self, actions, action_dist_inputs, action_logp, obs, rewards, terminated, truncated,
                final_obs=None) -> None:
@@ -296,23 +339,30 @@ class Rollout:
                       REWARDS: rewards, TERMINATED: terminated, TRUNCATED: truncated}
             T, K = self.steps, self.num_envs
             self._bufs = {k: np.zeros((T, K, *np.shape(v)[1:]), np.asarray(v).dtype) for k, v in fields.items()}
-            self._bufs[OBS] = np.zeros((T + 1, K, *np.shape(obs)[1:]), np.float32)
+            self._obs = obs_map(lambda v: np.zeros((T + 1, K, *v.shape[1:]), v.dtype), obs)
         t, bufs = self.t, self._bufs
         if t == 0:
             self._final_obs = []
-            bufs[OBS][0] = self._obs0
+            self._write_obs(0, self._obs0)
             bufs[TERMINATED][:] = bufs[TRUNCATED][:] = False
         bufs[ACTIONS][t] = actions
         bufs[ACTION_DIST_INPUTS][t] = action_dist_inputs
         bufs[ACTION_LOGP][t] = action_logp
         bufs[REWARDS][t] = rewards
-        bufs[OBS][t + 1] = obs
+        self._write_obs(t + 1, obs)
         if final_obs is not None:  # where an env ended, the step led to its final obs, not the reset one
             bufs[TERMINATED][t] = terminated
             bufs[TRUNCATED][t] = truncated
             ended = np.flatnonzero(np.asarray(terminated) | np.asarray(truncated))
-            self._final_obs.append((t, ended, np.array(np.asarray(final_obs)[ended], np.float32)))
+            self._final_obs.append((t, ended, obs_map(lambda v: np.array(v[ended]), final_obs)))
         self.t = t + 1
+
+    def _write_obs(self, t: int, obs) -> None:
+        if isinstance(obs, dict):
+            for k, v in obs.items():
+                self._obs[k][t] = v
+        else:
+            self._obs[t] = obs
 
     def batch(self, weights_seq_no: int | None = None) -> EpisodeBatch | None:
         """The recorded steps as RLlink chunks, env by env (copies; None if nothing was
@@ -336,15 +386,23 @@ class Rollout:
         n = len(lengths)
         # A chunk's observations: the one its first step saw, then each step's next one
         # (which, where an env ended, is its final obs, not the reset one it saw next).
-        seen, following = env_major(b[OBS]), env_major(b[OBS][1:])
-        for t, ended, final in self._final_obs:
-            following[ended * T + t] = final
-        obs = np.empty((K * T + n, *seen.shape[1:]), np.float32)
         first_rows = first + np.arange(n)
-        rest = np.ones(len(obs), bool)
+        rest = np.ones(K * T + n, bool)
         rest[first_rows] = False
-        obs[first_rows] = seen[first]
-        obs[rest] = following
+
+        def chunk_obs(buf, final_of):
+            seen, following = env_major(buf), env_major(buf[1:])
+            for t, ended, final in self._final_obs:
+                following[ended * T + t] = final_of(final)
+            obs = np.empty((K * T + n, *seen.shape[1:]), seen.dtype)
+            obs[first_rows] = seen[first]
+            obs[rest] = following
+            return obs
+
+        if isinstance(self._obs, dict):
+            obs = {k: chunk_obs(buf, lambda final, k=k: final[k]) for k, buf in self._obs.items()}
+        else:
+            obs = chunk_obs(self._obs, lambda final: final)
         batch = EpisodeBatch(
             obs=obs, actions=env_major(b[ACTIONS]), rewards=env_major(b[REWARDS]).astype(np.float32),
             action_dist_inputs=env_major(b[ACTION_DIST_INPUTS]).astype(np.float32),

@@ -43,12 +43,8 @@ def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: in
     running, returns = np.zeros(K), []
     while len(returns) < episodes:
         out = policy.logits(obs)
-        if stochastic:
-            actions, _ = sampler.sample(out)
-        elif spec.continuous:
-            actions = out[:, :out.shape[1] // 2]           # the mean
-        else:
-            actions = out.argmax(axis=1)
+        # Greedy: every part's most likely value (a masked action never is: its logit is -1e9).
+        actions = sampler.sample(out)[0] if stochastic else sampler.greedy(out)
         obs, rewards, terminated, truncated, _ = envs.step(actions)
         running += rewards
         for k in np.flatnonzero(terminated | truncated):

@@ -18,9 +18,10 @@ from collections import deque
 import numpy as np
 
 from shmrl import rllink
-from shmrl.envs import Discrete, EnvSpec
-from shmrl.episode import EpisodeBatch
+from shmrl.envs import EnvSpec
+from shmrl.episode import EpisodeBatch, obs_row_bytes
 from shmrl.onnx_graph import ModelTemplate
+from shmrl.spaces import MASK_KEY
 from shmrl.onnx_policy import encode_onnx_file
 from shmrl.stats import RunningMeanStd, discounted_sums
 
@@ -65,7 +66,7 @@ class EpisodeStore:
         ids = batch.episode_ids
         obs, first, last = batch.obs, batch.obs_first.tolist(), batch.obs_last.tolist()
         before = [self._open.pop((conn_id, "id", ids[i]) if ids is not None and ids[i] is not None
-                                 else (conn_id, "obs", obs[first[i]].tobytes()), (0.0, 0, 0.0))
+                                 else (conn_id, "obs", obs_row_bytes(obs, first[i])), (0.0, 0, 0.0))
                   for i in range(batch.num_chunks)]
         discounted = self._discounted_returns(batch, [b[2] for b in before])
         for i, (ret, length, done) in enumerate(zip(batch.chunk_returns().tolist(), batch.lengths.tolist(),
@@ -77,7 +78,7 @@ class EpisodeStore:
                 self.episodes_completed += 1
             else:
                 eid = ids[i] if ids is not None else None
-                key = (conn_id, "id", eid) if eid is not None else (conn_id, "obs", obs[last[i]].tobytes())
+                key = (conn_id, "id", eid) if eid is not None else (conn_id, "obs", obs_row_bytes(obs, last[i]))
                 self._open[key] = (ret, length, discounted[i])
         if batch.num_steps:
             if self.first_steps_at is None:
@@ -179,27 +180,25 @@ class EpisodeStore:
 
 
 def check_episodes(batch: EpisodeBatch, spec: EnvSpec) -> str | None:
-    """Why validated chunks do not fit the environment, or None."""
-    if batch.num_chunks and batch.obs.shape[1:] != tuple(spec.obs_shape):
-        return f"obs shape {batch.obs.shape[1:]} does not match the environment's {tuple(spec.obs_shape)}"
+    """Why validated chunks do not fit the environment, or None; fitting ones get their
+    observations and actions in the stored dtypes (an image's JSON integers as bytes)."""
+    if batch.num_chunks:
+        why, obs = spec.obs.check(batch.obs)
+        if why:
+            return why
+        batch.obs = obs
     if not batch.num_steps:
         return None
-    space, actions = spec.action_space, batch.actions
-    if batch.action_dist_inputs.shape[1:] != (spec.policy_outputs,):
-        return f"action_dist_inputs shape {batch.action_dist_inputs.shape[1:]} != ({spec.policy_outputs},)"
-    if isinstance(space, Discrete):
-        if actions.dtype.kind != "i" or actions.ndim != 1:
-            return f"actions must be integers for Discrete({space.n}), got {actions.dtype} {actions.shape}"
-        if actions.min() < 0 or actions.max() >= space.n:
-            return f"action out of range for Discrete({space.n})"
-    else:  # Box: sampled from a Gaussian, so any finite value (the env clips what it applies)
-        shape = tuple(space.shape)
-        if actions.ndim == 1 and shape == (1,):
-            actions = actions.reshape(len(actions), 1)
-        if actions.shape[1:] != shape or actions.dtype.kind != "f":
-            return f"actions shape {batch.actions.shape[1:]} ({batch.actions.dtype}) does not match the action space {shape}"
-        batch.actions = actions
-    return None
+    layout, actions = spec.actions, batch.actions
+    if batch.action_dist_inputs.shape[1:] != (layout.dist_size,):
+        return f"action_dist_inputs shape {batch.action_dist_inputs.shape[1:]} != ({layout.dist_size},)"
+    if layout.single_box and actions.ndim == 1 and layout.action_size == 1:
+        actions = batch.actions = actions.reshape(len(actions), 1)
+    mask = None
+    if spec.obs.mask is not None:   # the mask each action was taken under: the obs of its step
+        chunk_of_step = np.repeat(np.arange(batch.num_chunks), batch.lengths)
+        mask = batch.obs[MASK_KEY][np.arange(batch.num_steps) + chunk_of_step]
+    return layout.check(actions, mask)
 
 
 class Hub:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shmrl.episode import EpisodeBatch
-from shmrl.onnx_policy import OBS_CLIP, PolicyNet, init_mlp_weights, with_log_std
+from shmrl.net import OBS_CLIP, PolicyNet
 from shmrl.stats import RunningMeanStd, discounted_sums
 
 HALF_LOG_2PI = 0.5 * float(np.log(2 * np.pi))
@@ -93,8 +93,8 @@ class FlatAdam:
 
 @dataclass
 class Batch:
-    """One training batch, flat over all steps of all chunks (numpy, float32/int64)."""
-    obs: np.ndarray         # as the networks see them: normalized where the policy normalizes
+    """One training batch, flat over all steps of all chunks (numpy)."""
+    obs: dict               # {leaf: rows}, as the networks take them (normalized where asked)
     actions: np.ndarray
     logp: np.ndarray        # behaviour log-probabilities the clients reported
     advantages: np.ndarray
@@ -104,66 +104,141 @@ class Batch:
         return len(self.actions)
 
 
+class Normalizer:
+    """Running mean and variance of every normalized observation leaf, and the
+    normalization the published graph's first nodes apply (``shmrl.net.Encoder``):
+    cast, scale, subtract the mean, divide by the std, clip to +-10. In numpy: the learner
+    normalizes a batch once, not every minibatch."""
+
+    def __init__(self, net: PolicyNet):
+        self.leaves = [leaf for leaf in net.leaves if leaf.name in net.normalized]
+        self.stats = {leaf.name: RunningMeanStd(leaf.shape) for leaf in self.leaves}
+
+    def scaled(self, leaf, values: np.ndarray) -> np.ndarray:
+        values = values.astype(np.float32, copy=False)
+        return values * np.float32(leaf.scale) if leaf.scale != 1.0 else values
+
+    def __call__(self, obs: dict) -> dict:
+        out = dict(obs)
+        for leaf in self.leaves:
+            stats = self.stats[leaf.name]
+            inv_std = (1.0 / np.sqrt(stats.var + 1e-8)).astype(np.float32)
+            out[leaf.name] = np.clip((self.scaled(leaf, obs[leaf.name]) - stats.mean.astype(np.float32)) * inv_std,
+                                     -OBS_CLIP, OBS_CLIP)
+        return out
+
+    def update(self, obs: dict) -> None:
+        for leaf in self.leaves:
+            self.stats[leaf.name].update(self.scaled(leaf, obs[leaf.name]))
+
+    def published(self) -> dict:
+        return {name: (s.mean, s.var) for name, s in self.stats.items()}
+
+    def get_state(self) -> dict:
+        return {k: v for name, s in self.stats.items() for k, v in s.get_state(f"obs_stats.{name}").items()}
+
+    def set_state(self, arrays: dict) -> None:
+        for name, s in self.stats.items():
+            s.set_state(arrays, f"obs_stats.{name}")
+
+
+def tensor(x: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``x``'s memory, or of a copy where ``x`` is a read-only view (a
+    decoded message's arrays are)."""
+    return torch.from_numpy(x if x.flags.writeable and x.flags.c_contiguous else np.array(x))
+
+
+def as_leaves(obs, net: PolicyNet) -> dict:
+    """Observations as {leaf name: rows}: a plain array is the single leaf's."""
+    return obs if isinstance(obs, dict) else {net.spec.obs.leaves[0].name: obs}
+
+
 class PPO:
     def __init__(self, net: PolicyNet, config: PPOConfig, seed: int = 0,
                  initial_weights: dict[str, np.ndarray] | None = None):
-        """``net``: the published policy (layer sizes, activation, observation normalization),
-        whose actor PPO trains beside a critic of the same shape. ``initial_weights``: the
-        policy to start from, as published (``shmrl.run`` publishes the first one before torch
-        is loaded); by default ``net``'s own first weights for ``seed``."""
-        self.net, self.config, self.continuous = net, config, net.spec.continuous
+        """``net``: the actor (published) and the critic (``shmrl.net``). ``initial_weights``:
+        the policy to start from, as published (``shmrl.run`` publishes the first one before
+        torch is loaded); by default ``net``'s own first weights for ``seed``."""
+        self.net, self.config, self.layout = net, config, net.spec.actions
+        self.continuous = self.layout.single_box
         self.rng = np.random.default_rng(seed)
-        d = net.action_dims
-        actor_weights = net.mlp(initial_weights if initial_weights is not None else net.initial_weights(seed))
-        mean_sizes = [*net.sizes[:-1], d]
-        if self.continuous:  # the published last layer is [means; log-std rows]: take it apart
-            *hidden, w, b = actor_weights
-            actor_weights = [*hidden, w[:d], b[:d]]
-            self.log_std = nn.Parameter(torch.tensor(b[d:], dtype=torch.float32))
-        self.actor = mlp(mean_sizes, actor_weights, net.activation)
-        params = [*self.actor.parameters(), *([self.log_std] if self.continuous else [])]
-        critic_sizes = [*net.sizes[:-1], 1]
-        self.critic = mlp(critic_sizes, init_mlp_weights(critic_sizes, 1.0, np.random.default_rng([seed, 1])),
-                          net.activation)
-        # Observations are normalized with these statistics on their way into both networks:
-        # in the published graph for the actor, in make_batch for the learner.
-        self.obs_stats = RunningMeanStd(net.spec.obs_shape) if net.normalize_obs else None
-        # Flat parameter order: actor, its log-std (Box), critic.
-        self.optimizer = FlatAdam([*params, *self.critic.parameters()], lr=config.lr)
+        init = net.init_params(seed)
+        log_std = np.full(len(net.log_std_rows), net.log_std_init, np.float32)
+        if initial_weights is not None:   # the actor as published; the critic drawn as always
+            actor, log_std = net.split_published(initial_weights)
+            init.update({k: v for k, v in actor.items() if k in init})
+        self.params = {name: nn.Parameter(torch.tensor(init[name], dtype=torch.float32))
+                       for name, _, _ in net.trained_params()}
+        self.log_std = nn.Parameter(torch.tensor(log_std, dtype=torch.float32)) if len(log_std) else None
+        self.normalizer = Normalizer(net) if net.normalized else None
+        # Flat parameter order: the actor's (names not vf.), its log-std, the critic's.
+        actor = [p for name, p in self.params.items() if not name.startswith("vf.")]
+        critic = [p for name, p in self.params.items() if name.startswith("vf.")]
+        self.optimizer = FlatAdam([*actor, *([self.log_std] if self.log_std is not None else []), *critic],
+                                  lr=config.lr)
 
     def published_weights(self) -> dict[str, np.ndarray]:
-        """The policy as the ONNX graph takes it: the actor (the log-std in its last layer's
-        extra rows, for a Box) and the observation statistics."""
-        weights = [p.detach().numpy() for p in self.actor.parameters()]
-        if self.continuous:
-            weights = with_log_std(weights, self.log_std.detach().numpy())
-        stats = self.obs_stats
-        return self.net.weights(weights, *((stats.mean, stats.var) if stats is not None else ()))
+        """The policy as the ONNX graph takes it: the actor, its log-std in the head's extra
+        rows, and the observation statistics."""
+        params = {name: p.detach().numpy() for name, p in self.params.items()}
+        log_std = self.log_std.detach().numpy() if self.log_std is not None else None
+        return self.net.publish_weights(params, log_std, self.normalizer.published() if self.normalizer else None)
 
-    def normalize(self, obs: np.ndarray) -> np.ndarray:
-        """Observations as the networks see them (what the published graph's first nodes do)."""
-        stats = self.obs_stats
-        if stats is None:
-            return obs
-        inv_std = (1.0 / np.sqrt(stats.var + 1e-8)).astype(np.float32)
-        return np.clip((obs - stats.mean.astype(np.float32)) * inv_std, -OBS_CLIP, OBS_CLIP)
+    def normalize(self, obs) -> dict:
+        """Observations as the networks take them ({leaf: rows}; normalized leaves as the
+        published graph's first nodes make them)."""
+        obs = as_leaves(obs, self.net)
+        return self.normalizer(obs) if self.normalizer is not None else obs
 
-    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor,
+    def forward(self, obs: dict, values: bool = True):
+        """(actor output, values or None) for observations as the networks take them."""
+        t = {k: tensor(v) if isinstance(v, np.ndarray) else v for k, v in obs.items()}
+        if values:
+            return self.net.both_torch(self.params, t)
+        return self.net.actor_torch(self.params, t), None
+
+    def log_prob(self, out: torch.Tensor, actions: torch.Tensor,
                  entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log-probability of ``actions``, entropy or None), per row, under the current policy."""
-        out = self.actor(obs)
-        if self.continuous:  # diagonal Gaussian
-            std = self.log_std.exp()
-            logp = (-0.5 * ((actions - out) / std) ** 2 - self.log_std - HALF_LOG_2PI).sum(-1)
-            return logp, (self.log_std + 0.5 + HALF_LOG_2PI).sum().expand(len(obs)) if entropy else None
-        logp_all = torch.log_softmax(out, dim=-1)
-        logp = logp_all.gather(1, actions[:, None]).squeeze(1)
-        return logp, -(logp_all.exp() * logp_all).sum(-1) if entropy else None
+        """(log-probability of ``actions``, entropy or None), per row, of the distribution
+        whose trained inputs (logits, means) are ``out``; a Gaussian's log-std is a
+        parameter of its own (state-independent)."""
+        layout = self.layout
+        if layout.single_discrete:
+            logp_all = torch.log_softmax(out, dim=-1)
+            logp = logp_all.gather(1, actions[:, None]).squeeze(1)
+            return logp, -(logp_all.exp() * logp_all).sum(-1) if entropy else None
+        if layout.single_box:
+            return self._gaussian(out, actions, self.log_std, entropy)
+        logp = torch.zeros(len(out))
+        ent = torch.zeros(len(out)) if entropy else None
+        o = s = 0   # columns of out (trained rows) and of the log-stds
+        for part, _, cols in layout.slices():
+            if part.kind == "categorical":
+                logp_all = torch.log_softmax(out[:, o:o + part.size], dim=-1)
+                logp = logp + logp_all.gather(1, actions[:, cols.start:cols.start + 1].long()).squeeze(1)
+                if entropy:
+                    ent = ent - (logp_all.exp() * logp_all).sum(-1)
+            else:
+                lp, e = self._gaussian(out[:, o:o + part.size], actions[:, cols].float(),
+                                       self.log_std[s:s + part.size], entropy)
+                logp = logp + lp
+                if entropy:
+                    ent = ent + e
+                s += part.size
+            o += part.size
+        return logp, ent
+
+    @staticmethod
+    def _gaussian(mean, actions, log_std, entropy):
+        std = log_std.exp()
+        logp = (-0.5 * ((actions - mean) / std) ** 2 - log_std - HALF_LOG_2PI).sum(-1)
+        return logp, (log_std + 0.5 + HALF_LOG_2PI).sum().expand(len(mean)) if entropy else None
 
     @torch.inference_mode()
-    def values(self, obs: np.ndarray) -> np.ndarray:
-        """V of observations as the networks see them (normalized)."""
-        return self.critic(torch.tensor(obs)).squeeze(-1).numpy()  # a copy: obs may be read-only
+    def values(self, obs: dict) -> np.ndarray:
+        """V of observations as the networks take them (normalized, where they are)."""
+        t = {k: tensor(v) for k, v in as_leaves(obs, self.net).items()}
+        return self.net.critic_torch(self.params, t).numpy().copy()
 
     def make_batch(self, chunks: EpisodeBatch, reward_scale: float | None = None) -> Batch:
         """GAE over episode chunks, with no Python loop over steps or chunks.
@@ -196,7 +271,7 @@ class PPO:
         advantages = discounted_sums(padded, cfg.gamma * cfg.gae_lambda, reverse=True)[chunk_of_step, col]
 
         return Batch(
-            obs=obs[step_idx],
+            obs={k: v[step_idx] for k, v in obs.items()},
             actions=np.array(chunks.actions),  # copies: decoded arrays may be read-only views
             logp=np.array(chunks.action_logp),
             advantages=advantages.astype(np.float32),
@@ -206,8 +281,8 @@ class PPO:
     def update_obs_stats(self, chunks: EpisodeBatch) -> None:
         """Take a batch's observations into the running statistics (after training on it:
         the batch was normalized with the statistics its policy was published with)."""
-        if self.obs_stats is not None:
-            self.obs_stats.update(chunks.obs)
+        if self.normalizer is not None:
+            self.normalizer.update(as_leaves(chunks.obs, self.net))
 
     def update(self, batch: Batch, progress: float = 0.0) -> dict:
         """``epochs`` passes of clipped-surrogate minibatch steps over ``batch``. Returns the
@@ -217,29 +292,30 @@ class PPO:
         self.optimizer.lr = cfg.lr * max(1.0 - progress, 0.0) if cfg.lr_anneal else cfg.lr
         n = len(batch)
         mb = min(cfg.minibatch_size, n)
-        actions = batch.actions.astype(np.float32 if self.continuous else np.int64, copy=False)
-        obs, actions, logp_behaviour, returns = (torch.from_numpy(x) for x in (
-            batch.obs, actions, batch.logp, batch.returns))
+        actions = batch.actions.astype(self.layout.action_dtype, copy=False)
+        obs = {k: tensor(v) for k, v in batch.obs.items()}
+        actions, logp_behaviour, returns = (torch.from_numpy(x) for x in (actions, batch.logp, batch.returns))
         advantages = torch.from_numpy(batch.advantages)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
         stats = torch.zeros(5)  # pi_loss, v_loss, entropy, approx_kl, clip_frac
         for epoch in range(cfg.epochs):
             # One gather per epoch: each minibatch below is a slice (a view), not a copy.
             perm = torch.from_numpy(self.rng.permutation(n))
-            e_obs, e_actions, e_logp_b, e_adv, e_returns = (
-                x[perm] for x in (obs, actions, logp_behaviour, advantages, returns))
+            e_obs = {k: v[perm] for k, v in obs.items()}
+            e_actions, e_logp_b, e_adv, e_returns = (x[perm] for x in (actions, logp_behaviour, advantages, returns))
             last_epoch = epoch == cfg.epochs - 1
             for start in range(0, n - mb + 1, mb):
                 s = slice(start, start + mb)
+                out, values = self.net.both_torch(self.params, {k: v[s] for k, v in e_obs.items()})
                 # The entropy costs a few ops per step: only where the loss or the stats use it.
-                logp, entropy = self.log_prob(e_obs[s], e_actions[s], entropy=bool(cfg.ent_coef) or last_epoch)
+                logp, entropy = self.log_prob(out, e_actions[s], entropy=bool(cfg.ent_coef) or last_epoch)
                 # Ratio against the behaviour policy the client sampled with; the clamp
                 # keeps a client's absurd log-probability from producing inf.
                 log_ratio = torch.clamp(logp - e_logp_b[s], -20.0, 20.0)
                 ratio = log_ratio.exp()
                 adv = e_adv[s]
                 pi_loss = -torch.min(adv * ratio, adv * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)).mean()
-                v_loss = 0.5 * (self.critic(e_obs[s]).squeeze(-1) - e_returns[s]).pow(2).mean()
+                v_loss = 0.5 * (values - e_returns[s]).pow(2).mean()
                 loss = pi_loss + cfg.vf_coef * v_loss
                 if cfg.ent_coef:
                     loss = loss - cfg.ent_coef * entropy.mean()
@@ -263,14 +339,14 @@ class PPO:
         arrays = {"params": opt.flat.numpy().copy(), "exp_avg": opt.exp_avg.numpy().copy(),
                   "exp_avg_sq": opt.exp_avg_sq.numpy().copy(),
                   **{f"policy/{k}": v for k, v in self.published_weights().items()}}
-        if self.obs_stats is not None:
-            arrays.update(self.obs_stats.get_state("obs_stats"))
+        if self.normalizer is not None:
+            arrays.update(self.normalizer.get_state())
         return arrays, {"adam_t": opt.t, "rng": self.rng.bit_generator.state}
 
     def set_state(self, arrays: dict[str, np.ndarray], values: dict) -> None:
         opt = self.optimizer
-        if self.obs_stats is not None:
-            self.obs_stats.set_state(arrays, "obs_stats")
+        if self.normalizer is not None:
+            self.normalizer.set_state(arrays)
         for name, buf in (("params", opt.flat), ("exp_avg", opt.exp_avg), ("exp_avg_sq", opt.exp_avg_sq)):
             if arrays[name].shape != tuple(buf.shape):
                 raise ValueError(f"checkpoint {name!r} has {arrays[name].shape[0]} values, this network "

@@ -32,7 +32,8 @@ import numpy as np
 
 # The episode fields (RLlink's, and shmrl's optional ones) are defined with the episodes.
 from shmrl.episode import (ACTION_DIST_INPUTS, ACTION_LOGP, ACTIONS, EPISODE_ID, FLAG_ALIASES, OBS,
-                           REWARDS, STEP_FIELDS, TERMINATED, TRUNCATED, WEIGHTS_SEQ_NO, EpisodeBatch)
+                           REWARDS, STEP_FIELDS, TERMINATED, TRUNCATED, WEIGHTS_SEQ_NO, EpisodeBatch,
+                           obs_rows)
 
 
 class ProtocolError(ValueError):
@@ -238,13 +239,14 @@ class _Columns(dict):
     its own, so that no JSON object can pass for one)."""
 
 
-def episodes_body_bytes(steps: int, obs_size: int, action_size: int, dist_size: int) -> int:
+def episodes_body_bytes(steps: int, obs_bytes: int, action_size: int, dist_size: int, leaves: int = 1) -> int:
     """An upper bound on the binary body of an EPISODES message of ``steps`` env steps
-    (what a request ring must take): every field as float32 or int64, and as if every step
-    began a chunk of its own (an observation row, flags, version and id more)."""
-    per_step = 4 * obs_size + 8 * action_size + 4 * (2 + dist_size)
-    per_chunk = 4 * obs_size + 8 + 2 + 8 + 64
-    return 4096 + steps * (per_step + per_chunk)
+    (what a request ring must take): ``obs_bytes`` per observation row (all its leaves),
+    actions as int64 or float32, and as if every step began a chunk of its own (an
+    observation row, flags, version and id more); a descriptor per observation leaf."""
+    per_step = obs_bytes + 8 * action_size + 4 * (2 + dist_size)
+    per_chunk = obs_bytes + 8 + 2 + 8 + 64
+    return 4096 + 128 * leaves + steps * (per_step + per_chunk)
 
 
 def set_state_body_bytes(model_bytes: int) -> int:
@@ -346,8 +348,9 @@ def _too_big_int(value) -> bool:
     return False
 
 
-def _array(ep: dict, key: str, where: str, *, actions: bool = False) -> np.ndarray:
-    """Field `key` as float32 (or int64 for integer actions), one np.asarray for the lot."""
+def _array(ep: dict, key: str, where: str, *, actions: bool = False, integers: bool = False) -> np.ndarray:
+    """Field `key` as float32 (or int64 for integer actions; with ``integers``, integer
+    values stay integers: uint8 as uint8, others as int64), one np.asarray for the lot."""
     value = ep[key]
     try:
         arr = np.asarray(value)
@@ -368,6 +371,12 @@ def _array(ep: dict, key: str, where: str, *, actions: bool = False) -> np.ndarr
         raise ProtocolError(f"{where}: {key!r} is not an array of numbers (got {_kind_name(arr)})")
     if arr.ndim == 0:
         raise ProtocolError(f"{where}: {key!r} is a single value, expected a list")
+    if integers and kind in "iu":   # an observation of integers (an image, a Discrete): the env decides
+        if arr.dtype == np.uint8:
+            return arr
+        if kind == "u" and arr.size and arr.max() > _INT64_MAX:
+            raise ProtocolError(f"{where}: {key!r} holds an integer that does not fit int64")
+        return arr.astype(np.int64, copy=False)
     if actions and (kind in "iu" or (arr.size == 0 and not isinstance(value, np.ndarray))):
         # Discrete actions. An empty JSON list says nothing: int64 (0,) is the likelier case.
         if kind == "u" and arr.size and arr.max() > _INT64_MAX:
@@ -377,6 +386,63 @@ def _array(ep: dict, key: str, where: str, *, actions: bool = False) -> np.ndarr
     if not np.isfinite(out).all():  # after the cast: 1e300 becomes inf in float32
         raise ProtocolError(f"{where}: non-finite value in {key!r}")
     return out
+
+
+_MAX_OBS_DEPTH = 8     # nesting of a Dict observation's JSON objects
+_MAX_OBS_LEAVES = 256
+
+
+def _obs(value, where: str):
+    """A chunk's observations: one array (rows x shape), or for a structured observation a
+    dict of arrays by leaf name. The JSON form of a structured observation is a list of one
+    object per step whose keys are the leaf names (nested objects flatten to dotted names:
+    {"state": {"pos": [...]}} is leaf "state.pos"); the binary form, a dict of arrays."""
+    if isinstance(value, dict):       # columnar (binary codec): leaf name -> array
+        leaves = value
+    elif isinstance(value, list) and value and isinstance(value[0], dict):
+        steps = [_flatten_obs(step, where) for step in value]
+        names = list(steps[0])
+        for i, step in enumerate(steps):
+            if list(step) != names:
+                raise ProtocolError(f"{where}: obs {i} has the keys {_show(sorted(step))}, obs 0 "
+                                    f"{_show(sorted(names))}")
+        leaves = {name: [step[name] for step in steps] for name in names}
+    else:
+        return _array({OBS: value}, OBS, where, integers=True)
+    if not leaves or len(leaves) > _MAX_OBS_LEAVES:
+        raise ProtocolError(f"{where}: 'obs' must have 1 to {_MAX_OBS_LEAVES} leaves, got {len(leaves)}")
+    out = {}
+    for name, values in leaves.items():
+        if not isinstance(name, str) or not name or len(name) > 200:
+            raise ProtocolError(f"{where}: obs leaf name {_show(name)} is not a short string")
+        out[name] = _array({OBS: values}, OBS, f"{where} obs {name!r}", integers=True)
+    if len({len(v) for v in out.values()}) > 1:
+        raise ProtocolError(f"{where}: the obs leaves have different numbers of rows")
+    return out
+
+
+def _flatten_obs(step, where: str, prefix: str = "", depth: int = 0) -> dict:
+    if not isinstance(step, dict):
+        raise ProtocolError(f"{where}: an observation object holds {type(step).__name__} beside objects")
+    if depth > _MAX_OBS_DEPTH:
+        raise ProtocolError(f"{where}: observation objects nest deeper than {_MAX_OBS_DEPTH}")
+    out = {}
+    for key, v in step.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(v, dict):
+            out.update(_flatten_obs(v, where, name, depth + 1))
+        else:
+            out[name] = v
+        if len(out) > _MAX_OBS_LEAVES:
+            raise ProtocolError(f"{where}: an observation has more than {_MAX_OBS_LEAVES} leaves")
+    return out
+
+
+def _obs_form(obs):
+    """What must agree between the chunks of one message: shapes and dtypes of the leaves."""
+    if isinstance(obs, dict):
+        return tuple(sorted((k, v.shape[1:], v.dtype.kind) for k, v in obs.items()))
+    return obs.shape[1:], obs.dtype.kind
 
 
 def _kind_name(arr: np.ndarray) -> str:
@@ -407,9 +473,9 @@ def _episode(ep, i: int) -> dict:
             raise ProtocolError(f"{where}: missing field {key!r}")
     actions = _array(ep, ACTIONS, where, actions=True)
     n = len(actions)
-    out = {OBS: _array(ep, OBS, where), ACTIONS: actions}
-    if len(out[OBS]) != n + 1:
-        raise ProtocolError(f"{where}: 'obs' has {len(out[OBS])} entries, expected len(actions)+1 = {n + 1}")
+    out = {OBS: _obs(ep[OBS], where), ACTIONS: actions}
+    if obs_rows(out[OBS]) != n + 1:
+        raise ProtocolError(f"{where}: 'obs' has {obs_rows(out[OBS])} entries, expected len(actions)+1 = {n + 1}")
     for key in (REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP):
         out[key] = arr = _array(ep, key, where)
         if len(arr) != n:
@@ -436,9 +502,9 @@ def _batch(episodes: list[dict], where: str) -> EpisodeBatch:
     first = episodes[0]
     stepped = [ep for ep in episodes if len(ep[ACTIONS])]
     for i, ep in enumerate(episodes):
-        if ep[OBS].shape[1:] != first[OBS].shape[1:]:
-            raise ProtocolError(f"{where}: episode {i} has observations of shape {ep[OBS].shape[1:]}, "
-                                f"episode 0 of {first[OBS].shape[1:]}: one message, one environment")
+        if _obs_form(ep[OBS]) != _obs_form(first[OBS]):
+            raise ProtocolError(f"{where}: episode {i} has observations of shape {_obs_form(ep[OBS])}, "
+                                f"episode 0 of {_obs_form(first[OBS])}: one message, one environment")
     for ep in stepped[1:]:
         for key in (ACTIONS, ACTION_DIST_INPUTS):
             a, b = ep[key], stepped[0][key]
@@ -470,9 +536,9 @@ def _columns(cols: dict, where: str) -> EpisodeBatch:
     n, total = len(lengths), int(lengths.sum())
     if len(actions) != total:
         raise ProtocolError(f"{where}: {len(actions)} actions, but 'lengths' add up to {total}")
-    obs = _array(cols, OBS, where)
-    if len(obs) != total + n:
-        raise ProtocolError(f"{where}: 'obs' has {len(obs)} rows, expected one more per chunk than "
+    obs = _obs(cols[OBS], where)
+    if obs_rows(obs) != total + n:
+        raise ProtocolError(f"{where}: 'obs' has {obs_rows(obs)} rows, expected one more per chunk than "
                             f"its steps: {total + n}")
     rows = {}
     for key in (REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP):

@@ -66,7 +66,9 @@ class RunConfig:
     vf_coef: float | None = None
     max_grad_norm: float | None = None
     hidden: int | None = None
+    layers: int | None = None
     activation: str | None = None
+    cnn: str | None = None
     log_std_init: float | None = None
     torch_threads: int | None = None
     transport: str = "shm"
@@ -205,22 +207,25 @@ def saved_policy(arrays: dict) -> dict:
 
 def policy_net(config: RunConfig, spec):
     """The published policy of this run's configuration."""
-    from shmrl.onnx_policy import PolicyNet
+    from shmrl.net import PolicyNet
 
     return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
-                     log_std_init=config.log_std_init)
+                     log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn)
 
 
 def ring_bytes(config: RunConfig, spec, net) -> dict:
     """Ring capacities that take every frame of this run: a simulator's EPISODES message
     (``env_steps_per_sample`` rounded up to whole steps of its envs) and a SET_STATE of
     this policy."""
+    import numpy as np
+
     from shmrl import rllink
     from shmrl.transport.shm import ShmServer, ring_bytes_for
 
     steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
-    action_size = math.prod(spec.action_space.shape) if spec.continuous else 1
-    request = rllink.episodes_body_bytes(steps, math.prod(spec.obs_shape), action_size, spec.policy_outputs)
+    leaves = spec.obs.leaves
+    obs_bytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
+    request = rllink.episodes_body_bytes(steps, obs_bytes, spec.actions.action_size, spec.policy_outputs, len(leaves))
     params = sum(math.prod(shape) for shape in net.template.shapes.values())
     reply = rllink.set_state_body_bytes(4 * params + 4096)   # float32 weights and the graph around them
     return {"request_ring_bytes": ring_bytes_for(8 + request, ShmServer.REQUEST_RING_BYTES),
@@ -555,8 +560,13 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
                         "+-10, inside the published ONNX policy: clients feed raw observations "
                         "(default: %(default)s)")
     g.add_argument("--hidden", type=int, default=d.hidden,
-                   help="units in each of the two hidden layers of the policy and value networks "
-                        "(default: %(default)s)")
+                   help="units in each hidden layer of the policy and value networks (default: %(default)s)")
+    g.add_argument("--layers", type=int, default=d.layers,
+                   help="hidden layers after the observation encoders (default: %(default)s)")
+    g.add_argument("--cnn", choices=("nature", "small"), default=d.cnn,
+                   help="CNN for image observations: the Nature CNN (8x8/4, 4x4/2, 3x3/1 convolutions and "
+                        "512 units) for images of 36x36 or more, else a small one (two 3x3 convolutions), "
+                        "or always the small one (default: %(default)s)")
     g.add_argument("--activation", choices=("ReLU", "Tanh"), default=d.activation,
                    help="activation of the hidden layers (default: %(default)s)")
     g.add_argument("--log-std-init", type=float, default=d.log_std_init,
@@ -623,6 +633,8 @@ def parse_args(argv=None) -> RunConfig:
                 "--ent-coef >= 0")
     if min(config.epochs, config.minibatch_size, config.hidden, config.torch_threads) < 1 or config.max_policy_lag < 0:
         p.error("--epochs, --minibatch-size, --hidden and --torch-threads must be >= 1, --max-policy-lag >= 0")
+    if config.layers < 0:
+        p.error("--layers must be >= 0")
     if config.log_every is not None and config.log_every < 0:
         p.error("--log-every must be >= 0")
     if config.vf_coef < 0 or config.max_grad_norm <= 0:

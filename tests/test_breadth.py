@@ -73,9 +73,15 @@ def make_nothing():
     return None
 
 
-def make_image_env():
+def make_text_env():
     env = Drift()
-    env.observation_space = spaces.Box(0.0, 1.0, (8, 8), np.float32)
+    env.observation_space = spaces.Text(10)
+    return env
+
+
+def make_integer_action_env():
+    env = Drift()
+    env.action_space = spaces.Box(0, 3, (2,), np.int64)
     return env
 '''
 
@@ -147,7 +153,7 @@ def episode(obs_dim: int, actions: list, dist_size: int) -> EpisodeBatch:
 
 @pytest.mark.parametrize("make_chunk, problem", [
     (lambda: episode(6, [0, 1, 2], 3), None),
-    (lambda: episode(4, [0, 1, 2], 3), "obs shape"),
+    (lambda: episode(4, [0, 1, 2], 3), "the environment's is (6,)"),
     (lambda: episode(6, [0, 3, 1], 3), "out of range"),
     (lambda: episode(6, [0.5, 1.0], 3), "must be integers"),
     (lambda: episode(6, [0, 1], 2), "action_dist_inputs shape"),
@@ -195,12 +201,12 @@ def test_a_closure_is_an_env_for_training_from_python(tmp_path, no_shm_leftovers
     ("Nope-v0", "unknown environment 'Nope-v0'"),
     ("gym:Nope-v0", "gym:Nope-v0: Environment `Nope` doesn't exist"),
     ("gym:CartPole-v9", "gym:CartPole-v9: Environment version `v9`"),
-    ("gym:FrozenLake-v1", "the observation space must be a Box"),
     ("no_such_module_xyz:make_env", "cannot load make_env from no_such_module_xyz"),
     ("user_envs.drift:no_such_factory", "cannot load no_such_factory from user_envs.drift"),
     ("user_envs.drift:np", "np is a module, not a function that makes an env"),
     ("user_envs.drift:make_nothing", "made 'NoneType', not an env"),
-    ("user_envs.drift:make_image_env", "observations must be 1-D"),
+    ("user_envs.drift:make_text_env", "no observation shmrl can encode"),
+    ("user_envs.drift:make_integer_action_env", "unsupported action space Box"),
 ])
 def test_bad_env_strings_are_clear_errors(env, message, user_envs_importable, capsys):
     with pytest.raises(SystemExit) as exit:

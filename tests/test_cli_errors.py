@@ -141,7 +141,7 @@ def test_a_simulator_whose_env_does_not_fit_the_servers_policy(start_run, tmp_pa
     run.wait_for("listening for RLlink clients on", timeout=60)
     port = run.output().split("listening for RLlink clients on ")[1].split()[0].rsplit(":", 1)[1]
     proc = command("shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", "Pendulum-v1", "--timeout", 30)
-    assert_one_line_error(proc, "maps 4 inputs to 2 outputs; Pendulum-v1 needs 3 to 2")
+    assert_one_line_error(proc, "input 'onnx::Gemm_0' takes (4,); Pendulum-v1's observation 'obs' is (3,)")
 
 
 def test_bad_command_lines_of_eval(trained, tmp_path):
@@ -150,6 +150,6 @@ def test_bad_command_lines_of_eval(trained, tmp_path):
     policy = trained / "policy.onnx"
     assert_one_line_error(command("shmrl.eval", tmp_path / "nope.onnx"), "nope.onnx", "No such file")
     assert_one_line_error(command("shmrl.eval", garbage), "not an ONNX model")
-    assert_one_line_error(command("shmrl.eval", policy, "--env", "Pendulum-v1"), "Pendulum-v1 needs 3 to 2")
+    assert_one_line_error(command("shmrl.eval", policy, "--env", "Pendulum-v1"), "Pendulum-v1's observation 'obs' is (3,)")
     assert_one_line_error(command("shmrl.eval", policy, "--episodes", 0), "--episodes")
     assert_one_line_error(command("shmrl.eval", policy, "--env", "gym:Nope-v0"), "doesn't exist")

@@ -13,15 +13,26 @@ from shmrl.envs import Box, EnvSpec, Pendulum, env_spec
 from shmrl.episode import EpisodeBatch
 from shmrl.eval import evaluate
 from shmrl.learner import Learner
-from shmrl.onnx_policy import OnnxPolicy, PolicyNet, init_mlp_weights, with_log_std
+from shmrl.net import PolicyNet
+from shmrl.onnx_policy import OnnxPolicy, init_mlp_weights, with_log_std
+from shmrl.spaces import Sampler, action_layout
 from shmrl.ppo import PPO, PPOConfig
-from shmrl.sim import GaussianSampler, run_simulator
+from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer
 from test_envs import step_beside_gymnasium
 
 
 # A Box observation of 3 and a Box action of 2 dimensions.
 Box2D = EnvSpec("box2d", Box((-1.0,) * 3, (1.0,) * 3, (3,)), Box((-1.0, -1.0), (1.0, 1.0), (2,)))
+
+
+def gaussian_sampler(d: int, seed: int) -> Sampler:
+    return Sampler(action_layout(Box((-1.0,), (1.0,), (d,))), np.random.default_rng(seed))
+
+
+def named(mlp: list) -> dict:
+    """An MLP's weights (w0, b0, w1, b1, w2, b2) by the names of PolicyNet's graph."""
+    return dict(zip(("pi.0.w", "pi.0.b", "pi.1.w", "pi.1.b", "pi.head.w", "pi.head.b"), mlp))
 
 
 def gaussian_inputs(mean, log_std, rows: int = 1) -> np.ndarray:
@@ -33,7 +44,7 @@ def test_gaussian_sampler_logp_is_the_normal_density():
     rng = np.random.default_rng(0)
     mean, log_std = rng.normal(size=(500, 3)), rng.uniform(-2.0, 1.0, size=(500, 3))
     inputs = np.concatenate([mean, log_std], axis=1).astype(np.float32)
-    actions, logp = GaussianSampler(np.random.default_rng(1)).sample(inputs)
+    actions, logp = gaussian_sampler(3, 1).sample(inputs)
     assert actions.shape == (500, 3) and logp.shape == (500,)
     normal = torch.distributions.Normal(torch.from_numpy(inputs[:, :3]), torch.from_numpy(inputs[:, 3:]).exp())
     expected = normal.log_prob(torch.from_numpy(np.asarray(actions, np.float32))).sum(-1).numpy()
@@ -43,7 +54,7 @@ def test_gaussian_sampler_logp_is_the_normal_density():
 def test_gaussian_sampler_draws_have_the_policy_mean_and_std():
     mean, std = np.array([0.5, -1.0]), np.array([0.3, 2.0])
     n = 40_000
-    actions, _ = GaussianSampler(np.random.default_rng(2)).sample(gaussian_inputs(mean, np.log(std), n))
+    actions, _ = gaussian_sampler(2, 2).sample(gaussian_inputs(mean, np.log(std), n))
     # Five standard errors: a wrong mean, a swapped std or std where exp(log_std) belongs fail.
     assert np.all(np.abs(actions.mean(axis=0) - mean) < 5 * std / math.sqrt(n))
     np.testing.assert_allclose(actions.std(axis=0), std, rtol=0.02)
@@ -54,20 +65,21 @@ def test_ppo_log_prob_equals_the_logp_sampled_from_its_published_onnx_policy():
     """Two action dimensions, non-trivial means and log-stds: the learner reads the ONNX
     output as [means, log-stds] exactly as the sampler does, so its first ratio is 1."""
     obs_dim, d = 3, 2
-    weights = with_log_std(init_mlp_weights([obs_dim, 64, 64, d], 1.0, np.random.default_rng(0)), [-0.5, 0.4])
     net = PolicyNet(Box2D, 64, "ReLU")
-    ppo = PPO(net, PPOConfig(), initial_weights=net.weights(weights))
-    for mine, given in zip(net.mlp(ppo.published_weights()), weights):   # what it publishes after an update
-        np.testing.assert_array_equal(mine, given)
-    policy = OnnxPolicy(net.template.publish(net.weights(weights)))
+    weights = named(with_log_std(init_mlp_weights([obs_dim, 64, 64, d], 1.0, np.random.default_rng(0)), [-0.5, 0.4]))
+    ppo = PPO(net, PPOConfig(), initial_weights=weights)
+    for name, mine in ppo.published_weights().items():     # what it publishes after an update
+        np.testing.assert_array_equal(mine, weights[name])
+    policy = OnnxPolicy(net.template.publish(weights))
     obs = np.random.default_rng(1).normal(size=(256, obs_dim)).astype(np.float32)
     out = policy.logits(obs)
     with torch.no_grad():
-        np.testing.assert_allclose(out[:, :d], ppo.actor(torch.from_numpy(obs)).numpy(), rtol=1e-4, atol=1e-5)
+        mean = ppo.forward(ppo.normalize(obs), values=False)[0]
+        np.testing.assert_allclose(out[:, :d], mean.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out[:, d:], np.tile([-0.5, 0.4], (256, 1)), atol=1e-6)  # the log-std rows
-    actions, logp = GaussianSampler(np.random.default_rng(2)).sample(out)
+    actions, logp = gaussian_sampler(2, 2).sample(out)
     with torch.no_grad():
-        learner_logp, _ = ppo.log_prob(torch.from_numpy(obs), torch.from_numpy(np.asarray(actions, np.float32)))
+        learner_logp, _ = ppo.log_prob(mean, torch.from_numpy(np.asarray(actions, np.float32)))
     np.testing.assert_allclose(learner_logp.numpy(), logp, atol=1e-4)
 
 
@@ -77,7 +89,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
     spec = env_spec("Pendulum-v1")
     # As shmrl.run starts: the first policy is published as given, and PPO starts from it.
     net = PolicyNet(spec, 64, "ReLU")
-    weights = net.weights(with_log_std(init_mlp_weights([3, 64, 64, 1], 1.0, np.random.default_rng(0)), [-0.7]))
+    weights = named(with_log_std(init_mlp_weights([3, 64, 64, 1], 1.0, np.random.default_rng(0)), [-0.7]))
     ppo = PPO(net, PPOConfig(), initial_weights=weights)
     server = InProcServer()
     learner = Learner(spec, [server], policy=net.template, initial_weights=weights,
@@ -96,7 +108,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
         assert len(batch) == 256 and batch.actions.shape == (256, 1)
         assert np.abs(batch.actions).max() > 2.0   # sampled unclipped (the env clips what it applies)
         with torch.no_grad():
-            logp, _ = ppo.log_prob(torch.from_numpy(batch.obs), torch.from_numpy(batch.actions))
+            logp, _ = ppo.log_prob(ppo.forward(batch.obs, values=False)[0], torch.from_numpy(batch.actions))
         np.testing.assert_allclose(np.exp(logp.numpy() - batch.logp), 1.0, atol=1e-4)
         learner.train(ppo, chunks, version)   # publishes: releases the simulator's request
         thread.join(10)

@@ -72,8 +72,8 @@ def test_eval_of_a_balancing_policy_reports_500_with_no_spread(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("env, message", [
-    ("Pendulum-v1", "the policy maps 4 inputs to 2 outputs; Pendulum-v1 needs 3 to 2"),
-    ("gym:Acrobot-v1", "the policy maps 4 inputs to 2 outputs; gym:Acrobot-v1 needs 6 to 3"),
+    ("Pendulum-v1", "the policy's input 'onnx::Gemm_0' takes (4,); Pendulum-v1's observation 'obs' is (3,)"),
+    ("gym:Acrobot-v1", "the policy's input 'onnx::Gemm_0' takes (4,); gym:Acrobot-v1's observation 'obs' is (6,)"),
 ])
 def test_eval_refuses_a_policy_that_does_not_fit_the_env(env, message, tmp_path, capsys):
     (tmp_path / "policy.onnx").write_bytes(always(0))

@@ -7,9 +7,10 @@ import pytest
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
 from shmrl.learner import EpisodeStore, Learner
-from shmrl.onnx_policy import PolicyNet
+from shmrl.net import PolicyNet
 from shmrl.ppo import PPO, PPOConfig
-from shmrl.sim import CategoricalSampler, run_simulator
+from shmrl.sim import run_simulator
+from shmrl.spaces import Discrete, Sampler, action_layout
 from shmrl.transport.inproc import InProcServer
 
 SPEC = env_spec("CartPole-v1")
@@ -116,7 +117,7 @@ def test_handshake_and_on_policy_wait(learner_and_server):
 
 
 @pytest.mark.parametrize("bad, reason", [
-    (dict(obs_dim=3), "obs shape"),
+    (dict(obs_dim=3), "has shape (3,), the environment's is (4,)"),
     (dict(action=2), "out of range"),
 ])
 def test_episodes_that_do_not_fit_the_env_close_only_that_connection(learner_and_server, bad, reason, caplog):
@@ -180,7 +181,7 @@ def test_simulator_loop_learns_in_process():
 
 
 def test_sampler_matches_softmax_probabilities_and_logp():
-    sampler = CategoricalSampler(np.random.default_rng(0))
+    sampler = Sampler(action_layout(Discrete(3)), np.random.default_rng(0))
     logits = np.array([[0.0, 1.0, -1.0]], np.float32)
     p = np.exp(logits[0]) / np.exp(logits[0]).sum()
     counts = np.zeros(3)

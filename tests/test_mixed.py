@@ -2,6 +2,7 @@
 import ast
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,12 +56,47 @@ def test_sims_zero_needs_a_tcp_port():
     assert proc.returncode == 2 and "--tcp-port" in proc.stderr
 
 
+def imported(nodes) -> set:
+    nodes = list(nodes)
+    modules = {a.name.split(".")[0] for node in nodes if isinstance(node, ast.Import) for a in node.names}
+    return modules | {node.module.split(".")[0] for node in nodes if isinstance(node, ast.ImportFrom)}
+
+
 def test_external_client_example_imports_nothing_from_shmrl():
     tree = ast.parse(EXAMPLE.read_text())
-    modules = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
-    modules |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert "shmrl" not in modules
-    assert modules - set(sys.stdlib_module_names) == {"numpy", "onnxruntime"}
+    everywhere = imported(ast.walk(tree))
+    assert "shmrl" not in everywhere
+    # The client needs numpy and onnxruntime; gymnasium only describes the forager's spaces to
+    # the learner (forager_spaces), never imported by the client itself.
+    assert imported(tree.body) - set(sys.stdlib_module_names) == {"numpy", "onnxruntime"}
+    spaces_fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "forager_spaces")
+    assert everywhere - set(sys.stdlib_module_names) - imported(tree.body) == imported(ast.walk(spaces_fn)) == \
+        {"gymnasium"}
+
+
+def test_the_external_client_trains_a_dict_observation_with_a_mask_and_a_two_part_action(start_run, tmp_path):
+    """The JSON path end to end: one JSON object per step for the Dict observation, one
+    list per step for the Tuple(Discrete, Box) action, the mask applied inside the graph."""
+    logdir = tmp_path / "logs"
+    (tmp_path / "examples").mkdir()                      # importable from the run's working directory
+    shutil.copy(EXAMPLE, tmp_path / "examples" / "external_client.py")
+    run = start_run("--sims", 0, "--tcp-port", 0, "--env", "examples.external_client:forager_spaces",
+                    "--stop-return", 17, "--max-env-steps", 60_000, "--train-batch-size", 1000,
+                    "--env-steps-per-sample", 500, "--lr", 3e-3, "--logdir", logdir)
+    run.wait_for("listening for RLlink clients on", timeout=30)
+    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    client = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port), "--max-retries", "0",
+                               "--game", "forager"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run.proc.wait(timeout=150)
+        client.wait(timeout=30)
+    finally:
+        client.kill()
+        client.wait(5)
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert run.proc.returncode == 0, run.output()        # learned: random play, mask and all, earns about 10
+    assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary
+    assert summary["return_mean"] >= 17
 
 
 def test_custom_transport_example_trains_next_to_tcp():

@@ -13,7 +13,8 @@ from shmrl import checkpoint
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
 from shmrl.learner import EpisodeStore
-from shmrl.onnx_policy import OBS_CLIP, OnnxPolicy, PolicyNet
+from shmrl.net import OBS_CLIP, PolicyNet
+from shmrl.onnx_policy import OnnxPolicy
 from shmrl.ppo import PPO, PPOConfig
 from shmrl.run import parse_args, policy_net, resolve_config, saved_policy
 from shmrl.stats import RunningMeanStd, discounted_sums
@@ -72,11 +73,11 @@ def test_the_published_graph_normalizes_exactly_as_the_learner_does():
         ppo.update_obs_stats(random_chunks(rng, 8, 11, 3, loc, scale))
     policy = OnnxPolicy(net.template.publish(ppo.published_weights()))
     obs = (loc + scale * rng.normal(size=(256, 11)) * 3).astype(np.float32)   # some far enough out to clip
-    normalized = ppo.normalize(obs)
+    normalized = ppo.normalize(obs)["obs"]
     assert (np.abs(normalized) == OBS_CLIP).any() and np.abs(normalized).max() <= OBS_CLIP
     np.testing.assert_allclose(normalized.mean(0), 0, atol=0.5)          # it does normalize
     with torch.no_grad():
-        expected = ppo.actor(torch.from_numpy(normalized)).numpy()
+        expected = ppo.forward({"obs": normalized}, values=False)[0].numpy()
     out = policy.logits(obs)                                             # raw observations in
     np.testing.assert_allclose(out[:, :3], expected, rtol=1e-5, atol=1e-5)
 
@@ -110,10 +111,10 @@ def test_observation_and_reward_statistics_survive_a_checkpoint(tmp_path, no_shm
                           normalize_obs=True, normalize_reward=True, logdir=str(tmp_path))
     assert summary["updates"] >= 3
     path, arrays, state, damaged = checkpoint.load_latest(tmp_path)
-    assert not damaged and arrays["obs_stats.count"] > 8000 and arrays["reward_stats.count"] > 8000
+    assert not damaged and arrays["obs_stats.obs.count"] > 8000 and arrays["reward_stats.count"] > 8000
     policy = saved_policy(arrays)
-    np.testing.assert_allclose(policy["obs_mean"], arrays["obs_stats.mean"], rtol=1e-6)
-    np.testing.assert_allclose(policy["obs_inv_std"], 1 / np.sqrt(arrays["obs_stats.var"] + 1e-8), rtol=1e-6)
+    np.testing.assert_allclose(policy["obs_mean.obs"], arrays["obs_stats.obs.mean"], rtol=1e-6)
+    np.testing.assert_allclose(policy["obs_inv_std.obs"], 1 / np.sqrt(arrays["obs_stats.obs.var"] + 1e-8), rtol=1e-6)
     # What --resume builds from it publishes the same policy and scales rewards the same.
     config = resolve_config(shmrl.Config(**{k: v for k, v in state["config"].items()
                                             if k in shmrl.Config.__dataclass_fields__}), env_spec("Pendulum-v1"))

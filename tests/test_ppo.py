@@ -4,7 +4,8 @@ import torch
 
 from shmrl.episode import Episode, EpisodeBatch
 from shmrl.envs import env_spec
-from shmrl.onnx_policy import (INPUT_NAME, ONNX_ACTIVATIONS, OUTPUT_NAME, OnnxPolicy, OnnxPublisher, PolicyNet,
+from shmrl.net import PolicyNet
+from shmrl.onnx_policy import (INPUT_NAME, ONNX_ACTIVATIONS, OUTPUT_NAME, OnnxPolicy, OnnxPublisher,
                                decode_onnx_file, encode_onnx_file, init_mlp_weights)
 from shmrl.ppo import PPO, PPOConfig
 
@@ -13,6 +14,12 @@ CARTPOLE = env_spec("CartPole-v1")
 
 def cartpole_ppo(config=None, seed=0, **net):
     return PPO(PolicyNet(CARTPOLE, 64, "ReLU", **net), config or PPOConfig(), seed=seed)
+
+
+def actor_out(ppo, obs: np.ndarray) -> torch.Tensor:
+    """The actor's trained outputs (logits, means) for raw observations."""
+    with torch.no_grad():
+        return ppo.forward(ppo.normalize(obs), values=False)[0]
 
 
 def random_chunk(rng, n, terminated=False, truncated=False):
@@ -47,8 +54,8 @@ def test_vectorized_gae_matches_textbook_gae():
     np.testing.assert_allclose(batch.advantages, expected, rtol=1e-4, atol=1e-5)
     values = np.concatenate([ppo.values(c.obs)[:-1] for c in chunks])
     np.testing.assert_allclose(batch.returns, expected + values, rtol=1e-4, atol=1e-5)
-    assert len(batch) == 25 and batch.obs.shape == (25, 4)
-    np.testing.assert_array_equal(batch.obs[:7], chunks[0].obs[:-1])
+    assert len(batch) == 25 and batch.obs["obs"].shape == (25, 4)
+    np.testing.assert_array_equal(batch.obs["obs"][:7], chunks[0].obs[:-1])
 
 
 def test_update_moves_policy_toward_advantaged_action():
@@ -61,10 +68,10 @@ def test_update_moves_policy_toward_advantaged_action():
                    float(np.log(0.5)), terminated=True)
         chunks.append(c.finalize())
     obs = np.stack([c.obs[0] for c in chunks])
-    before = torch.softmax(ppo.actor(torch.from_numpy(obs)), -1)[:, 1].mean().item()
+    before = torch.softmax(actor_out(ppo, obs), -1)[:, 1].mean().item()
     for _ in range(5):
         ppo.update(ppo.make_batch(EpisodeBatch.from_episodes(chunks)))
-    after = torch.softmax(ppo.actor(torch.from_numpy(obs)), -1)[:, 1].mean().item()
+    after = torch.softmax(actor_out(ppo, obs), -1)[:, 1].mean().item()
     assert after > before + 0.05
 
 
@@ -76,18 +83,17 @@ def test_onnx_publication_matches_torch_actor_and_rllib_input_name():
     assert policy.session.get_inputs()[0].name == INPUT_NAME == "onnx::Gemm_0"
     for batch in (1, 8):  # dynamic batch dimension
         obs = np.random.default_rng(batch).normal(size=(batch, 4)).astype(np.float32)
-        with torch.no_grad():
-            expected = ppo.actor(torch.from_numpy(obs)).numpy()
+        expected = actor_out(ppo, obs).numpy()
         np.testing.assert_allclose(policy.logits(obs), expected, rtol=1e-5, atol=1e-6)
     # A new version changes only weights: the same graph gives the new actor's outputs.
     with torch.no_grad():
-        for p in ppo.actor.parameters():
-            p.add_(0.1)
+        for name, p in ppo.params.items():
+            if name.startswith("pi."):
+                p.add_(0.1)
     model2 = publisher.publish(ppo.published_weights())
     assert len(model2) == len(model) and model2 != model
     obs = np.ones((2, 4), np.float32)
-    with torch.no_grad():
-        expected = ppo.actor(torch.from_numpy(obs)).numpy()
+    expected = actor_out(ppo, obs).numpy()
     np.testing.assert_allclose(OnnxPolicy(model2).logits(obs), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -137,7 +143,9 @@ def test_initial_weights_are_orthogonal_with_the_given_gains():
     again = init_mlp_weights([4, 64, 64, 2], 0.01, np.random.default_rng(1))
     assert all((a == b).all() for a, b in zip(again, [w0, b0, w1, b1, w2, b2]))
     ppo = cartpole_ppo(seed=1)                                               # PPO's default actor
-    assert all((a == b).all() for a, b in zip(ppo.net.mlp(ppo.published_weights()), again))
+    published = ppo.published_weights()
+    mine = [published[n] for n in ("pi.0.w", "pi.0.b", "pi.1.w", "pi.1.b", "pi.head.w", "pi.head.b")]
+    assert all((a == b).all() for a, b in zip(mine, again))
 
 
 def test_publish_rejects_wrong_shapes():

@@ -362,7 +362,7 @@ HOSTILE = {
     "sends an unknown type": (rllib_frame({"type": "HELLO"}), "unknown message type 'HELLO'"),
     "sends a reply type": (rllib_frame({"type": "PONG"}), "'PONG' is a reply type, not a request"),
     "sends a 3-dim obs": (rllib_frame({"type": "EPISODES", "episodes": [{
-        **rllib_episodes(2)[0], "obs": [[0.0, 1.0, 2.0]] * 3}]}), "obs shape (3,) does not match"),
+        **rllib_episodes(2)[0], "obs": [[0.0, 1.0, 2.0]] * 3}]}), "obs 'obs' has shape (3,), the environment's is (4,)"),
 }
 
 
