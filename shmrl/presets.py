@@ -25,15 +25,18 @@ def family_of(spec) -> str | None:
 
 def defaults(env, spec=None) -> tuple[dict, list[str]]:
     """(settings, where they came from) for ``env`` (an id string or a callable) whose spec
-    is ``spec`` (needed only to find its family)."""
+    is ``spec`` (needed only to find its family). An env's own table builds on its family's
+    unless it names another (``family = ""``: none)."""
     presets = _presets()
     out, sources = dict(presets["default"]), ["default"]
-    own = presets.get("env", {}).get(env) if isinstance(env, str) else None
-    family = family_of(spec) if own is None and spec is not None else None
-    if family is not None:
+    own = dict(presets.get("env", {}).get(env, {})) if isinstance(env, str) else {}
+    family = own.pop("family", None)
+    if family is None and spec is not None:
+        family = family_of(spec)
+    if family:
         out.update(presets["family"][family])
         sources.append(f"family.{family}")
-    if own is not None:
+    if own:
         out.update(own)
         sources.append(f'env."{env}"')
     return out, sources

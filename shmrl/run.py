@@ -75,7 +75,7 @@ class RunConfig:
     tcp_host: str = "127.0.0.1"
     tcp_port: int | None = None
     max_frame_bytes: int = 64 << 20
-    async_sampling: bool = False
+    async_sampling: bool | None = None    # None: the env's preset (strict on-policy for most)
     auth_token: str | None = None
     max_policy_lag: int = 2
     hang_timeout: float = 10.0
@@ -530,7 +530,7 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
                    help="run the local simulators N steps below the learner's CPU priority (0-19): the "
                         "learner's update is what every simulator waits for, so on a busy machine it "
                         "comes first (default: %(default)s)")
-    g.add_argument("--async", dest="async_sampling", action="store_true", default=d.async_sampling,
+    g.add_argument("--async", dest="async_sampling", action=argparse.BooleanOptionalAction, default=d.async_sampling,
                    help="simulators keep sampling while the learner trains: each EPISODES_AND_GET_STATE "
                         "is answered at once with the latest weights, not after the next update; PPO's "
                         "ratio is taken against the behaviour log-probabilities the clients report")

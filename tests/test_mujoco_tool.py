@@ -1,0 +1,32 @@
+"""tools/mujoco.py's quick mode: shmrl and SB3 with rl-zoo3's settings, in turns, on a
+MuJoCo env; the table's figures and the plot come out of real runs."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ZOO_PYTHON = Path("~/.cache/shmrl/zoo-venv/bin/python").expanduser()
+
+
+@pytest.mark.skipif(not ZOO_PYTHON.exists(), reason="no rl-zoo3 virtualenv: `python tools/mujoco.py --setup` "
+                                                    "makes it (.ci/run does, before the tests)")
+def test_the_mujoco_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm_leftovers):
+    pytest.importorskip("mujoco", reason="the mujoco extra is not installed (the test extra has it)")
+    out = tmp_path / "curves.png"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "mujoco.py"), "--quick", "--json",
+                           "--plot", str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    env = result["envs"]["InvertedPendulum-v5"]
+    run = env["runs"][0]
+    for who in ("shmrl", "sb3"):
+        curve = run[who]["curve"]
+        assert curve and all(p["wall_s"] <= result["seconds"] + 5 for p in curve), who
+        steps = [p["env_steps"] for p in curve]
+        assert steps == sorted(steps) and steps[-1] > 0, who
+    assert run["shmrl"]["final"]["return_mean"] > run["shmrl"]["curve"][0]["return_mean"]   # it learns
+    assert run["comparison"]["sb3_return"] is not None and env["shmrl_final"] is not None
+    assert out.read_bytes().startswith(b"\x89PNG")

@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""shmrl beside stable-baselines3 with rl-zoo3's tuned PPO, on gymnasium's MuJoCo envs:
+return against wall time and env steps, time to targets, and a plot of both curves.
+
+    python tools/mujoco.py                                  # HalfCheetah-v5 and Hopper-v5, 3 seeds, 300 s each
+    python tools/mujoco.py --envs Walker2d-v5 Ant-v5 --no-sb3 --seeds 0   # shmrl's presets alone
+    python tools/mujoco.py --quick --json                   # seconds: InvertedPendulum-v5, one seed, both
+    python tools/mujoco.py --setup                          # only create the SB3 virtualenv
+
+SB3 runs rl-zoo3's own training script (``python -m rl_zoo3.train --algo ppo``) with
+rl-zoo3's own hyperparameters for the env (its ppo.yml entry, of the -v4 env where there
+is none for -v5: the same task), in its own virtualenv (--venv, created on first use with
+rl_zoo3, gymnasium[mujoco] and torch==2.13.0, the same torch as shmrl's), so nothing of
+it is reimplemented here. Its returns come from the Monitor file zoo writes (every
+episode's return and time), shmrl's from metrics.jsonl; both as the mean of the last 100
+episodes. Each command is timed from its launch and stopped with SIGINT after --seconds.
+The machine drifts: the two run in turns, seed by seed.
+
+The comparison the README quotes: SB3's return after --seconds of its own training, and
+how long shmrl takes to reach it ("speedup" = SB3's seconds / shmrl's).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
+DEFAULT_VENV = Path("~/.cache/shmrl/zoo-venv").expanduser()
+# torch pinned: an unpinned torch pulls a CUDA build of several GB.
+VENV_PACKAGES = ["torch==2.13.0", "rl_zoo3", "gymnasium[mujoco]"]
+TIMES = (30, 60, 120, 180, 300)         # seconds at which returns are reported
+STEPS = (100_000, 300_000, 1_000_000)   # env steps at which returns are reported
+
+
+def ensure_venv(venv: Path) -> Path:
+    """The venv's python with rl_zoo3, MuJoCo and torch 2.13.0 (created if missing)."""
+    py = venv / "bin" / "python"
+    check = "import rl_zoo3, mujoco, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+    if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
+        return py
+    print(f"creating the rl-zoo3 virtualenv in {venv} (takes minutes) ...", file=sys.stderr, flush=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    if not py.exists():
+        subprocess.run([shutil.which("python3") or sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *VENV_PACKAGES], check=True)
+    r = subprocess.run([str(py), "-c", check], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"the virtualenv {venv} does not work:\n{r.stderr}")
+    return py
+
+
+def zoo_config(py: Path, env: str, folder: Path) -> Path:
+    """A hyperparameter file for ``env`` holding rl-zoo3's own entry for it (or for the
+    same task's older version), as zoo's ``-conf`` option takes it."""
+    script = (f"import rl_zoo3, os, yaml, json; name, version = {env!r}.rsplit('-', 1)\n"
+              "path = os.path.join(os.path.dirname(rl_zoo3.__file__), 'hyperparams', 'ppo.yml')\n"
+              "table = yaml.safe_load(open(path))\n"
+              "key = next(k for k in [f'{name}-{v}' for v in ('v5', 'v4', 'v3', 'v2')] if k in table)\n"
+              "print(json.dumps({'key': key, 'params': table[key]}))")
+    found = json.loads(subprocess.run([str(py), "-c", script], capture_output=True, text=True,
+                                      check=True).stdout)
+    conf = folder / "zoo.yml"
+    conf.write_text(json.dumps({env: found["params"]}))   # JSON is YAML
+    return conf
+
+
+def stop_after(cmd: list, seconds: float, cwd: Path, log: Path) -> float:
+    """Run ``cmd`` in its own session; SIGINT after ``seconds`` (then SIGKILL if needed).
+    Returns the launch time (time.time())."""
+    t0 = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    return t0
+
+
+def window_means(episodes: list[tuple[float, int, float]]) -> list[dict]:
+    """(wall s, env steps, return) per episode -> the 100-episode mean after each."""
+    out, returns = [], []
+    for wall, steps, ret in episodes:
+        returns.append(ret)
+        last = returns[-100:]
+        out.append({"wall_s": wall, "env_steps": steps, "return_mean": sum(last) / len(last)})
+    return out
+
+
+def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path) -> dict:
+    conf = zoo_config(py, env, folder)
+    t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", "ppo", "--env", env, "--seed", str(seed),
+                     "-conf", str(conf), "--log-folder", str(folder / "zoo"), "--vec-env", "dummy",
+                     "--eval-freq", "-1", "--save-freq", "-1"],
+                    seconds, folder, folder / "sb3.log")
+    monitors = sorted((folder / "zoo").rglob("*.monitor.csv"))
+    if not monitors:
+        raise RuntimeError(f"SB3 wrote no Monitor file; its log:\n{(folder / 'sb3.log').read_text()[-3000:]}")
+    episodes, steps = [], 0
+    with open(monitors[0]) as f:
+        t_start = json.loads(f.readline().lstrip("#"))["t_start"]
+        for row in csv.DictReader(f):
+            steps += int(row["l"])
+            episodes.append((t_start + float(row["t"]) - t0, steps, float(row["r"])))
+    return {"curve": window_means(episodes), "command": f"python -m rl_zoo3.train --algo ppo --env {env}"}
+
+
+def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str]) -> dict:
+    logdir = folder / "shmrl"
+    cmd = [sys.executable, "-m", "shmrl.run", "--env", f"gym:{env}", "--seed", str(seed), "--logdir",
+           str(logdir), "--stop-return", "inf", "--log-every", "30", *extra]
+    stop_after(cmd, seconds, REPO, folder / "shmrl.log")
+    path = logdir / "metrics.jsonl"
+    if not path.exists():
+        raise RuntimeError(f"shmrl wrote no metrics; its log:\n{(folder / 'shmrl.log').read_text()[-3000:]}")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
+             for r in rows if r["return_mean"] == r["return_mean"]]      # not before the first episode
+    return {"curve": curve, "command": " ".join(["python -m shmrl.run", *cmd[3:5], *extra])}
+
+
+def at(curve: list[dict], key: str, limit: float) -> float | None:
+    """The return at ``limit`` (wall s or env steps): the last point at or before it."""
+    points = [p for p in curve if p[key] <= limit]
+    return points[-1]["return_mean"] if points else None
+
+
+def first_reaching(curve: list[dict], target: float) -> dict | None:
+    return next((p for p in curve if p["return_mean"] >= target), None)
+
+
+def summarize(run: dict, seconds: float) -> dict:
+    curve = run["curve"]
+    return {"return_at_s": {str(t): at(curve, "wall_s", t) for t in TIMES if t <= seconds},
+            "return_at_steps": {str(n): at(curve, "env_steps", n) for n in STEPS},
+            "final": curve[-1] if curve else None}
+
+
+def compare(sb3: dict, shmrl: dict, seconds: float) -> dict:
+    """SB3's return after ``seconds`` and when shmrl first reached it."""
+    target = at(sb3["curve"], "wall_s", seconds)
+    reached = first_reaching(shmrl["curve"], target) if target is not None else None
+    return {"sb3_return": target, "shmrl_wall_s": reached["wall_s"] if reached else None,
+            "shmrl_env_steps": reached["env_steps"] if reached else None,
+            "speedup": seconds / reached["wall_s"] if reached else None}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    envs = list(results["envs"])
+    fig, axes = plt.subplots(len(envs), 2, figsize=(11, 3.6 * len(envs)), squeeze=False)
+    colors = {"shmrl": "tab:blue", "sb3": "tab:orange"}
+    for row, env in enumerate(envs):
+        for seed_runs in results["envs"][env]["runs"]:
+            for who in ("shmrl", "sb3"):
+                curve = seed_runs.get(who, {}).get("curve")
+                if not curve:
+                    continue
+                label = f"{who} (seed {seed_runs['seed']})"
+                for col, key in enumerate(("wall_s", "env_steps")):
+                    axes[row][col].plot([p[key] for p in curve], [p["return_mean"] for p in curve],
+                                        color=colors[who], alpha=0.8, label=label)
+        for col, xlabel in enumerate(("wall time from command start (s)", "env steps")):
+            ax = axes[row][col]
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("mean return, last 100 episodes")
+            ax.set_title(env)
+            ax.grid(alpha=0.3)
+        axes[row][0].legend(fontsize=7)
+    who = "shmrl (presets) and SB3 + rl-zoo3's tuned PPO" if results["sb3"] else "shmrl (presets)"
+    fig.suptitle(f"{who}, on a {os.cpu_count()}-core machine", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--envs", nargs="+", default=["HalfCheetah-v5", "Hopper-v5"], help="gymnasium ids")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seconds", type=float, default=300.0, help="wall time of each run (default: %(default)s)")
+    p.add_argument("--sb3", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run SB3 with rl-zoo3's settings, in turns (default: %(default)s)")
+    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="rl-zoo3 virtualenv (default: %(default)s)")
+    p.add_argument("--python", type=Path, help="a python that has rl_zoo3 and mujoco, instead of --venv")
+    p.add_argument("--plot", type=Path, help="write both curves of every run to this PNG")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--quick", action="store_true",
+                   help="InvertedPendulum-v5, seed 0, 12 s each: that the whole path works, in seconds")
+    p.add_argument("--setup", action="store_true", help="only create the rl-zoo3 virtualenv, then exit")
+    p.add_argument("extra", nargs="*", help="after --: extra arguments for shmrl.run")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.envs, a.seeds, a.seconds = ["InvertedPendulum-v5"], [0], 12.0
+    py = None
+    if a.sb3 or a.setup:
+        py = a.python or ensure_venv(a.venv)
+        if a.setup:
+            print(f"rl-zoo3 virtualenv ready: {py}")
+            return 0
+    results = {"method": __doc__.split("\n\n")[2].replace("\n", " "), "seconds": a.seconds, "sb3": a.sb3,
+               "load_before": os.getloadavg(), "envs": {}}
+    for env in a.envs:
+        runs = []
+        for seed in a.seeds:  # in turns, so that both see the machine in the same state
+            with tempfile.TemporaryDirectory(prefix=f"shmrl-mujoco-{env}-") as tmp:
+                tmp = Path(tmp)
+                entry = {"seed": seed}
+                if a.sb3:
+                    (tmp / "sb3").mkdir()
+                    entry["sb3"] = run_sb3(py, env, seed, a.seconds, tmp / "sb3")
+                (tmp / "shmrl").mkdir()
+                entry["shmrl"] = run_shmrl(env, seed, a.seconds, tmp / "shmrl", a.extra)
+            for who in ("sb3", "shmrl"):
+                if who in entry:
+                    entry[who].update(summarize(entry[who], a.seconds))
+            if a.sb3:
+                entry["comparison"] = compare(entry["sb3"], entry["shmrl"], a.seconds)
+            runs.append(entry)
+            if not a.json:
+                print_run(env, entry, a.seconds)
+        results["envs"][env] = {"runs": runs, **medians(runs, a.sb3)}
+    results["load_after"] = os.getloadavg()
+    if a.plot:
+        plot(results, a.plot)
+    if a.json:
+        print(json.dumps(results))
+    else:
+        for env, r in results["envs"].items():
+            print(f"{env}: median return after {a.seconds:.0f} s: shmrl {fmt(r['shmrl_final'])}"
+                  + (f", SB3 {fmt(r['sb3_final'])}; shmrl reached SB3's in a median {fmt(r['shmrl_wall_s'])} s"
+                     f" (speedup {fmt(r['speedup'], '.1f')}x)" if a.sb3 else ""))
+        if a.plot:
+            print(f"wrote {a.plot}")
+    return 0
+
+
+def medians(runs: list[dict], sb3: bool) -> dict:
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    out = {"shmrl_final": med(r["shmrl"]["final"]["return_mean"] for r in runs if r["shmrl"]["final"])}
+    if sb3:
+        out["sb3_final"] = med(r["comparison"]["sb3_return"] for r in runs)
+        out["shmrl_wall_s"] = med(r["comparison"]["shmrl_wall_s"] for r in runs)
+        out["speedup"] = med(r["comparison"]["speedup"] for r in runs)
+    return out
+
+
+def fmt(x, spec: str = ".0f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def print_run(env: str, entry: dict, seconds: float) -> None:
+    for who in ("sb3", "shmrl"):
+        if who not in entry:
+            continue
+        r = entry[who]
+        times = " ".join(f"{t}s={fmt(v)}" for t, v in r["return_at_s"].items())
+        steps = " ".join(f"{int(n) // 1000}k={fmt(v)}" for n, v in r["return_at_steps"].items())
+        final = r["final"] or {}
+        print(f"{env} seed {entry['seed']} {who:5s}: {times} | {steps} | {fmt(final.get('env_steps'))} steps "
+              f"in {fmt(final.get('wall_s'))} s", flush=True)
+    if "comparison" in entry:
+        c = entry["comparison"]
+        print(f"{env} seed {entry['seed']}: SB3's return after {seconds:.0f} s, {fmt(c['sb3_return'])}, reached by "
+              f"shmrl after {fmt(c['shmrl_wall_s'])} s: {fmt(c['speedup'], '.1f')}x", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
