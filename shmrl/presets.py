@@ -15,8 +15,15 @@ def _presets() -> dict:
         return tomllib.load(f)
 
 
-def family_of(spec) -> str | None:
-    """The family whose defaults an env without a table of its own takes, if any."""
+def family_of(spec, env=None) -> str | None:
+    """The family whose defaults an env takes (unless its own table names another): Atari
+    games (gym:ALE/*), MiniGrid (gym:MiniGrid-*, gym:BabyAI-*), MinAtar (gym:MinAtar/*),
+    and continuous control (a 1-D Box action)."""
+    if isinstance(env, str):
+        for prefix, family in (("gym:ALE/", "atari"), ("gym:MiniGrid-", "minigrid"), ("gym:BabyAI-", "minigrid"),
+                               ("gym:MinAtar/", "minatar")):
+            if env.startswith(prefix):
+                return family
     space = getattr(spec, "action_space", None)
     if space is not None and getattr(spec, "continuous", False) and len(space.shape) == 1:
         return "continuous"
@@ -31,8 +38,8 @@ def defaults(env, spec=None) -> tuple[dict, list[str]]:
     out, sources = dict(presets["default"]), ["default"]
     own = dict(presets.get("env", {}).get(env, {})) if isinstance(env, str) else {}
     family = own.pop("family", None)
-    if family is None and spec is not None:
-        family = family_of(spec)
+    if family is None:
+        family = family_of(spec, env)
     if family:
         out.update(presets["family"][family])
         sources.append(f"family.{family}")
