@@ -277,3 +277,30 @@ def test_ppo_log_probabilities_equal_the_samplers_and_torch_distributions(action
         expected_entropy += d.entropy()
     np.testing.assert_allclose(mine.numpy(), expected.numpy(), atol=1e-4)
     np.testing.assert_allclose(entropy.numpy(), expected_entropy.numpy(), atol=1e-4)
+
+
+# ------------------------------------------------------------ real environments, end to end
+
+@pytest.mark.parametrize("env, inputs", [
+    ("gym:MiniGrid-DoorKey-5x5-v0", {"obs.image": "tensor(uint8)", "obs.direction": "tensor(int64)"}),
+    ("gym:MinAtar/Breakout-v1", {"obs": "tensor(uint8)"}),
+])
+def test_image_and_dict_environments_train_end_to_end(env, inputs, tmp_path, caplog, monkeypatch, no_shm_leftovers,
+                                                      no_sim_leftovers):
+    import logging
+
+    import shmrl
+    from shmrl import envs
+
+    monkeypatch.setattr(envs, "_SKIPPED_SAID", set())   # said once per process: this test's process
+    caplog.set_level(logging.INFO, logger="shmrl.envs")
+
+    pytest.importorskip("minigrid" if "MiniGrid" in env else "minatar", reason="its extra is not installed")
+    summary = shmrl.train(env=env, sims=2, envs_per_sim=2, max_env_steps=6000, train_batch_size=1024,
+                          logdir=str(tmp_path), tensorboard=False)
+    assert summary["exit_status"] == 1 and summary["updates"] >= 3, summary        # the step budget
+    assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary
+    policy = OnnxPolicy((tmp_path / "policy.onnx").read_bytes())
+    assert {i.name: i.type for i in policy.session.get_inputs()} == inputs
+    if "MiniGrid" in env:   # its Text mission cannot be encoded: said once, never silently
+        assert "observation 'mission' is left out" in caplog.text
