@@ -1,4 +1,4 @@
-"""tools/mujoco.py's quick mode: shmrl and SB3 with rl-zoo3's settings, in turns, on a
+"""tools/zoo.py's quick mode: shmrl and SB3 with rl-zoo3's settings, in turns, on a
 MuJoCo env; the table's figures and the plot come out of real runs."""
 import json
 import subprocess
@@ -11,12 +11,12 @@ REPO = Path(__file__).resolve().parents[1]
 ZOO_PYTHON = Path("~/.cache/shmrl/zoo-venv/bin/python").expanduser()
 
 
-@pytest.mark.skipif(not ZOO_PYTHON.exists(), reason="no rl-zoo3 virtualenv: `python tools/mujoco.py --setup` "
+@pytest.mark.skipif(not ZOO_PYTHON.exists(), reason="no rl-zoo3 virtualenv: `python tools/zoo.py --setup` "
                                                     "makes it (.ci/run does, before the tests)")
 def test_the_mujoco_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm_leftovers):
     pytest.importorskip("mujoco", reason="the mujoco extra is not installed (the test extra has it)")
     out = tmp_path / "curves.png"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "mujoco.py"), "--quick", "--json",
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "zoo.py"), "--quick", "--json",
                            "--plot", str(out)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -27,6 +27,7 @@ def test_the_mujoco_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm
         assert curve and all(p["wall_s"] <= result["seconds"] + 5 for p in curve), who
         steps = [p["env_steps"] for p in curve]
         assert steps == sorted(steps) and steps[-1] > 0, who
+        assert run[who]["env_steps_per_s"] > 0 and run[who]["env_steps"] >= steps[-1] - 1000, who
     assert run["shmrl"]["final"]["return_mean"] > run["shmrl"]["curve"][0]["return_mean"]   # it learns
     assert run["comparison"]["sb3_return"] is not None and env["shmrl_final"] is not None
     assert out.read_bytes().startswith(b"\x89PNG")

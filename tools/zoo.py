@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
-"""shmrl beside stable-baselines3 with rl-zoo3's tuned PPO, on gymnasium's MuJoCo envs:
-return against wall time and env steps, time to targets, and a plot of both curves.
+"""shmrl beside stable-baselines3 with rl-zoo3's tuned PPO, in turns, seed by seed: return
+against wall time and env steps, time to targets, throughput, and a plot of both curves.
 
-    python tools/mujoco.py                                  # HalfCheetah-v5 and Hopper-v5, 3 seeds, 300 s each
-    python tools/mujoco.py --envs Walker2d-v5 Ant-v5 --no-sb3 --seeds 0   # shmrl's presets alone
-    python tools/mujoco.py --quick --json                   # seconds: InvertedPendulum-v5, one seed, both
-    python tools/mujoco.py --setup                          # only create the SB3 virtualenv
+    python tools/zoo.py                                   # HalfCheetah-v5 and Hopper-v5, 3 seeds, 300 s each
+    python tools/zoo.py --envs Walker2d-v5 Ant-v5 --no-sb3 --seeds 0   # shmrl's presets alone
+    python tools/zoo.py --envs ALE/Breakout-v5 --seeds 0 --seconds 300 # Atari: frames/s of both
+    python tools/zoo.py --quick --json                    # seconds: InvertedPendulum-v5, one seed, both
+    python tools/zoo.py --setup                           # only create the SB3 virtualenv
 
 SB3 runs rl-zoo3's own training script (``python -m rl_zoo3.train --algo ppo``) with
 rl-zoo3's own hyperparameters for the env (its ppo.yml entry, of the -v4 env where there
-is none for -v5: the same task), in its own virtualenv (--venv, created on first use with
-rl_zoo3, gymnasium[mujoco] and torch==2.13.0, the same torch as shmrl's), so nothing of
-it is reimplemented here. Its returns come from the Monitor file zoo writes (every
-episode's return and time), shmrl's from metrics.jsonl; both as the mean of the last 100
-episodes. Each command is timed from its launch and stopped with SIGINT after --seconds.
-The machine drifts: the two run in turns, seed by seed.
+is none for -v5: the same task; for an ALE game, zoo's "atari" entry on the game's
+NoFrameskip-v4 version: AtariWrapper, 4 frames stacked, 8 envs x 128 steps, 4 epochs of
+256, the settings CleanRL's ppo_atari uses too), in its own virtualenv (--venv, created on
+first use with rl_zoo3, gymnasium[mujoco,atari] and torch==2.13.0, the same torch as
+shmrl's), so nothing of it is reimplemented here. Its returns come from the Monitor file
+zoo writes (every episode's return and time) and its env steps per second from zoo's own
+log; shmrl's from metrics.jsonl; returns as the mean of the last 100 episodes. Each command
+is timed from its launch and stopped with SIGINT after --seconds. The machine drifts: the
+two run in turns, seed by seed.
 
 The comparison the README quotes: SB3's return after --seconds of its own training, and
 how long shmrl takes to reach it ("speedup" = SB3's seconds / shmrl's).
@@ -38,7 +42,7 @@ HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 DEFAULT_VENV = Path("~/.cache/shmrl/zoo-venv").expanduser()
 # torch pinned: an unpinned torch pulls a CUDA build of several GB.
-VENV_PACKAGES = ["torch==2.13.0", "rl_zoo3", "gymnasium[mujoco]"]
+VENV_PACKAGES = ["torch==2.13.0", "rl_zoo3", "gymnasium[mujoco,atari]", "opencv-python-headless"]
 TIMES = (30, 60, 120, 180, 300)         # seconds at which returns are reported
 STEPS = (100_000, 300_000, 1_000_000)   # env steps at which returns are reported
 
@@ -46,7 +50,8 @@ STEPS = (100_000, 300_000, 1_000_000)   # env steps at which returns are reporte
 def ensure_venv(venv: Path) -> Path:
     """The venv's python with rl_zoo3, MuJoCo and torch 2.13.0 (created if missing)."""
     py = venv / "bin" / "python"
-    check = "import rl_zoo3, mujoco, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+    check = ("import rl_zoo3, mujoco, ale_py, cv2, torch; "
+             "assert torch.__version__.startswith('2.13.0'), torch.__version__")
     if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
         return py
     print(f"creating the rl-zoo3 virtualenv in {venv} (takes minutes) ...", file=sys.stderr, flush=True)
@@ -60,13 +65,22 @@ def ensure_venv(venv: Path) -> Path:
     return py
 
 
+def zoo_env(env: str) -> str:
+    """The env id SB3 trains: an ALE game's NoFrameskip-v4 version (what zoo's Atari
+    settings are for), anything else as it is."""
+    if env.startswith("ALE/"):
+        return env[4:].rsplit("-", 1)[0] + "NoFrameskip-v4"
+    return env
+
+
 def zoo_config(py: Path, env: str, folder: Path) -> Path:
     """A hyperparameter file for ``env`` holding rl-zoo3's own entry for it (or for the
-    same task's older version), as zoo's ``-conf`` option takes it."""
-    script = (f"import rl_zoo3, os, yaml, json; name, version = {env!r}.rsplit('-', 1)\n"
+    same task's older version; "atari" for a NoFrameskip game), as zoo's ``-conf`` takes it."""
+    script = (f"import rl_zoo3, os, yaml, json; env = {env!r}; name, version = env.rsplit('-', 1)\n"
               "path = os.path.join(os.path.dirname(rl_zoo3.__file__), 'hyperparams', 'ppo.yml')\n"
               "table = yaml.safe_load(open(path))\n"
-              "key = next(k for k in [f'{name}-{v}' for v in ('v5', 'v4', 'v3', 'v2')] if k in table)\n"
+              "keys = ['atari'] if 'NoFrameskip' in env else [f'{name}-{v}' for v in ('v5', 'v4', 'v3', 'v2')]\n"
+              "key = next(k for k in keys if k in table)\n"
               "print(json.dumps({'key': key, 'params': table[key]}))")
     found = json.loads(subprocess.run([str(py), "-c", script], capture_output=True, text=True,
                                       check=True).stdout)
@@ -107,6 +121,7 @@ def window_means(episodes: list[tuple[float, int, float]]) -> list[dict]:
 
 
 def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path) -> dict:
+    env = zoo_env(env)
     conf = zoo_config(py, env, folder)
     t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", "ppo", "--env", env, "--seed", str(seed),
                      "-conf", str(conf), "--log-folder", str(folder / "zoo"), "--vec-env", "dummy",
@@ -121,7 +136,24 @@ def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path) -> dict
         for row in csv.DictReader(f):
             steps += int(row["l"])
             episodes.append((t_start + float(row["t"]) - t0, steps, float(row["r"])))
-    return {"curve": window_means(episodes), "command": f"python -m rl_zoo3.train --algo ppo --env {env}"}
+    # Throughput from SB3's own log: its last total_timesteps and time_elapsed (Monitor's
+    # episode lengths count raw frames under AtariWrapper, and only finished episodes).
+    log = (folder / "sb3.log").read_text()
+    totals = [int(x) for x in _log_values(log, "total_timesteps")]
+    elapsed = [float(x) for x in _log_values(log, "time_elapsed")]
+    steps_per_s = totals[-1] / elapsed[-1] if totals and elapsed and elapsed[-1] else None
+    return {"curve": window_means(episodes), "env_steps_per_s": steps_per_s, "env_steps": totals[-1] if totals else None,
+            "command": f"python -m rl_zoo3.train --algo ppo --env {env}"}
+
+
+def _log_values(log: str, key: str) -> list[str]:
+    """The values of ``key`` in SB3's logger tables (lines like ``|    fps    | 512 |``)."""
+    out = []
+    for line in log.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0] == key:
+            out.append(cells[1])
+    return out
 
 
 def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str]) -> dict:
@@ -135,7 +167,9 @@ def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
              for r in rows if r["return_mean"] == r["return_mean"]]      # not before the first episode
-    return {"curve": curve, "command": " ".join(["python -m shmrl.run", *cmd[3:5], *extra])}
+    return {"curve": curve, "env_steps_per_s": rows[-1]["env_steps_per_s"] if rows else None,
+            "env_steps": rows[-1]["env_steps"] if rows else None,
+            "command": " ".join(["python -m shmrl.run", *cmd[3:5], *extra])}
 
 
 def at(curve: list[dict], key: str, limit: float) -> float | None:
@@ -251,7 +285,9 @@ def main(argv=None) -> int:
         for env, r in results["envs"].items():
             print(f"{env}: median return after {a.seconds:.0f} s: shmrl {fmt(r['shmrl_final'])}"
                   + (f", SB3 {fmt(r['sb3_final'])}; shmrl reached SB3's in a median {fmt(r['shmrl_wall_s'])} s"
-                     f" (speedup {fmt(r['speedup'], '.1f')}x)" if a.sb3 else ""))
+                     f" (speedup {fmt(r['speedup'], '.1f')}x)" if a.sb3 else "")
+                  + f"; env steps per s: shmrl {fmt(r['shmrl_env_steps_per_s'])}"
+                  + (f", SB3 {fmt(r['sb3_env_steps_per_s'])}" if a.sb3 else ""))
         if a.plot:
             print(f"wrote {a.plot}")
     return 0
@@ -262,8 +298,10 @@ def medians(runs: list[dict], sb3: bool) -> dict:
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
-    out = {"shmrl_final": med(r["shmrl"]["final"]["return_mean"] for r in runs if r["shmrl"]["final"])}
+    out = {"shmrl_final": med(r["shmrl"]["final"]["return_mean"] for r in runs if r["shmrl"]["final"]),
+           "shmrl_env_steps_per_s": med(r["shmrl"]["env_steps_per_s"] for r in runs)}
     if sb3:
+        out["sb3_env_steps_per_s"] = med(r["sb3"]["env_steps_per_s"] for r in runs)
         out["sb3_final"] = med(r["comparison"]["sb3_return"] for r in runs)
         out["shmrl_wall_s"] = med(r["comparison"]["shmrl_wall_s"] for r in runs)
         out["speedup"] = med(r["comparison"]["speedup"] for r in runs)
@@ -282,8 +320,8 @@ def print_run(env: str, entry: dict, seconds: float) -> None:
         times = " ".join(f"{t}s={fmt(v)}" for t, v in r["return_at_s"].items())
         steps = " ".join(f"{int(n) // 1000}k={fmt(v)}" for n, v in r["return_at_steps"].items())
         final = r["final"] or {}
-        print(f"{env} seed {entry['seed']} {who:5s}: {times} | {steps} | {fmt(final.get('env_steps'))} steps "
-              f"in {fmt(final.get('wall_s'))} s", flush=True)
+        print(f"{env} seed {entry['seed']} {who:5s}: {times} | {steps} | {fmt(r.get('env_steps'))} env steps, "
+              f"{fmt(r.get('env_steps_per_s'))} per s", flush=True)
     if "comparison" in entry:
         c = entry["comparison"]
         print(f"{env} seed {entry['seed']}: SB3's return after {seconds:.0f} s, {fmt(c['sb3_return'])}, reached by "
