@@ -112,7 +112,7 @@ class Encoder:
     normalization in numpy before its networks (``Normalizer``), so the torch rendering
     starts after it; the graph does it all."""
 
-    def __init__(self, leaf: Leaf, prefix: str, normalized: bool, activation: str, cnn: str):
+    def __init__(self, leaf: Leaf, prefix: str, normalized: bool, cnn: str):
         self.leaf, self.prefix, self.normalized = leaf, prefix, normalized
         self.convs: list[Conv] = []
         self.dense: Dense | None = None
@@ -229,11 +229,11 @@ class PolicyNet:
         self.leaves = layout.inputs
         self.mask = layout.mask
         self.shared = any(leaf.encoding == "image" for leaf in self.leaves) if shared is None else shared
-        # Which leaves are normalized: floats, and bytes that are not images (unless asked).
+        # With --normalize-obs: every vector and image leaf (one-hot encodings are not).
         self.normalized = {leaf.name for leaf in self.leaves
                            if normalize_obs and leaf.encoding in ("vector", "image")}
-        self.actor = self._tower("pi", cnn, spec.actions.dist_size)
-        self.critic = self.actor if self.shared else self._tower("vf", cnn, 1)
+        self.actor = self._tower("pi", cnn)
+        self.critic = self.actor if self.shared else self._tower("vf", cnn)
         self.value_head = Dense("vf.head", self.critic["trunk_out"], 1, None, VALUE_GAIN)
         # Rows of the head the actor trains (logits, means) and the log-std rows it does not.
         self.trained_rows, self.log_std_rows = _head_rows(spec.actions)
@@ -243,8 +243,9 @@ class PolicyNet:
         self._mask_trained_columns = _LazyIndex([position[c] for c in spec.actions.mask_columns.tolist()])
         self.template: ModelTemplate = self.graph().template()
 
-    def _tower(self, prefix: str, cnn: str, outputs: int) -> dict:
-        encoders = [Encoder(leaf, f"{prefix}.enc.{leaf.name}", leaf.name in self.normalized, self.activation, cnn)
+    def _tower(self, prefix: str, cnn: str) -> dict:
+        """Encoders and trunk, weights named ``<prefix>.``."""
+        encoders = [Encoder(leaf, f"{prefix}.enc.{leaf.name}", leaf.name in self.normalized, cnn)
                     for leaf in self.leaves]
         n = sum(e.features for e in encoders)
         trunk = []
@@ -252,11 +253,6 @@ class PolicyNet:
             trunk.append(Dense(f"{prefix}.{i}", n, self.hidden, self.activation, HIDDEN_GAIN))
             n = self.hidden
         return {"encoders": encoders, "trunk": trunk, "trunk_out": n}
-
-    @property
-    def action_dims(self) -> int:
-        """Discrete actions, or dimensions of a Gaussian's mean (a single part)."""
-        return self.spec.actions.parts[0].size
 
     # -------------------------------------------------------- weights
     def trained_params(self) -> list[tuple[str, tuple, float]]:

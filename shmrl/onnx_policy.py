@@ -16,11 +16,9 @@ import gzip
 
 import numpy as np
 
-from shmrl.net import OBS_CLIP, ONNX_ACTIVATIONS, OUTPUT_NAME, PolicyNet, orthogonal  # noqa: F401
+from shmrl.net import ONNX_ACTIVATIONS, OUTPUT_NAME, orthogonal
 from shmrl.onnx_graph import Graph
 from shmrl.spaces import FLAT_INPUT as INPUT_NAME
-
-LOG_STD_INIT = 0.0
 
 
 def init_mlp_weights(sizes: list[int], out_gain: float, rng: np.random.Generator) -> list[np.ndarray]:

@@ -32,20 +32,6 @@ class PPOConfig:
     lr_anneal: bool = False    # the learning rate falls linearly to 0 over the run's env-step budget
 
 
-def mlp(sizes: list[int], weights: list[np.ndarray], activation: str = "ReLU") -> nn.Sequential:
-    """Linear layers (with ``activation`` between them) holding ``weights``: w0, b0, w1, b1, ..."""
-    layers = []
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        linear = nn.Linear(n_in, n_out)
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(weights[2 * i]))
-            linear.bias.copy_(torch.from_numpy(weights[2 * i + 1]))
-        layers.append(linear)
-        if i < len(sizes) - 2:
-            layers.append(getattr(nn, activation)())
-    return nn.Sequential(*layers)
-
-
 class FlatAdam:
     """Adam with gradient-norm clipping over all parameters kept in one flat buffer.
 

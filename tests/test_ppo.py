@@ -155,7 +155,17 @@ def test_publish_rejects_wrong_shapes():
 
 
 def test_flat_adam_matches_torch_adam_with_clipping():
-    from shmrl.ppo import FlatAdam, mlp
+    from shmrl.ppo import FlatAdam
+
+    def mlp(sizes, weights):
+        layers = []
+        for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+            linear = torch.nn.Linear(n_in, n_out)
+            with torch.no_grad():
+                linear.weight.copy_(torch.from_numpy(weights[2 * i]))
+                linear.bias.copy_(torch.from_numpy(weights[2 * i + 1]))
+            layers += [linear, torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers[:-1])
     torch.manual_seed(0)
     weights = init_mlp_weights([4, 16, 3], 1.0, np.random.default_rng(0))
     net_a = mlp([4, 16, 3], weights)
