@@ -6,10 +6,13 @@ synchronization latency, and memory.
     python tools/bench.py solve      [--seeds 0 1 2 3 4] [--sims 8] [-- extra shmrl.run args]
     python tools/bench.py sync       [--sims 8] [--updates 50]
     python tools/bench.py memory     [--sims 8] [--repeat 1]
+    python tools/bench.py SUBCOMMAND --quick --json    # seconds: small sizes, one short window
 
 Every subcommand prints a table, or with ``--json`` one JSON object; both say what was
 measured and how. The machine may be shared: figures are medians of repetitions, and
-the load average before and after each run is reported with them.
+the load average before and after each run is reported with them. ``--quick`` only
+checks that a subcommand works, in seconds (its figures are not ones to quote): it
+changes the defaults to those in QUICK below, and flags given still win.
 
 Every process started here is stopped, on failure too, and no ``shmrl_*`` file is left
 in /dev/shm. Sampling parts never import torch (simulators never do; the learner's
@@ -39,8 +42,6 @@ from pathlib import Path
 import numpy as np
 
 ENV_ID = "CartPole-v1"
-ACTOR_SIZES = [4, 64, 64, 2]  # shmrl.ppo's actor for CartPole: obs 4, two hidden layers of 64, 2 logits
-ACTIVATION = "ReLU"
 WAIT_S = 60.0                 # the longest any single wait may take before the bench gives up
 HERE = Path(__file__).resolve()
 
@@ -48,11 +49,15 @@ HERE = Path(__file__).resolve()
 # ---------------------------------------------------------------- small helpers
 
 def median(xs) -> float:
-    return float(statistics.median(xs)) if len(xs) else math.nan
+    """The median of any iterable of numbers (a list, a generator), NaN when it is empty."""
+    xs = list(xs)
+    return float(statistics.median(xs)) if xs else math.nan
 
 
 def percentile(xs, q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else math.nan
+    """The q-th percentile of any iterable of numbers, NaN when it is empty."""
+    xs = list(xs)
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if xs else math.nan
 
 
 def host_info() -> dict:
@@ -72,14 +77,24 @@ def finished(result: dict) -> dict:
     return result
 
 
-def random_actor_weights(rng: np.random.Generator, sizes=ACTOR_SIZES) -> list[np.ndarray]:
-    """w0, b0, w1, b1, ... in nn.Linear's layout and init range (uniform +-1/sqrt(fan_in))."""
-    params = []
-    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
-        bound = 1.0 / math.sqrt(n_in)
-        params.append(rng.uniform(-bound, bound, (n_out, n_in)).astype(np.float32))
-        params.append(rng.uniform(-bound, bound, n_out).astype(np.float32))
-    return params
+def run_policy(envs_per_sim: int = 1, env_steps_per_sample: int = 256):
+    """The env's spec, shmrl.run's configuration of it (its preset) and the policy network
+    that shmrl.run publishes for it (numpy and the ONNX template only: no torch)."""
+    from shmrl.envs import env_spec
+    from shmrl.run import RunConfig, policy_net, resolve_config
+
+    spec = env_spec(ENV_ID)
+    config = resolve_config(RunConfig(env=ENV_ID, envs_per_sim=envs_per_sim,
+                                      env_steps_per_sample=env_steps_per_sample), spec)
+    return spec, config, policy_net(config, spec)
+
+
+def policy_text() -> str:
+    """What the bench's simulators run, for the method texts."""
+    _, config, net = run_policy()
+    params = sum(math.prod(shape) for shape in net.template.shapes.values())
+    return (f"shmrl.run's own {ENV_ID} policy network ({config.layers} x {config.hidden} {config.activation}, "
+            f"{params:,} weights; PolicyNet.initial_weights, new seeds for new weights)")
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
@@ -122,23 +137,18 @@ class Pipeline:
 
     def __init__(self, sims: int, *, envs_per_sim: int = 1, env_steps_per_sample: int = 256,
                  on_policy: bool, seed: int = 0, weights: list[np.ndarray] | None = None):
-        from shmrl.envs import env_spec
         from shmrl.learner import EpisodeStore, Hub
-        from shmrl.onnx_policy import OnnxPublisher
-        from shmrl.run import RunConfig, resolve_config, ring_bytes
+        from shmrl.run import ring_bytes
         from shmrl.supervisor import Supervisor
         from shmrl.transport.shm import ShmServer
 
         self.sims, self.seq, self.supervisor = sims, 0, None
         self.rng = np.random.default_rng(seed)
-        spec = env_spec(ENV_ID)
-        config = resolve_config(RunConfig(env=ENV_ID, envs_per_sim=envs_per_sim,
-                                          env_steps_per_sample=env_steps_per_sample))
-        self.server = ShmServer(sims, **ring_bytes(config, spec, ACTOR_SIZES))  # as shmrl.run sizes them
+        spec, config, self.net = run_policy(envs_per_sim, env_steps_per_sample)
+        self.server = ShmServer(sims, **ring_bytes(config, spec, self.net))  # as shmrl.run sizes them
         try:
             self.store = EpisodeStore()
             self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy)
-            self.publisher = OnnxPublisher(ACTOR_SIZES, ACTIVATION)
             self.publish(weights)  # before any simulator asks: GET_STATE needs a state
             addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
             self.supervisor = Supervisor(addresses, env=ENV_ID, seed=seed, envs_per_sim=envs_per_sim,
@@ -150,14 +160,18 @@ class Pipeline:
             raise
         self._next_alive_check = 0.0
 
-    def publish(self, weights: list[np.ndarray] | None = None) -> int:
+    def new_weights(self) -> dict[str, np.ndarray]:
+        """Weights the network has not had: its initial ones, of a new seed."""
+        return self.net.initial_weights(int(self.rng.integers(2 ** 31)))
+
+    def publish(self, weights: dict[str, np.ndarray] | None = None) -> int:
         """What the learner does after an update: patch the weights into the ONNX graph,
         gzip+base64 it, hand it to the Hub (which releases waiting simulators)."""
         from shmrl.onnx_policy import encode_onnx_file
 
-        weights = weights if weights is not None else random_actor_weights(self.rng)
+        weights = weights if weights is not None else self.new_weights()
         t0 = time.perf_counter()
-        self.model_bytes = self.publisher.publish(weights)
+        self.model_bytes = self.net.template.publish(weights)
         t1 = time.perf_counter()
         onnx_file = encode_onnx_file(self.model_bytes)
         t2 = time.perf_counter()
@@ -239,19 +253,19 @@ def throughput(args) -> dict:
     result = started(
         "throughput",
         f"Pipeline: ShmServer(n) + n simulators started by shmrl.supervisor.Supervisor (forkserver), "
-        f"{ENV_ID} with a random-init ONNX policy {ACTOR_SIZES}; in this process a Hub with "
+        f"{ENV_ID} with {policy_text()} as ONNX; in this process a Hub with "
         f"on_policy=False answers each EPISODES_AND_GET_STATE at once and the chunks are "
         f"drained (no training). Env steps received per second: after every simulator has sent "
         f"episodes and a {args.warmup:g} s warm-up, --seconds {args.seconds:g} of measurement split "
         f"into --repeat {args.repeat} consecutive windows; the figure is the median window. "
-        f"In-process limit: the same env + OnnxPolicy + CategoricalSampler in a plain loop "
+        f"In-process limit: the same env + OnnxPolicy + shmrl.sim's sampler in a plain loop "
         f"(no episode recording, no transport), one process per core, windows on a common "
         f"clock, rates summed per window, median window. CPU use (/proc/PID/stat, process_time) "
         f"is measured in the same windows: steps per cpu-second discounts the time the bench's "
         f"processes lost to other processes (not contention on the host or in caches).",
         sims=args.sims, seconds=args.seconds, warmup=args.warmup, repeat=args.repeat,
         envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample)
-    weights = random_actor_weights(np.random.default_rng(0))
+    weights = run_policy()[2].initial_weights(0)
     result["limit"] = in_process_limit(weights, args)
     limit = result["limit"]["steps_per_s"]
     rows = []
@@ -308,12 +322,10 @@ def cpu_s(pids: list[int]) -> float:
 
 def in_process_limit(weights, args) -> dict:
     """Sum of env steps/s of one plain sampling loop per core, measured in the same windows."""
-    from shmrl.onnx_policy import OnnxPublisher
-
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="shmrl-bench-") as tmp:
         model = Path(tmp) / "policy.onnx"
-        model.write_bytes(OnnxPublisher(ACTOR_SIZES, ACTIVATION).publish(weights))
+        model.write_bytes(run_policy()[2].template.publish(weights))
         start_at = time.time() + 2.0  # time for every worker to import numpy and onnxruntime
         common = ["--model", str(model), "--start-at", repr(start_at), "--warmup", str(args.warmup),
                   "--seconds", str(args.seconds), "--windows", str(args.repeat),
@@ -341,13 +353,13 @@ def in_process_limit(weights, args) -> dict:
 def limit_worker(args) -> int:
     """Hidden: the in-process loop of one core. Mirrors shmrl.sim's stepping (the same
     vectorized envs, policy and sampler), minus the recording and the transport."""
-    from shmrl.envs import make_vec_env
+    from shmrl.envs import env_spec, make_vec_env
     from shmrl.onnx_policy import OnnxPolicy
-    from shmrl.sim import CategoricalSampler
+    from shmrl.sim import make_sampler
 
     k = args.envs_per_sim
     policy = OnnxPolicy(Path(args.model).read_bytes())
-    sampler = CategoricalSampler(np.random.default_rng(args.seed))
+    sampler = make_sampler(env_spec(ENV_ID), np.random.default_rng(args.seed))
     envs = make_vec_env(ENV_ID, k, args.seed * 1_000_003)
     obs = envs.reset()
     late = time.time() > args.start_at
@@ -603,9 +615,9 @@ def sync(args) -> dict:
 
     result = started(
         "sync",
-        f"Pipeline as in throughput, but the Hub in on-policy mode (on_policy=True: each "
+        f"Pipeline as in throughput ({policy_text()}), but the Hub in on-policy mode (on_policy=True: each "
         f"EPISODES_AND_GET_STATE waits for the next weights) and env_steps_per_sample=1. Once all "
-        f"{args.sims} simulators wait, a publish: new random weights -> OnnxPublisher.publish -> "
+        f"{args.sims} simulators wait, a publish: new weights -> ModelTemplate.publish -> "
         f"encode_onnx_file -> hub.set_state (writes SET_STATE to every reply ring). Latency: from "
         f"the start of the publish until every simulator's next message, whose episodes carry the "
         f"new weights_seq_no, has been received; it includes one env step and one ONNX call per "
@@ -618,8 +630,9 @@ def sync(args) -> dict:
         everyone_waits = lambda: len(p.hub.sampling) == args.sims and p.hub.all_waiting()  # noqa: E731
         p.run_until(everyone_waits, WAIT_S, f"{args.sims} simulators waiting for weights")
         for u in range(args.warmup + args.updates):
+            weights = p.new_weights()  # drawn before the clock starts, as a trained update has them
             t0 = time.perf_counter()
-            seq = p.publish()
+            seq = p.publish(weights)
             t_published = time.perf_counter() - t0
             arrived = wait_for_version(p, seq, t0)
             if u >= args.warmup:
@@ -670,7 +683,7 @@ def print_sync(r: dict) -> None:
     print(f"  every simulator's next message in : {f(r['all_simulators_ms'])}")
     print(f"  first simulator's next message in : {f(r['first_simulator_ms'])}")
     print(f"  of which publish+encode+set_state : {f(r['publish_ms'])}")
-    names = {"onnx": "OnnxPublisher.publish", "encode": "encode_onnx_file", "set_state": "hub.set_state"}
+    names = {"onnx": "ModelTemplate.publish", "encode": "encode_onnx_file", "set_state": "hub.set_state"}
     for k, x in r["publish_parts_ms"].items():
         print(f"    {names[k]:<31} : {f(x)}")
     print(f"  one model install alone (decode + onnxruntime session): {f(r['install_alone_ms'])}; "
@@ -685,23 +698,39 @@ def memory(args) -> dict:
     result = started(
         "memory",
         f"`python -m shmrl.run --sims {args.sims} --max-env-steps 10000000 --stop-return 1e9 --logdir TMP` "
-        f"in its own process group; when it prints 'update    3 |', VmRSS (/proc/PID/status) and "
-        f"Pss (/proc/PID/smaps_rollup) of the learner and every descendant (ppid chains in "
-        f"/proc/*/stat); then SIGINT to the group. RSS counts pages shared between the forked "
-        f"simulators once per process; the Pss sum is the honest total. First sample: seconds from "
-        f"the run's process start until its learner received the first env steps (summary.json "
-        f"first_sample_s). Start-up: seconds from "
-        f"launch to the first progress line ('update    1 |'), which comes after the first "
-        f"batch (the default train batch, shared by the {args.sims} simulators) has arrived and one "
-        f"PPO update; the update's own "
-        f"train_s (metrics.jsonl) is reported to subtract. Median over --repeat {args.repeat}.",
+        f"in its own process group; when it prints 'update    3 |', the memory of the learner and "
+        f"every descendant (ppid chains in /proc/*/stat), from /proc/PID/smaps_rollup; then SIGINT to "
+        f"the group. PSS (proportional set size, the headline): each resident page divided by the "
+        f"number of processes that map it (shared libraries, the pages the forked simulators share "
+        f"with their fork server, the shared-memory rings), so the PSS of all processes adds up to "
+        f"the memory the run really occupies. USS (unique set size, Private_Clean + Private_Dirty): "
+        f"pages mapped by that process alone, about what its exit would give back; what one more "
+        f"simulator costs is near its USS. RSS (VmRSS, /proc/PID/status): every resident page the "
+        f"process maps, shared ones whole, so summed over processes it counts each shared library "
+        f"once per process: kept beside for comparison only. Per role (learner, simulators, fork "
+        f"server, resource tracker): the sum over its processes and, per process, the median. "
+        f"First sample: seconds from the run's process start until its learner received the first "
+        f"env steps (summary.json first_sample_s). Start-up: seconds from launch to the first "
+        f"progress line ('update    1 |'), which comes after the first batch (the default train "
+        f"batch, shared by the {args.sims} simulators) has arrived and one PPO update; the update's "
+        f"own train_s (metrics.jsonl) is reported to subtract. Figures are medians over --repeat "
+        f"{args.repeat} runs; the process table is the first run's.",
         sims=args.sims, repeat=args.repeat)
     runs = [memory_run(args.sims) for _ in range(args.repeat)]
     result["processes"] = runs[0]["processes"]
     result["runs"] = [{k: v for k, v in r.items() if k != "processes"} for r in runs]
-    for key in ("rss_total_mib", "pss_total_mib", "first_sample_s", "first_progress_s", "first_update_train_s"):
+    for key in ("pss_total_mib", "uss_total_mib", "rss_total_mib", "first_sample_s", "first_progress_s",
+                "first_update_train_s"):
         values = [r[key] for r in runs if r[key] is not None]
         result[key] = median(values) if values else None
+    result["by_role"] = {}
+    for role in runs[0]["by_role"]:  # the same roles in every run
+        rows = [r["by_role"][role] for r in runs if role in r["by_role"]]
+        result["by_role"][role] = {k: median(x[k] for x in rows) for k in rows[0]}
+        result["by_role"][role]["processes"] = rows[0]["processes"]
+    sims = result["by_role"].get("simulator")
+    result["per_simulator_mib"] = ({m: sims[f"{m}_per_process_mib"] for m in ("pss", "uss", "rss")}
+                                   if sims else None)
     return finished(result)
 
 
@@ -731,8 +760,10 @@ def memory_run(sims: int) -> dict:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return {"processes": processes, "exit_code": exit_code, "shm_files_left": left,
             "first_sample_s": summary.get("first_sample_s"),
+            "pss_total_mib": sum(p["pss_mib"] for p in processes),
+            "uss_total_mib": sum(p["uss_mib"] for p in processes),
             "rss_total_mib": sum(p["rss_mib"] for p in processes),
-            "pss_total_mib": sum(p["pss_mib"] or 0 for p in processes),
+            "by_role": by_role(processes),
             "first_progress_s": first,
             "first_update_elapsed_s": rows[0]["elapsed_s"] if rows else None,
             "first_update_train_s": rows[0]["train_s"] if rows else None}
@@ -768,8 +799,23 @@ def wait_for_line(lines: queue.Queue, proc, text: str, t0: float, timeout: float
             return t - t0
 
 
+def by_role(processes: list[dict]) -> dict[str, dict]:
+    """Per role ("simulator" for all simulators): how many processes, the sums of their
+    PSS, USS and RSS, and the median of each per process (MiB)."""
+    groups: dict[str, list[dict]] = {}
+    for x in processes:
+        groups.setdefault("simulator" if x["role"].startswith("simulator ") else x["role"], []).append(x)
+    out = {}
+    for role, xs in groups.items():
+        out[role] = {"processes": len(xs)}
+        for m in ("pss", "uss", "rss"):
+            out[role][f"{m}_mib"] = sum(x[f"{m}_mib"] for x in xs)
+            out[role][f"{m}_per_process_mib"] = median(x[f"{m}_mib"] for x in xs)
+    return out
+
+
 def process_tree(root: int) -> list[dict]:
-    """The root and every descendant, with a role, VmRSS and Pss in MiB."""
+    """The root and every descendant, with a role, and its PSS, USS and RSS in MiB."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -783,12 +829,12 @@ def process_tree(root: int) -> list[dict]:
     while todo:
         pid = todo.pop(0)
         todo.extend(sorted(children.get(pid, [])))
-        rss = status_kib(pid, "VmRSS")
-        if rss is None:
+        rss, smaps = status_kib(pid, "VmRSS"), smaps_rollup_kib(pid)
+        if rss is None or smaps is None:
             continue  # gone meanwhile
-        pss = smaps_kib(pid, "Pss")
-        out.append({"pid": pid, "role": role_of(pid, root), "rss_mib": rss / 1024,
-                    "pss_mib": None if pss is None else pss / 1024})
+        out.append({"pid": pid, "role": role_of(pid, root), "pss_mib": smaps["Pss"] / 1024,
+                    "uss_mib": (smaps["Private_Clean"] + smaps["Private_Dirty"]) / 1024,
+                    "rss_mib": rss / 1024})
     return out
 
 
@@ -819,14 +865,18 @@ def status_kib(pid: int, field: str) -> int | None:
     return None
 
 
-def smaps_kib(pid: int, field: str) -> int | None:
+def smaps_rollup_kib(pid: int) -> dict[str, int] | None:
+    """The kB fields of /proc/PID/smaps_rollup (Rss, Pss, Private_Clean, Private_Dirty, ...),
+    None if the process is gone or the kernel has no smaps_rollup."""
+    out = {}
     try:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+            parts = line.split()
+            if len(parts) == 3 and parts[0].endswith(":") and parts[2] == "kB":
+                out[parts[0][:-1]] = int(parts[1])
+    except (OSError, ValueError):
+        return None
+    return out if {"Pss", "Private_Clean", "Private_Dirty"} <= out.keys() else None
 
 
 def interrupt_group(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:
@@ -866,24 +916,45 @@ def group_alive(pgid: int) -> bool:
 
 def print_memory(r: dict) -> None:
     p = r["params"]
-    print(f"memory: `python -m shmrl.run --sims {p['sims']}` at its third update")
-    print(f"  {'pid':>7} | {'process':<18} | {'RSS MiB':>8} | {'PSS MiB':>8}")
+    f = lambda x, spec=".2f": "n/a" if x is None else format(x, spec)  # noqa: E731
+    print(f"memory: `python -m shmrl.run --sims {p['sims']}` at its third update (MiB; PSS the headline, "
+          f"USS private to the process, RSS with shared pages whole)")
+    print(f"  {'pid':>7} | {'process':<18} | {'PSS':>7} | {'USS':>7} | {'RSS':>7}")
     for x in r["processes"]:
-        pss = "n/a" if x["pss_mib"] is None else f"{x['pss_mib']:.1f}"
-        print(f"  {x['pid']:>7} | {x['role']:<18} | {x['rss_mib']:>8.1f} | {pss:>8}")
-    print(f"  total: RSS {r['rss_total_mib']:.1f} MiB (shared pages counted per process), "
-          f"PSS {r['pss_total_mib']:.1f} MiB")
+        print(f"  {x['pid']:>7} | {x['role']:<18} | {x['pss_mib']:>7.1f} | {x['uss_mib']:>7.1f} | {x['rss_mib']:>7.1f}")
+    print(f"  {'role':<18} | {'n':>3} | {'PSS':>7} | {'USS':>7} | {'RSS':>7} | {'PSS/proc':>8} | "
+          f"{'USS/proc':>8} | {'RSS/proc':>8}")
+    for role, x in r["by_role"].items():
+        print(f"  {role:<18} | {x['processes']:>3} | {x['pss_mib']:>7.1f} | {x['uss_mib']:>7.1f} | "
+              f"{x['rss_mib']:>7.1f} | {x['pss_per_process_mib']:>8.1f} | {x['uss_per_process_mib']:>8.1f} | "
+              f"{x['rss_per_process_mib']:>8.1f}")
+    print(f"  total: PSS {r['pss_total_mib']:.1f} MiB (what the run occupies), USS {r['uss_total_mib']:.1f} MiB "
+          f"(private pages only), RSS {r['rss_total_mib']:.1f} MiB (shared pages counted once per process)")
+    sim = r["per_simulator_mib"]
+    if sim:
+        print(f"  each simulator (median): PSS {sim['pss']:.1f}, USS {sim['uss']:.1f}, RSS {sim['rss']:.1f} MiB")
     fp, tr, fs = r["first_progress_s"], r["first_update_train_s"], r["first_sample_s"]
-    print(f"  first sample: the learner had its first env steps {fs:.2f} s after the run's process start")
-    print(f"  start-up: first progress line {fp:.2f} s after launch (includes the first batch and "
-          f"one PPO update of {tr:.2f} s); the run's own clock put update 1 at "
-          f"{r['runs'][0]['first_update_elapsed_s']:.2f} s from its process start")
+    print(f"  first sample: the learner had its first env steps {f(fs)} s after the run's process start")
+    print(f"  start-up: first progress line {f(fp)} s after launch (includes the first batch and "
+          f"one PPO update of {f(tr)} s); the run's own clock put update 1 at "
+          f"{f(r['runs'][0]['first_update_elapsed_s'])} s from its process start")
     for run in r["runs"]:
         left = run["shm_files_left"] or "none"
         print(f"  run: exit {run['exit_code']} after SIGINT, /dev/shm files left: {left}")
 
 
 # ---------------------------------------------------------------- command line
+
+# --quick: the defaults of each subcommand that make it take seconds (CI runs every one).
+QUICK = {
+    "throughput": {"sims": [2], "seconds": 1.0, "warmup": 0.5, "repeat": 2},
+    "transport": {"steps": 100, "messages": 20, "repeat": 1, "warmup": 2},
+    "solve": {"seeds": [0], "sims": 2, "timeout": 120.0},   # and --stop-return 100 for shmrl.run
+    "sync": {"sims": 2, "updates": 5, "warmup": 1},
+    "memory": {"sims": 2, "repeat": 1},
+}
+QUICK_SOLVE_EXTRA = ["--stop-return", "100"]
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     # Arguments after "--" belong to shmrl.run (solve); split them off before argparse,
@@ -894,6 +965,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         argv, extra = argv[:i], argv[i + 1:]
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    common.add_argument("--quick", action="store_true",
+                        help="seconds, not minutes: small sizes, one short window (checks that it works)")
     p = argparse.ArgumentParser(prog="python tools/bench.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
@@ -941,7 +1014,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("--steps", "--messages", "--repeat", "--warmup"):
         s.add_argument(name, type=int, required=True)
 
+    if "--quick" in argv:  # quick defaults; flags given on the command line still win
+        for name, defaults in QUICK.items():
+            sub.choices[name].set_defaults(**defaults)
     args = p.parse_args(argv)
+    if getattr(args, "quick", False) and args.command == "solve" and not any(
+            x == "--stop-return" or x.startswith("--stop-return=") for x in extra):
+        extra = [*QUICK_SOLVE_EXTRA, *extra]
     if extra and args.command != "solve":
         p.error("arguments after -- are for shmrl.run, only with solve")
     args.extra = extra
