@@ -2,15 +2,20 @@
 
     python tools/solve.py                      # 5 seeds of --sims 8 on CartPole-v1
     python tools/solve.py --seeds 0 1 2 -- --env-steps-per-sample 128
+    python tools/solve.py --quick --json       # seconds: seed 0, --sims 2, --stop-return 100
 
 Each run is timed from command start (the process's own start, as the run measures it)
 to exit; prints one line per seed and the median. Any extra arguments after ``--`` go
-to ``shmrl.run``.
+to ``shmrl.run``. Each run has its own process group; one that outlives --timeout, or
+this tool (an error, Ctrl-C, SIGTERM), is stopped as after Ctrl-C, then killed, and any
+/dev/shm/shmrl_* file it left is removed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -18,41 +23,78 @@ import tempfile
 import time
 from pathlib import Path
 
+QUICK = {"seeds": [0], "sims": 2, "timeout": 120.0}   # --quick; and --stop-return 100 for shmrl.run
+QUICK_EXTRA = ["--stop-return", "100"]
+
 
 def solve(seed: int, sims: int, extra: list[str], timeout: float) -> dict:
+    """One timed ``python -m shmrl.run``; raises subprocess.TimeoutExpired after ``timeout``
+    s, with the run stopped and its shared memory gone."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench import group_alive, interrupt_group, own_shm_files  # tools/bench.py: stops a run's whole group
+
     with tempfile.TemporaryDirectory() as logdir:
         cmd = [sys.executable, "-m", "shmrl.run", "--sims", str(sims), "--seed", str(seed),
                "--logdir", logdir, *extra]
         t0 = time.time()
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              timeout=timeout)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # its own group: stopped whole if need be
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        finally:
+            # Also on a timeout, an error or Ctrl-C here: the run stops as after Ctrl-C (its
+            # simulators with it), or is killed, and leaves no segment behind.
+            if proc.poll() is None or group_alive(proc.pid):
+                interrupt_group(proc)
+            for name in own_shm_files(proc.pid):
+                os.unlink(f"/dev/shm/{name}")
         wall = time.time() - t0
         summary_path = Path(logdir) / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     if proc.returncode not in (0, 1):
-        sys.stderr.write(proc.stderr)
+        sys.stderr.write(err)
     return {"seed": seed, "exit": proc.returncode, "wall_s": wall,
             "solved": summary.get("solved", False), "env_steps": summary.get("env_steps"),
             "return_mean": summary.get("return_mean")}
 
 
-def main() -> int:
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through solve()'s finally: the run is stopped
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--sims", type=int, default=8)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--quick", action="store_true",
+                   help="seconds, not minutes: seed 0, --sims 2, --stop-return 100 (flags given still win)")
     p.add_argument("extra", nargs="*", help="arguments for shmrl.run (after --)")
-    args = p.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    if "--quick" in argv[:argv.index("--") if "--" in argv else len(argv)]:
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
+    if args.quick and not any(x == "--stop-return" or x.startswith("--stop-return=") for x in args.extra):
+        args.extra = [*QUICK_EXTRA, *args.extra]
+    signal.signal(signal.SIGTERM, _terminate)
     results = []
     for seed in args.seeds:
-        r = solve(seed, args.sims, args.extra, args.timeout)
+        try:
+            r = solve(seed, args.sims, args.extra, args.timeout)
+        except subprocess.TimeoutExpired:
+            r = {"seed": seed, "exit": None, "wall_s": args.timeout, "solved": False,
+                 "env_steps": None, "return_mean": None}
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
         results.append(r)
         if not args.json:
             print(f"seed {r['seed']}: {'solved' if r['solved'] else 'NOT solved'} in {r['wall_s']:.2f} s, "
                   f"{r['env_steps']} env steps, return {r['return_mean']}", flush=True)
     walls = [r["wall_s"] for r in results]
-    out = {"runs": results, "median_wall_s": statistics.median(walls),
+    out = {"command": " ".join(["python -m shmrl.run --sims", str(args.sims), "--seed S --logdir TMP", *args.extra]),
+           "runs": results, "median_wall_s": statistics.median(walls),
            "all_solved": all(r["solved"] for r in results),
            "median_env_steps": statistics.median(r["env_steps"] or 0 for r in results)}
     if args.json:
