@@ -2,6 +2,7 @@
 kinds of hostile clients attack its RLlink port at once.
 
     python tools/abuse.py [--rounds 3] [--abuse-seconds 12] [--idle 200] [--json]
+    python tools/abuse.py --quick --json      # seconds: one short round, 4 MiB frames, 20 idle
 
 The server is the real thing: ``python -m shmrl.run --sims 0 --tcp-port 0`` (no auth
 token, the TCP defaults of the command line: 10 s frame timeout, no idle timeout, 64 MiB
@@ -571,6 +572,8 @@ def window_stats(w: dict) -> dict:
 
 
 WINDOWS = ("unloaded", "abused", "abused, line rate", "control")
+QUICK = {"rounds": 1, "unloaded_seconds": 1.0, "abuse_seconds": 3.0, "line_rate_seconds": 0.0, "idle": 20,
+         "max_frame_bytes": 4 << 20}   # --quick
 GATED = "abused"
 
 
@@ -795,6 +798,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python tools/abuse.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--quick", action="store_true",
+                   help="seconds, not minutes, to check that it works (figures not to quote): one round, "
+                        "'unloaded' 1 s, 'abused' 3 s (shorter than the frame timeout: the slowloris is not "
+                        "dropped), no line-rate windows, 20 idle, --max-frame-bytes 4 MiB; flags given still win")
     p.add_argument("--rounds", type=int, default=3, help="rounds of windows; figures are medians (default: %(default)s)")
     p.add_argument("--abuse-seconds", type=float, default=12.0,
                    help="'abused' window; longer than the 10 s frame timeout, so that the slowloris is "
@@ -826,6 +833,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "freed big buffers (its dynamic mmap and trim thresholds follow the largest freed "
                         "block, up to 32 MiB): run with MALLOC_MMAP_THRESHOLD_=131072 (it reaches the "
                         "server) to see the live memory alone, where a leak would show in MiB per round")
+    if "--quick" in argv:
+        p.set_defaults(**QUICK)
     args = p.parse_args(argv)
     positive = (args.rounds, args.abuse_seconds, args.unloaded_seconds, args.nonreader_rps, args.train_every,
                 args.max_frame_bytes, args.max_growth_mib, args.max_drift_mib)
