@@ -5,10 +5,15 @@
     python tools/rllib_compat.py server   --port 5600   # RLlib's PPO TCP server <- shmrl.sim --connect
     python tools/rllib_compat.py baseline --port 5600   # RLlib's PPO TCP server <- RLlib's _dummy_client
     python tools/rllib_compat.py server --port 5600 --json --capture /tmp/cap   # also record the bytes
+    python tools/rllib_compat.py client --port 5600 --quick --json   # seconds: to a mean return of 100
+    python tools/rllib_compat.py --setup                              # only create the venv (.ci/run does)
 
 Every subcommand trains CartPole-v1 until a mean return of the last 100 episodes of
 --stop-return (default 450), prints one table line (or, with --json, one JSON object) with
 the time and the env steps it took, and exits 0 when solved, 1 when not, 2 on a setup error.
+``--quick`` checks that the path works with low targets (flags given still win): ``client``
+to a mean return of 100 within 100,000 env steps (shmrl.run --max-env-steps); ``server``
+and ``baseline`` to 30 within 5 iterations (RLlib's own start-up takes most of their time).
 
 ``--port P`` is always the TCP port that the client connects to. RLlib's
 ``TcpClientInferenceEnvRunner`` binds ``localhost:(env_config["port"] + worker_index)``
@@ -55,6 +60,10 @@ DEFAULT_VENV = Path("~/.cache/shmrl/rllib-2.48-venv").expanduser()
 VENV_PACKAGES = ["ray[rllib]==2.48.0", "torch==2.13.0", "gymnasium", "onnxruntime", "onnx"]
 MARK = "RLLIB_COMPAT "          # prefix of the machine-readable lines of the ray-side driver
 CAPTURE_PORT_OFFSET = 100       # with --capture, the server listens on P + 100 behind a proxy on P
+QUICK = {"client": {"stop_return": 100.0, "timeout": 180.0},
+         "server": {"stop_return": 30.0, "max_iters": 5, "max_env_steps": 20_000, "timeout": 300.0},
+         "baseline": {"stop_return": 30.0, "max_iters": 5, "max_env_steps": 20_000, "timeout": 300.0}}
+QUICK_CLIENT_EXTRA = ["--max-env-steps", "100000"]   # for shmrl.run: a quick client run always ends
 
 
 class SetupError(RuntimeError):
@@ -233,7 +242,10 @@ def ensure_venv(venv: Path, log=print) -> Path:
     check = ("import ray, torch, onnxruntime, onnx, gymnasium; "
              "assert ray.__version__ == '2.48.0', ray.__version__; "
              "assert torch.__version__.startswith('2.13.0'), torch.__version__")
-    if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
+    # Once made, only the installed versions are looked at (importing ray and torch takes seconds).
+    installed = ("from importlib.metadata import version as v; import onnxruntime, onnx, gymnasium; "
+                 "assert v('ray') == '2.48.0' and v('torch').startswith('2.13.0')")
+    if py.exists() and subprocess.run([str(py), "-c", installed], capture_output=True).returncode == 0:
         return py
     log(f"creating the RLlib 2.48 virtualenv in {venv} (takes minutes) ...")
     python3 = shutil.which("python3") or sys.executable
@@ -703,12 +715,16 @@ def _fmt_main(r: dict, f) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{client,server,baseline}")
+    p.add_argument("--setup", action="store_true",
+                   help="only create the RLlib 2.48 virtualenv (--venv after it, or the default), then exit")
+    sub = p.add_subparsers(dest="cmd", metavar="{client,server,baseline}")
     helps = {"client": "shmrl's learner (TCP) <- RLlib 2.48's _dummy_client",
              "server": "RLlib 2.48's PPO TCP server <- shmrl.sim --connect",
              "baseline": "RLlib 2.48's PPO TCP server <- RLlib 2.48's _dummy_client"}
     for name, text in helps.items():
         s = sub.add_parser(name, help=text, description=text)
+        s.add_argument("--quick", action="store_true",
+                       help="seconds, not minutes: low targets and budgets (see above); flags given still win")
         s.add_argument("--port", type=int, default=5600, help="TCP port the client connects to (default: %(default)s)")
         s.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="RLlib 2.48 virtualenv (default: %(default)s)")
         s.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default: %(default)s)")
@@ -734,7 +750,28 @@ def main(argv=None) -> int:
     h = sub.add_parser("_rllib-client")  # hidden: runs inside the venv
     h.add_argument("--port", type=int, required=True)
     h.add_argument("--wait", type=float, default=600.0)
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--setup"]:  # python tools/rllib_compat.py --setup [--venv DIR]
+        s = argparse.ArgumentParser(prog="python tools/rllib_compat.py --setup")
+        s.add_argument("--setup", action="store_true")
+        s.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="RLlib 2.48 virtualenv (default: %(default)s)")
+        v = s.parse_args(argv).venv
+        try:
+            print(f"RLlib 2.48 virtualenv ready: {ensure_venv(v, log=lambda m: print(m, file=sys.stderr, flush=True))}")
+        except (SetupError, subprocess.CalledProcessError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if "--quick" in argv[:argv.index("--") if "--" in argv else len(argv)]:
+        for name, defaults in QUICK.items():
+            sub.choices[name].set_defaults(**defaults)
     a = p.parse_args(argv)
+    if a.cmd is None:
+        p.error("a subcommand (client, server, baseline) or --setup is required")
+    if getattr(a, "quick", False) and a.cmd == "client" and not any(
+            x == "--max-env-steps" or x.startswith("--max-env-steps=") for x in a.extra):
+        a.extra = [*QUICK_CLIENT_EXTRA, *a.extra]
 
     if a.cmd == "_rllib-server":
         return rllib_server_main(a)

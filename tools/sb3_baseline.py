@@ -5,6 +5,8 @@ mean return of 475.
     python tools/sb3_baseline.py                      # 5 seeds, interleaved: SB3, then shmrl, per seed
     python tools/sb3_baseline.py --seeds 0 1 2 --json
     python tools/sb3_baseline.py -- --sims 4 --envs-per-sim 8     # extra arguments for shmrl.run
+    python tools/sb3_baseline.py --quick --json       # seconds: seed 0, a mean return of 100, short budgets
+    python tools/sb3_baseline.py --setup              # only create the SB3 virtualenv (.ci/run does)
 
 Both are timed the same way, from launching the command to its exit (tools/solve.py's
 solve() for shmrl). The machine drifts, so the two run in turns, seed by seed.
@@ -16,7 +18,11 @@ settings are rl-zoo3's tuned PPO for CartPole-v1, the anchor in ../shared/DESIGN
 8 envs in a DummyVecEnv, n_steps 32, batch 256, 20 epochs, gamma 0.98, GAE lambda 0.8,
 no entropy bonus, learning rate 1e-3 and clip 0.2 both decaying linearly over zoo's
 1e5 steps. A callback stops it once the mean return of the last 100 complete episodes
-(VecMonitor) reaches --stop-return; if 1e5 steps pass first it counts as not solved.
+(VecMonitor) reaches --stop-return; if 1e5 steps pass first (or --max-env-steps, which
+leaves zoo's schedules as they are) it counts as not solved.
+
+--quick checks that the whole path works, in seconds: seed 0, --stop-return 100, --sims 2,
+at most 50,000 env steps for each (shmrl.run --max-env-steps); flags given still win.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +42,7 @@ DEFAULT_VENV = Path("~/.cache/shmrl/sb3-venv").expanduser()
 # torch pinned: an unpinned torch pulls a CUDA build of several GB.
 VENV_PACKAGES = ["torch==2.13.0", "stable-baselines3>=2.3", "gymnasium"]
 ZOO_STEPS = 100_000
+QUICK = {"seeds": [0], "stop_return": 100.0, "sims": 2, "max_env_steps": 50_000, "timeout": 180.0}
 
 
 def ensure_venv(venv: Path) -> Path:
@@ -42,7 +50,10 @@ def ensure_venv(venv: Path) -> Path:
     py = venv / "bin" / "python"
     check = ("import stable_baselines3, torch, gymnasium; "
              "assert torch.__version__.startswith('2.13.0'), torch.__version__")
-    if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
+    # Once made, only the installed versions are looked at (importing torch takes seconds).
+    installed = ("from importlib.metadata import version as v; v('stable-baselines3'), v('gymnasium'); "
+                 "assert v('torch').startswith('2.13.0')")
+    if py.exists() and subprocess.run([str(py), "-c", installed], capture_output=True).returncode == 0:
         return py
     print(f"creating the stable-baselines3 virtualenv in {venv} (takes minutes) ...", file=sys.stderr)
     venv.parent.mkdir(parents=True, exist_ok=True)
@@ -68,6 +79,8 @@ def sb3_main(a) -> int:
 
     class StopAtMeanReturn(BaseCallback):
         def _on_step(self) -> bool:
+            if self.num_timesteps >= a.max_env_steps:
+                return False
             returns = [info["r"] for info in self.model.ep_info_buffer]
             return not (len(returns) >= 100 and np.mean(returns[-100:]) >= a.stop_return)
 
@@ -86,9 +99,10 @@ def sb3_main(a) -> int:
     return 0
 
 
-def sb3_run(py: Path, seed: int, stop_return: float, timeout: float) -> dict:
+def sb3_run(py: Path, seed: int, stop_return: float, timeout: float, max_env_steps: int = ZOO_STEPS) -> dict:
     t0 = time.time()
-    proc = subprocess.run([str(py), str(HERE), "_sb3-run", "--seed", str(seed), "--stop-return", str(stop_return)],
+    proc = subprocess.run([str(py), str(HERE), "_sb3-run", "--seed", str(seed), "--stop-return", str(stop_return),
+                           "--max-env-steps", str(max_env_steps)],
                           capture_output=True, text=True, timeout=timeout)
     wall = time.time() - t0
     if proc.returncode != 0:
@@ -102,8 +116,13 @@ def main(argv=None) -> int:
     p.add_argument("--sims", type=int, default=8, help="shmrl.run --sims (default: %(default)s)")
     p.add_argument("--stop-return", type=float, default=475.0)
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="SB3 virtualenv (default: %(default)s)")
+    p.add_argument("--max-env-steps", type=int, default=ZOO_STEPS,
+                   help="env steps after which a run counts as not solved, for each (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--quick", action="store_true",
+                   help="seconds, not minutes: seed 0, --stop-return 100, --sims 2, --max-env-steps 50000")
+    p.add_argument("--setup", action="store_true", help="only create the SB3 virtualenv (--venv), then exit")
     p.add_argument("extra", nargs="*", help="after --: extra arguments for shmrl.run")
     if argv is None:
         argv = sys.argv[1:]
@@ -111,16 +130,23 @@ def main(argv=None) -> int:
         h = argparse.ArgumentParser()
         h.add_argument("--seed", type=int, required=True)
         h.add_argument("--stop-return", type=float, required=True)
+        h.add_argument("--max-env-steps", type=int, default=ZOO_STEPS)
         return sb3_main(h.parse_args(argv[1:]))
+    if "--quick" in argv[:argv.index("--") if "--" in argv else len(argv)]:
+        p.set_defaults(**QUICK)
     a = p.parse_args(argv)
+    if a.setup:
+        print(f"stable-baselines3 virtualenv ready: {ensure_venv(a.venv)}")
+        return 0
     sys.path.insert(0, str(HERE.parent))
     from solve import solve  # tools/solve.py: one timed `python -m shmrl.run` per seed
 
+    signal.signal(signal.SIGTERM, _terminate)
     py = ensure_venv(a.venv)
-    extra = ["--stop-return", str(a.stop_return), *a.extra]
+    extra = ["--stop-return", str(a.stop_return), "--max-env-steps", str(a.max_env_steps), *a.extra]
     runs = {"sb3": [], "shmrl": []}
     for seed in a.seeds:  # in turns, so that both see the machine in the same state
-        runs["sb3"].append(sb3_run(py, seed, a.stop_return, a.timeout))
+        runs["sb3"].append(sb3_run(py, seed, a.stop_return, a.timeout, a.max_env_steps))
         runs["shmrl"].append(solve(seed, a.sims, extra, a.timeout))
         if not a.json:
             s, m = runs["sb3"][-1], runs["shmrl"][-1]
@@ -142,6 +168,10 @@ def main(argv=None) -> int:
                   f"{o['median_env_steps']:.0f} env steps, {o['solved']} of {o['of']} solved")
         print(f"shmrl is {out['sb3']['median_wall_s'] / out['shmrl']['median_wall_s']:.1f}x faster in median wall time")
     return 0 if all(r["solved"] for rs in runs.values() for r in rs) else 1
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through solve()'s cleanup and subprocess.run's kill
 
 
 if __name__ == "__main__":
