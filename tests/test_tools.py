@@ -1,0 +1,292 @@
+"""The tools in tools/ run, in their --quick modes, and say what they measured: each test
+parses a tool's --json output and checks its fields, and that the tool stopped every
+process it started and left no /dev/shm/shmrl_* file.
+
+The stable-baselines3 and RLlib tests need those libraries' own virtualenvs, which
+``.ci/run`` creates before the tests (``python tools/sb3_baseline.py --setup``,
+``python tools/rllib_compat.py --setup``); on a machine that never made them they skip.
+"""
+import importlib.util
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "tools"
+SB3_PYTHON = Path("~/.cache/shmrl/sb3-venv/bin/python").expanduser()
+RLLIB_PYTHON = Path("~/.cache/shmrl/rllib-2.48-venv/bin/python").expanduser()
+MARK = "SHMRL_TOOLS_TEST_MARK"   # in the environment of every process a tool starts
+
+
+def marked(mark: str) -> list[int]:
+    """Live processes whose environment holds ``MARK=mark``: a tool's and all it started,
+    even those that moved to a session of their own."""
+    needle = f"{MARK}={mark}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+class Tool:
+    """Runs a tool in its own session with a mark in its environment; what it leaves
+    running is found by that mark, killed, and reported in teardown."""
+
+    def __init__(self, cwd: Path):
+        self.cwd, self.mark, self.procs = cwd, uuid.uuid4().hex, []
+
+    def __call__(self, script: str, *args, timeout: float) -> tuple[int, str, str]:
+        env = dict(os.environ, **{MARK: self.mark})
+        proc = subprocess.Popen([sys.executable, str(TOOLS / script), *map(str, args)], cwd=self.cwd, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.procs.append(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            out, err = proc.communicate(timeout=10)
+            pytest.fail(f"{script} {' '.join(map(str, args))} still running after {timeout} s:\n{err[-3000:]}")
+        return proc.returncode, out, err
+
+    def kill_all(self) -> list[int]:
+        left = marked(self.mark)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.wait(10)
+        return left
+
+
+@pytest.fixture
+def tool(tmp_path, no_shm_leftovers):
+    """A runner for tools/*.py; afterwards, no process the tool started may be left running
+    (no_shm_leftovers: nor any /dev/shm/shmrl_* file)."""
+    runner = Tool(tmp_path)
+    yield runner
+    left = runner.kill_all()
+    assert not left, f"processes the tool started were still running (killed now): {left}"
+
+
+def last_json(out: str) -> dict:
+    lines = out.strip().splitlines()
+    assert lines, "no output"
+    return json.loads(lines[-1])
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("shmrl_tools_bench", TOOLS / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_median_and_percentile_take_any_iterable():
+    bench = load_bench()
+    assert bench.median(x for x in [3.0, 1.0, 2.0]) == 2.0          # a generator, as throughput passes
+    assert bench.median([4, 1, 3, 2]) == 2.5
+    assert bench.percentile((x for x in range(101)), 90) == 90.0
+    assert math.isnan(bench.median(x for x in [])) and math.isnan(bench.percentile(iter(()), 50))
+
+
+def check_common(r: dict, subcommand: str) -> None:
+    assert r["subcommand"] == subcommand and isinstance(r["method"], str) and len(r["method"]) > 100
+    assert r["torch_imported"] is False                                  # the bench itself stays light
+    for host in (r["host_before"], r["host_after"]):
+        assert positive(host["cpus"]) and len(host["loadavg"]) == 3
+
+
+def test_bench_throughput_quick(tool):
+    rc, out, err = tool("bench.py", "throughput", "--quick", "--json", timeout=120)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "throughput")
+    p = r["params"]
+    assert p["sims"] == [2] and p["repeat"] == 2
+    limit = r["limit"]
+    assert limit["processes"] == r["host_before"]["cpus"] == len(limit["per_process"])
+    assert positive(limit["steps_per_s"]) and positive(limit["steps_per_cpu_s"])
+    assert len(limit["windows"]) == p["repeat"] and all(positive(w) for w in limit["windows"])
+    (row,) = r["pipeline"]
+    assert row["sims"] == 2 and len(row["windows"]) == p["repeat"]
+    assert positive(row["steps_per_s"]) and all(positive(w) for w in row["windows"])
+    assert row["ratio_to_limit"] == pytest.approx(row["steps_per_s"] / limit["steps_per_s"])
+    assert positive(row["ready_s"]) and positive(row["sims_cpu_cores"])
+    assert r["best"] == {"sims": 2, "steps_per_s": row["steps_per_s"], "ratio_to_limit": row["ratio_to_limit"]}
+
+
+def test_bench_transport_quick(tool):
+    rc, out, err = tool("bench.py", "transport", "--quick", "--json", timeout=120)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "transport")
+    p = r["params"]
+    assert set(r["variants"]) == {"shm-binary", "shm-json", "tcp-json"}
+    for v in r["variants"].values():
+        assert positive(v["us_per_step"]) and positive(v["rtt_ms"]) and positive(v["client_encode_us_per_step"])
+        assert v["us_per_step"] == pytest.approx(v["rtt_ms"] * 1e3 / p["steps"])
+        assert len(v["repeats_us_per_step"]) == p["repeat"]
+    # The same message in both codecs: JSON is the bigger body, and both JSON variants carry it.
+    assert r["variants"]["shm-json"]["body_bytes"] == r["variants"]["tcp-json"]["body_bytes"] \
+        > r["variants"]["shm-binary"]["body_bytes"] > 0
+    assert r["messages_served"] == 3 * p["repeat"] * (p["warmup"] + p["messages"])   # every request answered
+    assert r["ratios"]["tcp-json/shm-binary"] == pytest.approx(
+        r["variants"]["tcp-json"]["us_per_step"] / r["variants"]["shm-binary"]["us_per_step"])
+
+
+def test_bench_solve_quick(tool):
+    rc, out, err = tool("bench.py", "solve", "--quick", "--json", timeout=180)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "solve")
+    assert r["params"]["extra"] == ["--stop-return", "100"] and r["params"]["seeds"] == [0]
+    (run,) = r["runs"]
+    assert run["seed"] == 0 and run["exit"] == 0 and run["solved"] is True
+    assert run["return_mean"] >= 100 and positive(run["env_steps"]) and positive(run["wall_s"])
+    assert r["all_solved"] is True and r["median_wall_s"] == run["wall_s"] and r["median_env_steps"] == run["env_steps"]
+
+
+def test_bench_sync_quick(tool):
+    rc, out, err = tool("bench.py", "sync", "--quick", "--json", timeout=120)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "sync")
+    for key in ("all_simulators_ms", "first_simulator_ms", "publish_ms", "install_alone_ms"):
+        assert positive(r[key]["median"]) and r[key]["p90"] >= r[key]["median"], key
+    assert set(r["publish_parts_ms"]) == {"onnx", "encode", "set_state"}
+    assert all(positive(x["median"]) for x in r["publish_parts_ms"].values())
+    # The last simulator's message comes no sooner than the first's, and both after the publish.
+    assert r["all_simulators_ms"]["median"] >= r["first_simulator_ms"]["median"] > r["publish_ms"]["median"]
+    assert positive(r["onnx_file_bytes"])
+
+
+def test_bench_memory_quick(tool):
+    rc, out, err = tool("bench.py", "memory", "--quick", "--json", timeout=180)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "memory")
+    procs = r["processes"]
+    roles = sorted(x["role"] for x in procs)
+    assert roles.count("learner") == 1 and roles.count("fork server") == 1, roles
+    assert [x for x in roles if x.startswith("simulator ")] == ["simulator 0", "simulator 1"], roles
+    for x in procs:
+        assert positive(x["pss_mib"]) and positive(x["uss_mib"]) and positive(x["rss_mib"]), x
+        # USS <= PSS <= RSS (status and smaps_rollup are read a moment apart: 1 MiB of slack).
+        assert x["uss_mib"] <= x["pss_mib"] + 1e-6 and x["pss_mib"] <= x["rss_mib"] + 1.0, x
+    for m in ("pss", "uss", "rss"):
+        assert r[f"{m}_total_mib"] == pytest.approx(sum(x[f"{m}_mib"] for x in procs))
+    # Shared pages (libraries, the simulators' pages shared with their fork server) are
+    # counted whole by RSS in every process, a share each by PSS, not at all by USS.
+    assert r["uss_total_mib"] < r["pss_total_mib"] < r["rss_total_mib"]
+    sims = r["by_role"]["simulator"]
+    assert sims["processes"] == 2 and sims["pss_mib"] == pytest.approx(
+        sum(x["pss_mib"] for x in procs if x["role"].startswith("simulator ")))
+    assert r["per_simulator_mib"] == {m: sims[f"{m}_per_process_mib"] for m in ("pss", "uss", "rss")}
+    assert r["by_role"]["learner"]["processes"] == 1
+    (run,) = r["runs"]
+    assert run["exit_code"] == 130 and run["shm_files_left"] == []     # stopped as after Ctrl-C, clean
+    assert positive(r["first_sample_s"]) and positive(r["first_progress_s"]) and positive(r["first_update_train_s"])
+
+
+def test_solve_quick(tool):
+    rc, out, err = tool("solve.py", "--quick", "--json", timeout=180)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    assert r["command"].endswith("--stop-return 100")
+    (run,) = r["runs"]
+    assert run["seed"] == 0 and run["exit"] == 0 and run["solved"] is True and run["return_mean"] >= 100
+    assert positive(run["env_steps"]) and positive(run["wall_s"]) and r["all_solved"] is True
+
+
+def test_solve_stops_a_run_that_outlives_its_timeout(tool):
+    """A run past --timeout is stopped with its simulators and shared memory (the fixture
+    checks), and counts as not solved."""
+    rc, out, err = tool("solve.py", "--quick", "--json", "--timeout", "2", "--", "--stop-return", "1e9",
+                        timeout=60)
+    assert rc == 1, err[-3000:]
+    (run,) = last_json(out)["runs"]
+    assert run["solved"] is False and run["exit"] is None and run["env_steps"] is None
+
+
+def test_abuse_quick(tool):
+    rc, out, err = tool("abuse.py", "--quick", "--json", timeout=180)
+    assert rc in (0, 1), err[-3000:]                # 1: a gate failed on a loaded machine, still a report
+    r = last_json(out)
+    assert r["subcommand"] == "abuse" and r["ok"] == (rc == 0) and r["torch_imported"] is False
+    assert r["params"]["rounds"] == 1 and r["params"]["max_frame_bytes"] == 4 << 20
+    for kind in ("PING", "GET_STATE", "EPISODES_AND_GET_STATE"):
+        s = r["summary"][kind]
+        assert set(s) == {"unloaded", "abused", "after"}, s            # no line-rate windows in quick
+        assert positive(s["unloaded"]["median_ms"]) and positive(s["abused"]["median_ms"])
+        assert s["abused"]["ratio"] == pytest.approx(s["abused"]["median_ms"] / s["unloaded"]["median_ms"])
+    (rnd,) = r["rounds"]
+    assert rnd["windows"]["abused"]["PING"]["n"] > 0 and rnd["windows"]["unloaded"]["PING"]["n"] > 0
+    abusers = rnd["abusers"]["abused"]
+    assert abusers["idle_open_at_end"] == 20                          # idle connections are never dropped
+    # The endless client's 4 MiB frame ends as invalid JSON: dropped, and back for more.
+    endless = r["drops_by_window_and_role"]["abused"]["endless"]
+    assert endless["reasons"].get("invalid JSON at the end of the body", 0) >= 1, endless
+    assert abusers["endless"]["connections"] >= 2 and positive(abusers["endless"]["bytes_sent"])
+    m = r["memory"]
+    assert positive(m["rss_before_mib"]) and m["rss_peak_mib"] >= m["rss_before_mib"] and positive(m["rss_after_mib"])
+    c = r["cleanup"]
+    assert c["server_exit_code"] == 143 and c["shm_files_left"] == [] and c["server_group_alive"] is False
+
+
+@pytest.mark.skipif(not SB3_PYTHON.exists(), reason="no stable-baselines3 virtualenv: `python tools/sb3_baseline.py "
+                                                    "--setup` makes it (.ci/run does, before the tests)")
+def test_sb3_baseline_quick(tool):
+    rc, out, err = tool("sb3_baseline.py", "--quick", "--json", timeout=300)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    assert "--stop-return 100.0" in r["shmrl_command"] and "--max-env-steps 50000" in r["shmrl_command"]
+    for who in ("sb3", "shmrl"):
+        assert r[who]["solved"] == r[who]["of"] == 1, r[who]
+        (run,) = r["runs"][who]
+        assert run["seed"] == 0 and run["solved"] is True and run["return_mean"] >= 100, run
+        # At most a batch past the budget.
+        assert 0 < run["env_steps"] <= 50_000 + 2048 and positive(run["wall_s"]), run
+        assert r[who]["median_wall_s"] == run["wall_s"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not RLLIB_PYTHON.exists(), reason="no RLlib 2.48 virtualenv: `python tools/rllib_compat.py "
+                                                      "--setup` makes it (.ci/run does, before the tests)")
+def test_rllib_client_against_shmrl_quick(tool):
+    """RLlib 2.48's own _dummy_client trains shmrl's learner over TCP to a mean return of 100."""
+    port = free_port()
+    rc, out, err = tool("rllib_compat.py", "client", "--port", port, "--quick", "--json", timeout=300)
+    r = last_json(out)
+    assert rc == 0, (r.get("failure"), r.get("shmrl_log_tail"), r.get("client_log_tail"), err[-2000:])
+    assert r["mode"] == "client" and r["solved"] is True and r["exit_status"] == 0 and r["port"] == port
+    assert r["return_mean"] >= 100 and positive(r["episodes"]) and positive(r["updates"])
+    assert 0 < r["env_steps_trained"] <= r["env_steps"] <= 100_000 + 4096
+    assert positive(r["wall_s"]) and positive(r["peak_rss_mb"])
+    assert "survivors" not in r and r["scratch"] is None                 # every process stopped, scratch removed
