@@ -136,7 +136,7 @@ class Pipeline:
     taken from the store and thrown away, nothing is trained."""
 
     def __init__(self, sims: int, *, envs_per_sim: int = 1, env_steps_per_sample: int = 256,
-                 on_policy: bool, seed: int = 0, weights: list[np.ndarray] | None = None):
+                 on_policy: bool, seed: int = 0, weights: dict[str, np.ndarray] | None = None):
         from shmrl.learner import EpisodeStore, Hub
         from shmrl.run import ring_bytes
         from shmrl.supervisor import Supervisor
