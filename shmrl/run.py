@@ -141,7 +141,8 @@ def open_transports(config: RunConfig, spec, net) -> tuple[list, list[str], obje
         from shmrl.transport.tcp import TcpServer
         try:
             tcp = TcpServer(config.tcp_host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
-                            first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None)
+                            first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None,
+                            heartbeat_s=heartbeat_period(config.hang_timeout), heartbeat_timeout=config.hang_timeout)
         except BaseException as e:
             for server in servers:
                 server.close()
@@ -155,6 +156,12 @@ def open_transports(config: RunConfig, spec, net) -> tuple[list, list[str], obje
         if config.transport == "tcp":
             addresses = [f"tcp:{host}:{port}"] * config.sims
     return servers, addresses, shm
+
+
+def heartbeat_period(hang_timeout: float) -> float:
+    """How often shmrl's TCP clients are asked to send a HEARTBEAT: several per
+    ``--hang-timeout``, so that one late frame is not taken for a hang; at most 1 s."""
+    return min(1.0, hang_timeout / 5)
 
 
 # With --auth-token a connection's first frame must be its PING: a few hundred bytes.
@@ -270,6 +277,8 @@ def counts(learner, supervisor) -> dict:
             "env_steps_dropped": dict(store.steps_dropped),
             "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),
             "bad_frames": sum(getattr(server, "frames_rejected", 0) for server in learner.servers),
+            "clients_timed_out": sum(getattr(server, "clients_timed_out", 0) for server in learner.servers),
+            "short_batches": learner.short_batches,
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
 
@@ -343,7 +352,8 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                           on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
                           auth_token=config.auth_token, first_weights_seq_no=first_seq,
                           housekeeping=supervisor.check if supervisor else None,
-                          reward_gamma=config.gamma if config.normalize_reward else None)
+                          reward_gamma=config.gamma if config.normalize_reward else None,
+                          batch_wait_timeout=config.hang_timeout)
         store = learner.store
         if resumed:
             store.restore(state["counters"], arrays)
@@ -513,8 +523,10 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
                    help="largest TCP frame body accepted; a bigger header closes that connection "
                         "before its body is read (default: %(default)s)")
     t.add_argument("--hang-timeout", type=float, default=d.hang_timeout, metavar="S",
-                   help="restart a local simulator whose env has not stepped for S seconds while the "
-                        "learner was not holding it back (default: %(default)s)")
+                   help="restart a simulator whose env has not stepped for S seconds while the learner was "
+                        "not holding it back; close a TCP client of shmrl's that sent no heartbeat for S "
+                        "seconds; let a strict on-policy batch wait at most S seconds for a client still "
+                        "sampling (default: %(default)s)")
     g = p.add_argument_group("sampling and PPO")
     g.add_argument("--train-batch-size", type=int, default=d.train_batch_size, metavar="N",
                    help="env steps per PPO update; fewer when every client waits for new weights and "
