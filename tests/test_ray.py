@@ -29,12 +29,18 @@ FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_thres
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def env_dir(tmp_path_factory) -> Path:
+    """A folder on every process's path, for env modules a test writes."""
+    return tmp_path_factory.mktemp("envs")
+
+
+@pytest.fixture(scope="module")
+def cluster(env_dir):
     from ray.cluster_utils import Cluster
 
     # The raylets' workers (the simulator actors) and the run import this checkout's shmrl.
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, old) if p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, str(env_dir), old) if p)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False,
                                                       "_system_config": FAST_HEALTH_CHECKS})
     try:
@@ -87,6 +93,56 @@ def test_cartpole_solved_with_simulators_on_both_nodes(cluster, start_run, tmp_p
     check_books(s)
     assert s["config"]["auth_token"] == "(set)"   # one was generated: the port is open to the cluster
     assert "listening for RLlink clients on" in run.output()
+
+
+HANGING_ENV = """
+import os, time
+from shmrl.envs import make_env as _make
+
+def make_env():
+    env = _make("CartPole-v1")
+    step = env.step
+
+    def step_or_hang(action):
+        if os.path.exists({armed!r}):
+            try:   # the first env to step once armed hangs, for good
+                os.close(os.open({hung!r}, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                time.sleep(3600)
+        return step(action)
+
+    env.step = step_or_hang
+    return env
+"""
+
+
+def test_a_hung_remote_simulator_is_named_closed_and_its_actor_restarted(
+        cluster, env_dir, start_run, tmp_path, no_shm_leftovers):
+    armed, hung = tmp_path / "armed", tmp_path / "hung"
+    (env_dir / "hanging_env.py").write_text(HANGING_ENV.format(armed=str(armed), hung=str(hung)))
+    run = start_run("--ray", cluster.address, "--sims", 2, "--transport", "tcp", "--env", "hanging_env:make_env",
+                    "--hang-timeout", 3, "--logdir", tmp_path / "run", "--stop-return", 1e9,
+                    "--max-env-steps", 10_000_000)
+    deadline = time.monotonic() + 60
+    while len(last_update_clients(run.output())) < 2:
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.output()[-5000:]
+        time.sleep(0.1)
+    armed.touch()
+    run.wait_for("is back, ", timeout=30)
+    hung_at = hung.stat().st_mtime
+    closed = [line for line in run.output().splitlines() if "closing connection: no heartbeat for" in line]
+    assert len(closed) == 1, run.output()[-5000:]
+    assert 2.5 <= log_time(closed[0]) - hung_at <= 6, closed   # --hang-timeout 3, checked every 0.375 s
+    assert re.search(r"simulator shmrl-ray-sim\d \(Ray actor\) hung: its HEARTBEATs stopped, so the server "
+                     r"closed tcp:", run.output()), run.output()[-5000:]
+    os.killpg(run.proc.pid, signal.SIGINT)
+    assert run.proc.wait(30) == 130, run.output()[-5000:]
+    s = summary_of(tmp_path / "run")
+    assert s["clients_timed_out"] == 1 and s["simulator_restarts"] == 1
+    check_books(s)
+    print(f"hung simulator closed {log_time(closed[0]) - hung_at:.1f} s after it hung (--hang-timeout 3)")
 
 
 def test_a_node_that_dies_takes_its_simulators_and_they_come_back_on_the_other(

@@ -138,6 +138,7 @@ class TcpServer:
         # silence is borne while it owes the next request (a hung env, a dead machine).
         self.heartbeat_s, self.heartbeat_timeout = heartbeat_s, heartbeat_timeout
         self.clients_timed_out = 0       # connections closed for missing heartbeats
+        self._timed_out: collections.deque = collections.deque(maxlen=1024)  # their conn_ids, latest last
         # A connection that has sent no byte this long after connecting is closed: every RLlink
         # client starts with a PING, and silent sockets must not fill max_connections. (Once a
         # client has spoken, silence may just be sampling: only idle_timeout ends that.)
@@ -256,6 +257,11 @@ class TcpServer:
                                                f"(max_out_bytes {self.max_out_bytes})")
             self._todo.add(conn)
             self._wake_io_locked()
+
+    def timed_out(self, conn_id: str) -> bool:
+        """Whether ``conn_id`` was closed for missing HEARTBEATs (one of the last 1024)."""
+        with self._lock:
+            return conn_id in self._timed_out
 
     def drop(self, conn_id: str, reason: str) -> None:
         """Close one connection, logging ``reason``; poll() reports it closed (msg None)."""
@@ -531,7 +537,9 @@ class TcpServer:
         elif conn.owed or conn.unpolled or conn.out_bytes:
             return  # the learner holds it up, not the client
         elif conn.heartbeat and now - conn.last_traffic > self.heartbeat_timeout:
-            self.clients_timed_out += 1
+            with self._lock:
+                self.clients_timed_out += 1
+                self._timed_out.append(conn.conn_id)
             self._close(conn, f"no heartbeat for {now - conn.last_traffic:.1f} s (heartbeat_timeout "
                               f"{self.heartbeat_timeout:g} s, one due every {self.heartbeat_s:g} s): the client "
                               f"hung or its machine is gone")
