@@ -93,6 +93,8 @@ def test_cartpole_solved_with_simulators_on_both_nodes(cluster, start_run, tmp_p
     check_books(s)
     assert s["config"]["auth_token"] == "(set)"   # one was generated: the port is open to the cluster
     assert "listening for RLlink clients on" in run.output()
+    print(f"CartPole solved on two nodes in {s['wall_s']:.1f} s, {s['env_steps']} env steps, "
+          f"clients {sorted(clients)}")
 
 
 HANGING_ENV = """
