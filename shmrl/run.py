@@ -3,6 +3,7 @@
     python -m shmrl.run --sims 8                  # CartPole-v1 until the 100-episode mean is >= 475
     python -m shmrl.run --sims 8 --logdir runs/a  # metrics.jsonl, summary.json, policy.onnx, checkpoints
     python -m shmrl.run --resume runs/a           # go on from the last checkpoint in runs/a
+    python -m shmrl.run --ray auto --sims 24      # the simulators as Ray actors across a cluster
 
 Simulators that die or hang are restarted (and the env steps they lose are counted); a
 simulator that keeps failing fails the run. Ctrl-C and SIGTERM stop everything within
