@@ -130,6 +130,10 @@ class RayLauncher:
         except Exception as e:  # the simulator raised: its env, or a policy that does not fit
             return f"failed: {_first_line(e)}"
 
+    def starting(self, proc: _RayProc) -> bool:
+        """Ray is still bringing the actor back (a restart may take seconds on a busy node)."""
+        return proc.ref is None
+
     def describe(self, proc: _RayProc) -> str:
         return f"simulator {proc.name} (Ray actor)"
 

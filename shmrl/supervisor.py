@@ -66,6 +66,10 @@ class ForkLauncher:
         """Why the process ended, or None while it runs."""
         return None if proc.is_alive() else describe_exit(proc.exitcode)
 
+    def starting(self, proc) -> bool:
+        """Whether the process is still being brought up (not yet its own fault if silent)."""
+        return False
+
     def describe(self, proc) -> str:
         return f"simulator {proc.name} (pid {proc.pid})"
 
@@ -197,7 +201,7 @@ class Supervisor:
             sim.tcp_conn = next((c for c, n in names.items() if n == sim.name), None)
             if sim.tcp_conn is not None:
                 self._back(sim, now)
-        if sim.tcp_conn is not None:
+        if sim.tcp_conn is not None or self.launcher.starting(sim.proc):
             sim.progress_at = now
         elif now - sim.progress_at > self.hang_timeout:
             return (f"hung: no TCP connection for {now - sim.progress_at:.1f} s while its process lives "
