@@ -166,6 +166,30 @@ def test_bench_transport_quick(tool):
         assert r["ratios"][ratio] == pytest.approx(us[a] / us[b])
 
 
+def test_bench_on_image_observations_keeps_them_uint8(tool):
+    """transport and throughput take --env: MinAtar's 10x10x4 boolean planes travel as one
+    byte per value in the binary codec, and the pipeline samples that env."""
+    pytest.importorskip("minatar", reason="the minatar extra is not installed (the test extra has it)")
+    env = "gym:MinAtar/Breakout-v1"
+    rc, out, err = tool("bench.py", "transport", "--quick", "--json", "--env", env, timeout=120)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "transport")
+    steps = r["params"]["steps"]
+    assert r["params"]["env"] == env
+    binary = r["variants"]["shm-binary"]["body_bytes"]
+    image_bytes = (steps + 1) * 10 * 10 * 4                              # uint8: a byte per value
+    assert image_bytes < binary < image_bytes + 64 * steps + 4096         # not 4 bytes per value
+    assert r["variants"]["tcp-json"]["body_bytes"] > 2 * binary
+    assert positive(r["variants"]["shm-binary"]["ns_per_body_byte"])
+    rc, out, err = tool("bench.py", "throughput", "--quick", "--json", "--env", env, timeout=120)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "throughput")
+    assert r["params"]["env"] == env and env in r["method"] and "CNN" in r["method"]
+    assert positive(r["limit"]["steps_per_s"]) and positive(r["pipeline"][0]["steps_per_s"])
+
+
 def test_bench_solve_quick(tool):
     rc, out, err = tool("bench.py", "solve", "--quick", "--json", timeout=180)
     assert rc == 0, err[-3000:]
