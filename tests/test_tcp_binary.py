@@ -4,6 +4,9 @@ hung client closed and its lost steps counted, and a strict on-policy batch that
 a silent client only so long."""
 import json
 import logging
+import os
+import re
+import signal
 import socket
 import threading
 import time
@@ -272,3 +275,50 @@ def test_an_on_policy_batch_waits_on_a_silent_client_at_most_the_timeout(timeout
         server.close()
         if sent.ident is not None:
             sent.join(5)
+
+
+# ---------------------------------------------------------------- a hung local TCP simulator
+
+HANGING_ENV = """
+import os, time
+from shmrl.envs import make_env as _make
+
+def make_env():
+    env = _make("CartPole-v1")
+    step = env.step
+
+    def step_or_hang(action):
+        if os.path.exists({armed!r}):
+            try:   # the first env to step once armed hangs, for good
+                os.close(os.open({hung!r}, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                time.sleep(3600)
+        return step(action)
+
+    env.step = step_or_hang
+    return env
+"""
+
+
+def test_a_hung_local_tcp_simulator_is_closed_and_restarted(start_run, tmp_path, monkeypatch, no_shm_leftovers):
+    """--transport tcp: the simulator's HEARTBEATs stop with its env, the server closes its
+    connection after --hang-timeout, the supervisor kills and restarts its process."""
+    armed, hung = tmp_path / "armed", tmp_path / "hung"
+    (tmp_path / "hanging_env_local.py").write_text(HANGING_ENV.format(armed=str(armed), hung=str(hung)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    run = start_run("--sims", 2, "--transport", "tcp", "--env", "hanging_env_local:make_env", "--hang-timeout", 2,
+                    "--logdir", tmp_path / "run", "--stop-return", 1e9, "--max-env-steps", 10_000_000)
+    run.wait_for("update    2 ", timeout=60)
+    armed.touch()
+    run.wait_for("hung: its HEARTBEATs stopped, so the server closed tcp:", timeout=20)
+    run.wait_for("is back, ", timeout=20)
+    out = run.output()
+    assert re.search(r"simulator shmrl-sim\d \(pid \d+\) hung: its HEARTBEATs stopped", out), out[-3000:]
+    assert "closing connection: no heartbeat for" in out
+    os.killpg(run.proc.pid, signal.SIGINT)
+    assert run.proc.wait(30) == 130, run.output()[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["clients_timed_out"] == 1 and s["simulator_restarts"] == 1
+    assert s["env_steps"] == s["env_steps_trained"] + s["env_steps_pending"] + sum(s["env_steps_dropped"].values())
