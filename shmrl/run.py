@@ -319,7 +319,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             launcher = RayLauncher(config.ray, sim_cpus=config.sim_cpus)
         except ImportError as e:
             raise ConfigError(str(e)) from None
-        except ConnectionError as e:
+        except (ConnectionError, RuntimeError, ValueError) as e:  # what ray.init raises for no cluster there
             raise ConfigError(f"--ray {config.ray}: cannot connect to the Ray cluster: {e}") from None
     try:
         return _train(config, t_start, launcher)

@@ -15,8 +15,9 @@ shared-memory slot (its heartbeat) has not grown for ``hang_timeout`` seconds wh
 learner was not itself holding it back; over TCP, its connection (found by the name it
 gives in its PING) has been gone that long, closed for missing HEARTBEATs, while its
 process lives on. What it stepped but never sent is counted as lost (over TCP by the Hub,
-from its last HEARTBEAT). A simulator that keeps failing (``max_restarts`` within ``restart_window`` s) fails
-the run instead: its environment is broken, and restarting it forever would hide that.
+from its last HEARTBEAT). A simulator that keeps failing (``max_restarts`` within
+``restart_window`` s) fails the run instead: its environment is broken, and restarting it
+forever would hide that.
 """
 from __future__ import annotations
 
@@ -204,7 +205,7 @@ class Supervisor:
         if sim.tcp_conn is not None or self.launcher.starting(sim.proc):
             sim.progress_at = now
         elif now - sim.progress_at > self.hang_timeout:
-            return (f"hung: no TCP connection for {now - sim.progress_at:.1f} s while its process lives "
+            return (f"hung: not connected for {now - sim.progress_at:.1f} s while its process lives "
                     f"(--hang-timeout {self.hang_timeout:g})")
         return None
 
