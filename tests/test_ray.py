@@ -180,10 +180,15 @@ def test_a_node_that_dies_takes_its_simulators_and_they_come_back_on_the_other(
     s = summary_of(tmp_path / "run")
     assert s["simulator_restarts"] == len(remote), run.output()[-5000:]
     check_books(s)
+    # What they had stepped beyond what they sent (their last HEARTBEAT's count) is lost,
+    # each connection's once: the log's lines add up to the counter.
+    lost = [int(n) for n in re.findall(r"tcp:\S+ \(shmrl-ray-sim\d\): (\d+) env steps it had stepped but "
+                                       r"not sent are lost", run.output())]
+    assert sum(lost) == s["env_steps_lost"], (lost, s["env_steps_lost"])
     # The restarted ones sampled (on the learner's node: in shared memory), and the dead
     # connections are still in the books with the steps they delivered.
     for c in remote:
         assert s["env_steps_by_client"][c] > 0
     assert len([c for c in s["env_steps_by_client"] if c.startswith("shm:")]) == 4
     print(f"node killed: simulators back after {', '.join(f'{b:.1f}' for b in sorted(back))} s; "
-          f"recovery_s {s['simulator_recovery_s']}")
+          f"recovery_s {s['simulator_recovery_s']}; lost {s['env_steps_lost']} env steps")
