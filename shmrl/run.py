@@ -315,6 +315,8 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
             import secrets
 
             config = dataclasses.replace(config, auth_token=secrets.token_urlsafe(24))
+            log.info("--ray: the simulators' TCP connections use a generated auth token; give --auth-token "
+                     "(or $SHMRL_AUTH_TOKEN) to let other clients in too")
         try:
             launcher = RayLauncher(config.ray, sim_cpus=config.sim_cpus)
         except ImportError as e:
