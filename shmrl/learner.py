@@ -226,12 +226,15 @@ class Hub:
         self.servers: dict[str, object] = {}     # conn_id -> the server that owns it
         self.sampling: set[str] = set()          # connections that have asked for weights
         self.waiting: list[str] = []             # connections waiting for the next weights
+        self.waiting_since: float | None = None  # time.monotonic() when the first of them began
+        self.names: dict[str, str] = {}          # conn_id -> the client_name its PING gave
+        self.stepped: dict[str, int] = {}        # conn_id -> env steps its last HEARTBEAT reported
 
     def set_state(self, weights_seq_no: int, onnx_file: str) -> None:
         """Publish new weights and release every client waiting for them."""
         self.state_msg = {"type": T.SET_STATE.value, "onnx_file": onnx_file,
                           "weights_seq_no": weights_seq_no}
-        waiting, self.waiting = self.waiting, []
+        waiting, self.waiting, self.waiting_since = self.waiting, [], None
         for conn_id in waiting:
             self._reply(conn_id, self.state_msg)
 
@@ -254,7 +257,13 @@ class Hub:
                 self.forget(conn_id)
                 return
             self.authenticated.add(conn_id)
-        if kind == T.PING.value:
+        if kind == T.HEARTBEAT.value:  # answered by nothing; the transport saw it alive
+            if msg["env_steps"] is not None:
+                self.stepped[conn_id] = max(msg["env_steps"], self.stepped.get(conn_id, 0))
+        elif kind == T.PING.value:
+            if "client_name" in msg:
+                self.names[conn_id] = msg["client_name"]
+                log.info("%s is %s", conn_id, msg["client_name"])
             self._reply(conn_id, {"type": T.PONG.value})
         elif kind == T.GET_CONFIG.value:
             self._reply(conn_id, self.config_msg)
@@ -272,6 +281,8 @@ class Hub:
                 self.sampling.add(conn_id)
                 full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
                 if self.on_policy or full:
+                    if not self.waiting:
+                        self.waiting_since = time.monotonic()
                     self.waiting.append(conn_id)
                 else:
                     self._reply(conn_id, self.state_msg)
@@ -281,11 +292,24 @@ class Hub:
 
     def _drop(self, conn_id: str, reason: str, steps: int) -> None:
         self.store.drop("does not fit the environment", steps)
+        self.stepped.pop(conn_id, None)  # its steps are dropped, not lost
         self.servers[conn_id].drop(conn_id, reason)
         self.forget(conn_id)
 
+    def name(self, conn_id: str) -> str:
+        """``conn_id``, with the name the client gave in its PING."""
+        name = self.names.get(conn_id)
+        return f"{conn_id} ({name})" if name else conn_id
+
     def forget(self, conn_id: str) -> None:
-        """The connection is closed: nothing is owed to it, its open episodes never complete."""
+        """The connection is closed: nothing is owed to it, its open episodes never complete;
+        what it reported stepping (HEARTBEAT) beyond what it sent is counted as lost."""
+        if conn_id in self.stepped:
+            lost = self.stepped.pop(conn_id) - self.store.steps_by_conn.get(conn_id, 0)
+            if lost > 0:
+                self.store.steps_lost += lost
+                log.warning("%s: %d env steps it had stepped but not sent are lost", self.name(conn_id), lost)
+        self.names.pop(conn_id, None)
         self.sampling.discard(conn_id)
         self.authenticated.discard(conn_id)
         if conn_id in self.waiting:
@@ -310,13 +334,15 @@ class Learner:
                  env_steps_per_sample: int, train_batch_size: int,
                  on_policy: bool = True, max_policy_lag: int = 2, auth_token: str | None = None,
                  window: int = 100, first_weights_seq_no: int = 1, housekeeping=None,
-                 reward_gamma: float | None = None):
+                 reward_gamma: float | None = None, batch_wait_timeout: float | None = None):
         """Publishes ``initial_weights`` (into the graph ``policy``) at once, as version
         ``first_weights_seq_no``: clients can sample before the trainer (torch) is even
         loaded. ``housekeeping(learner)``, if given, runs in the serving thread after every
         round of requests (the supervisor watches the simulators from there).
         ``reward_gamma``: scale rewards by the running std of discounted returns (see
-        ``EpisodeStore``)."""
+        ``EpisodeStore``). ``batch_wait_timeout``: once a client waits for new weights, the
+        batch waits at most this long for the clients still sampling (one that went silent,
+        heartbeat or not, must not stall everyone), then trains on what it has."""
         self.spec, self.servers = spec, servers
         self.train_batch_size = train_batch_size
         self.max_policy_lag = max_policy_lag
@@ -325,6 +351,8 @@ class Learner:
                        max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token)
         self.policy = policy
         self.housekeeping = housekeeping
+        self.batch_wait_timeout = batch_wait_timeout
+        self.short_batches = 0                     # trained without a client that was too slow
         self.weights_seq_no = first_weights_seq_no - 1
         self.updates = 0
         self.model_bytes = b""
@@ -386,8 +414,17 @@ class Learner:
         self.hub.forget(conn_id)
 
     def ready(self) -> bool:
-        pending = self.store.pending_steps
-        return pending >= self.train_batch_size or (pending > 0 and self.hub.all_waiting())
+        pending, hub = self.store.pending_steps, self.hub
+        if pending >= self.train_batch_size or (pending > 0 and hub.all_waiting()):
+            return True
+        if (pending > 0 and hub.waiting_since is not None and self.batch_wait_timeout is not None
+                and time.monotonic() - hub.waiting_since > self.batch_wait_timeout):
+            silent = sorted(hub.sampling - set(hub.waiting))
+            self.short_batches += 1
+            log.warning("the batch waited %.1f s for %s; training on the %d env steps it has without them",
+                        time.monotonic() - hub.waiting_since, ", ".join(map(hub.name, silent)), pending)
+            return True
+        return False
 
     def start(self) -> None:
         """Serve in a background thread until ``stop()``."""

@@ -53,20 +53,30 @@ class MessageType(str, enum.Enum):
     SET_STATE = "SET_STATE"
     EPISODES = "EPISODES"
     EPISODES_AND_GET_STATE = "EPISODES_AND_GET_STATE"
+    # shmrl's extension: a client that offered codecs in its PING sends this (no reply) at
+    # least every PONG["heartbeat_s"] seconds while it samples, with the env steps it has
+    # stepped so far; the server closes a connection that falls silent (RLlib's client never
+    # offers codecs, so it is never asked for one).
+    HEARTBEAT = "HEARTBEAT"
 
 
 _T = MessageType
-REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE})
+REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE,
+                           _T.HEARTBEAT})
+# What a PING may offer in "codecs" (shmrl's extension); the PONG names the one chosen.
+CODECS = ("binary", "json")
+_MAX_CODECS = 16
 REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE})
 
 _EPISODE_KEYS = frozenset({OBS, ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP, TERMINATED,
                            TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO, *FLAG_ALIASES})
 _REQUEST_FIELDS = {
-    _T.PING: frozenset({"type", "auth_token"}),
+    _T.PING: frozenset({"type", "auth_token", "codecs", "client_name"}),
     _T.GET_CONFIG: frozenset({"type"}),
     _T.GET_STATE: frozenset({"type"}),
     _T.EPISODES: frozenset({"type", "episodes", "timesteps", "env_steps"}),
     _T.EPISODES_AND_GET_STATE: frozenset({"type", "episodes", "timesteps", "env_steps"}),
+    _T.HEARTBEAT: frozenset({"type", "env_steps"}),
 }
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -585,6 +595,22 @@ def _request(msg: dict, t: MessageType) -> dict:
         if not isinstance(msg["auth_token"], str):
             raise ProtocolError(f"PING: 'auth_token' must be a string, got {type(msg['auth_token']).__name__}")
         out["auth_token"] = msg["auth_token"]
+    if t is _T.PING and "codecs" in msg:
+        codecs = msg["codecs"]
+        if (type(codecs) is not list or len(codecs) > _MAX_CODECS
+                or not all(isinstance(c, str) and len(c) <= 32 for c in codecs)):
+            raise ProtocolError(f"PING: 'codecs' must be a list of at most {_MAX_CODECS} short strings, "
+                                f"got {_show(codecs)}")
+        out["codecs"] = codecs  # unknown ones are not an error: the server picks one it knows
+    if t is _T.PING and "client_name" in msg:
+        name = msg["client_name"]
+        if not (isinstance(name, str) and 0 < len(name) <= 64 and name.isprintable()):
+            raise ProtocolError(f"PING: 'client_name' must be a printable string of 1 to 64 characters, "
+                                f"got {_show(name)}")
+        out["client_name"] = name
+    if t is _T.HEARTBEAT:
+        out["env_steps"] = _count(msg, "env_steps", t.value) if "env_steps" in msg else None
+        return out
     if t not in (_T.EPISODES, _T.EPISODES_AND_GET_STATE):
         return out
     episodes = _require(msg, "episodes", t.value)

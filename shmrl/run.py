@@ -3,6 +3,7 @@
     python -m shmrl.run --sims 8                  # CartPole-v1 until the 100-episode mean is >= 475
     python -m shmrl.run --sims 8 --logdir runs/a  # metrics.jsonl, summary.json, policy.onnx, checkpoints
     python -m shmrl.run --resume runs/a           # go on from the last checkpoint in runs/a
+    python -m shmrl.run --ray auto --sims 24      # the simulators as Ray actors across a cluster
 
 Simulators that die or hang are restarted (and the env steps they lose are counted); a
 simulator that keeps failing fails the run. Ctrl-C and SIGTERM stop everything within
@@ -84,6 +85,8 @@ class RunConfig:
     resume: str | None = None
     log_every: float | None = None        # None: every update on a terminal, else every 10 s
     tensorboard: bool | None = None       # None: when the tensorboard package is installed
+    ray: str | None = None                # a Ray cluster's address ("auto", "HOST:6379"): simulators as actors
+    sim_cpus: float = 1.0                 # CPUs Ray reserves for each simulator actor
 
 
 def env_defaults(env, spec=None) -> dict:
@@ -128,20 +131,25 @@ def process_start_time() -> float:
         return time.time()
 
 
-def open_transports(config: RunConfig, spec, net) -> tuple[list, list[str], object]:
+def open_transports(config: RunConfig, spec, net, launcher=None) -> tuple[list, list[str], object]:
     """The learner's servers, the address each local simulator connects to, and the
-    shared-memory server (None if the simulators use TCP or there are none)."""
+    shared-memory server (None if the simulators use TCP or there are none). With a remote
+    ``launcher`` (Ray) the TCP server also listens, on the address this node has in the
+    cluster unless --tcp-host names another: the simulators on other nodes connect there."""
     servers, addresses, shm = [], [], None
+    remote = launcher is not None and launcher.remote
     if config.sims and config.transport == "shm":
         from shmrl.transport.shm import ShmServer
         shm = ShmServer(config.sims, **ring_bytes(config, spec, net))
         servers.append(shm)
         addresses = [f"shm:{shm.address(i)}" for i in range(config.sims)]
-    if config.tcp_port is not None or (config.sims and config.transport == "tcp"):
+    if config.tcp_port is not None or (config.sims and config.transport == "tcp") or remote:
         from shmrl.transport.tcp import TcpServer
+        host = launcher.node_ip if remote and config.tcp_host == RunConfig.tcp_host else config.tcp_host
         try:
-            tcp = TcpServer(config.tcp_host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
-                            first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None)
+            tcp = TcpServer(host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
+                            first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None,
+                            heartbeat_s=heartbeat_period(config.hang_timeout), heartbeat_timeout=config.hang_timeout)
         except BaseException as e:
             for server in servers:
                 server.close()
@@ -150,11 +158,19 @@ def open_transports(config: RunConfig, spec, net) -> tuple[list, list[str], obje
             raise
         servers.append(tcp)
         host, port = tcp.address
-        if config.tcp_port is not None:
+        if config.tcp_port is not None or remote:
             print(f"listening for RLlink clients on {host}:{port}", flush=True)
+        if remote:
+            launcher.tcp_address = f"tcp:{host}:{port}"
         if config.transport == "tcp":
             addresses = [f"tcp:{host}:{port}"] * config.sims
     return servers, addresses, shm
+
+
+def heartbeat_period(hang_timeout: float) -> float:
+    """How often shmrl's TCP clients are asked to send a HEARTBEAT: several per
+    ``--hang-timeout``, so that one late frame is not taken for a hang; at most 1 s."""
+    return min(1.0, hang_timeout / 5)
 
 
 # With --auth-token a connection's first frame must be its PING: a few hundred bytes.
@@ -270,6 +286,8 @@ def counts(learner, supervisor) -> dict:
             "env_steps_dropped": dict(store.steps_dropped),
             "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),
             "bad_frames": sum(getattr(server, "frames_rejected", 0) for server in learner.servers),
+            "clients_timed_out": sum(getattr(server, "clients_timed_out", 0) for server in learner.servers),
+            "short_batches": learner.short_batches,
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
 
@@ -289,6 +307,30 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     SIGTERM included) every process it started is stopped, every segment it made is
     unlinked, and the summary and a checkpoint are written."""
     t_start = t_start if t_start is not None else time.time()
+    launcher = None
+    if config.ray:
+        from shmrl.ray_launcher import RayLauncher
+
+        if not config.auth_token:  # the port is open to the cluster's network: never without a secret
+            import secrets
+
+            config = dataclasses.replace(config, auth_token=secrets.token_urlsafe(24))
+            log.info("--ray: the simulators' TCP connections use a generated auth token; give --auth-token "
+                     "(or $SHMRL_AUTH_TOKEN) to let other clients in too")
+        try:
+            launcher = RayLauncher(config.ray, sim_cpus=config.sim_cpus)
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
+        except (ConnectionError, RuntimeError, ValueError) as e:  # what ray.init raises for no cluster there
+            raise ConfigError(f"--ray {config.ray}: cannot connect to the Ray cluster: {e}") from None
+    try:
+        return _train(config, t_start, launcher)
+    finally:
+        if launcher is not None and launcher.owns_ray:
+            launcher.ray.shutdown()
+
+
+def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
     from shmrl import checkpoint
     from shmrl.envs import env_spec
     from shmrl.learner import Learner
@@ -319,7 +361,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     elif config.tensorboard and not tensorboard_available():
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
     try:
-        servers, addresses, shm = open_transports(config, spec, net)
+        servers, addresses, shm = open_transports(config, spec, net, launcher)
     except ShmSpaceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED, {}
@@ -336,14 +378,15 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
         if addresses:
             supervisor = Supervisor(addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim,
                                     auth_token=config.auth_token, shm_server=shm, hang_timeout=config.hang_timeout,
-                                    nice=config.sim_nice)
+                                    nice=config.sim_nice, launcher=launcher)
         learner = Learner(spec, servers, policy=net.template, initial_weights=first_policy,
                           env_steps_per_sample=config.env_steps_per_sample,
                           train_batch_size=config.train_batch_size,
                           on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
                           auth_token=config.auth_token, first_weights_seq_no=first_seq,
                           housekeeping=supervisor.check if supervisor else None,
-                          reward_gamma=config.gamma if config.normalize_reward else None)
+                          reward_gamma=config.gamma if config.normalize_reward else None,
+                          batch_wait_timeout=config.hang_timeout)
         store = learner.store
         if resumed:
             store.restore(state["counters"], arrays)
@@ -435,6 +478,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                            "first_sample_s": (learner.store.first_steps_at - t_start
                                               if learner.store.first_steps_at else None),
                            "updates": learner.updates, "weights_seq_no": learner.weights_seq_no,
+                           "simulator_recovery_s": supervisor.recovery_s if supervisor else [],
                            "resumed_from": str(resumed[0]) if resumed else None, "config": saved_config(config)}
                 (logdir / "policy.onnx").write_bytes(learner.model_bytes)
                 if ppo is not None:
@@ -512,9 +556,19 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
     t.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes, metavar="N",
                    help="largest TCP frame body accepted; a bigger header closes that connection "
                         "before its body is read (default: %(default)s)")
+    t.add_argument("--ray", default=d.ray, metavar="ADDRESS",
+                   help="place the simulators as Ray actors across the nodes of the Ray cluster at ADDRESS "
+                        "(auto: the one this machine belongs to; HOST:6379); those on this node use shared "
+                        "memory, the others connect back over TCP on this node's cluster address (or "
+                        "--tcp-host) with the binary codec and an auth token (one is generated unless "
+                        "--auth-token gives it). pip install 'shmrl[ray]'")
+    t.add_argument("--sim-cpus", type=float, default=d.sim_cpus, metavar="C",
+                   help="with --ray, CPUs reserved for each simulator actor (default: %(default)s)")
     t.add_argument("--hang-timeout", type=float, default=d.hang_timeout, metavar="S",
-                   help="restart a local simulator whose env has not stepped for S seconds while the "
-                        "learner was not holding it back (default: %(default)s)")
+                   help="restart a simulator whose env has not stepped for S seconds while the learner was "
+                        "not holding it back; close a TCP client of shmrl's that sent no heartbeat for S "
+                        "seconds; let a strict on-policy batch wait at most S seconds for a client still "
+                        "sampling (default: %(default)s)")
     g = p.add_argument_group("sampling and PPO")
     g.add_argument("--train-batch-size", type=int, default=d.train_batch_size, metavar="N",
                    help="env steps per PPO update; fewer when every client waits for new weights and "
@@ -625,6 +679,10 @@ def parse_args(argv=None) -> RunConfig:
         p.error(f"--tcp-port {config.tcp_port}: a port is a number from 0 to 65535 (0: any free port)")
     if config.sims == 0 and config.tcp_port is None:
         p.error("--sims 0 runs no local simulator: give --tcp-port for external clients")
+    if config.sim_cpus <= 0:
+        p.error("--sim-cpus must be > 0")
+    if config.ray is not None and config.sims == 0:
+        p.error("--ray places simulators: give --sims N (N >= 1)")
     if config.max_frame_bytes < 1024:
         p.error("--max-frame-bytes must be >= 1024 (a PING alone takes 16)")
     if not (config.lr > 0 and 0 < config.gamma <= 1 and 0 <= config.gae_lambda <= 1 and config.clip > 0

@@ -139,23 +139,33 @@ class Pipeline:
     taken from the store and thrown away, nothing is trained."""
 
     def __init__(self, sims: int, *, env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: int = 256,
-                 on_policy: bool, seed: int = 0, weights: dict[str, np.ndarray] | None = None):
+                 on_policy: bool, seed: int = 0, weights: dict[str, np.ndarray] | None = None,
+                 transport: str = "shm"):
+        """``transport``: "shm" (rings) or "tcp-binary" (loopback TCP, the simulators
+        agreeing on the binary codec as shmrl.run's do with --transport tcp)."""
         from shmrl.learner import EpisodeStore, Hub
-        from shmrl.run import ring_bytes
+        from shmrl.run import heartbeat_period, ring_bytes
         from shmrl.supervisor import Supervisor
         from shmrl.transport.shm import ShmServer
+        from shmrl.transport.tcp import TcpServer
 
         self.sims, self.seq, self.supervisor = sims, 0, None
         self.rng = np.random.default_rng(seed)
         spec, config, self.net = run_policy(env, envs_per_sim, env_steps_per_sample)
-        self.server = ShmServer(sims, **ring_bytes(config, spec, self.net))  # as shmrl.run sizes them
+        if transport == "shm":
+            self.server = ShmServer(sims, **ring_bytes(config, spec, self.net))  # as shmrl.run sizes them
+            addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
+        else:
+            self.server = TcpServer("127.0.0.1", 0, heartbeat_s=heartbeat_period(config.hang_timeout),
+                                    heartbeat_timeout=config.hang_timeout)
+            addresses = [f"tcp:127.0.0.1:{self.server.address[1]}"] * sims
         try:
             self.store = EpisodeStore()
             self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy)
             self.publish(weights)  # before any simulator asks: GET_STATE needs a state
-            addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
             self.supervisor = Supervisor(addresses, env=env, seed=seed, envs_per_sim=envs_per_sim,
                                          nice=config.sim_nice)
+            self.transport = transport
             self.supervisor.start_all()
             self.procs = [sim.proc for sim in self.supervisor.sims]
         except BaseException:
@@ -255,7 +265,8 @@ def stop_fork_server(timeout: float = 5.0) -> None:
 def throughput(args) -> dict:
     result = started(
         "throughput",
-        f"Pipeline: ShmServer(n) + n simulators started by shmrl.supervisor.Supervisor (forkserver), "
+        f"Pipeline: ShmServer(n) (--transport shm) or a loopback TcpServer whose clients agree on "
+        f"the binary codec (tcp-binary) + n simulators started by shmrl.supervisor.Supervisor (forkserver), "
         f"{args.env} with {policy_text(args.env)} as ONNX; in this process a Hub with "
         f"on_policy=False answers each EPISODES_AND_GET_STATE at once and the chunks are "
         f"drained (no training). Env steps received per second: after every simulator has sent "
@@ -267,29 +278,35 @@ def throughput(args) -> dict:
         f"is measured in the same windows: steps per cpu-second discounts the time the bench's "
         f"processes lost to other processes (not contention on the host or in caches).",
         sims=args.sims, seconds=args.seconds, warmup=args.warmup, repeat=args.repeat,
-        envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample, env=args.env)
+        envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample, env=args.env,
+        transport=args.transport)
     weights = run_policy(args.env)[2].initial_weights(0)
     result["limit"] = in_process_limit(weights, args)
     limit = result["limit"]["steps_per_s"]
     rows = []
     for n in args.sims:
-        row = pipeline_throughput(n, weights, args)
-        row["ratio_to_limit"] = row["steps_per_s"] / limit
-        row["cpu_efficiency"] = row["steps_per_cpu_s"] / result["limit"]["steps_per_cpu_s"]
-        rows.append(row)
-        if not args.json:
-            print(f"  measured {n} sims: {row['steps_per_s']:,.0f} steps/s", file=sys.stderr, flush=True)
+        for transport in args.transport:  # side by side, per sims count
+            row = pipeline_throughput(n, weights, args, transport)
+            row["ratio_to_limit"] = row["steps_per_s"] / limit
+            row["cpu_efficiency"] = row["steps_per_cpu_s"] / result["limit"]["steps_per_cpu_s"]
+            rows.append(row)
+            if not args.json:
+                print(f"  measured {n} sims over {transport}: {row['steps_per_s']:,.0f} steps/s",
+                      file=sys.stderr, flush=True)
     result["pipeline"] = rows
     best = max(rows, key=lambda r: r["steps_per_s"])
-    result["best"] = {"sims": best["sims"], "steps_per_s": best["steps_per_s"],
+    result["best"] = {"sims": best["sims"], "transport": best["transport"], "steps_per_s": best["steps_per_s"],
                       "ratio_to_limit": best["ratio_to_limit"]}
+    if set(args.transport) >= {"shm", "tcp-binary"}:  # TCP against shared memory, per sims count
+        rate = {(r["sims"], r["transport"]): r["steps_per_s"] for r in rows}
+        result["tcp_binary_to_shm"] = {n: rate[n, "tcp-binary"] / rate[n, "shm"] for n in args.sims}
     return finished(result)
 
 
-def pipeline_throughput(n: int, weights, args) -> dict:
+def pipeline_throughput(n: int, weights, args, transport: str = "shm") -> dict:
     t0 = time.monotonic()
-    with Pipeline(n, env=args.env, envs_per_sim=args.envs_per_sim,
-                  env_steps_per_sample=args.env_steps_per_sample, on_policy=False, weights=weights) as p:
+    with Pipeline(n, env=args.env, envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample,
+                  on_policy=False, weights=weights, transport=transport) as p:
         p.run_until(lambda: len(p.store.steps_by_conn) == n, WAIT_S, f"{n} simulators sending episodes")
         ready_s = time.monotonic() - t0
         p.run_for(args.warmup)
@@ -304,7 +321,7 @@ def pipeline_throughput(n: int, weights, args) -> dict:
             learner_cpu.append((time.process_time() - l0) / wall)
             sims_cpu.append((cpu_s(pids) - c0) / wall)
     # Where the cores went: the learner's share, and what the simulators make of theirs.
-    return {"sims": n, "steps_per_s": median(rates), "windows": rates, "ready_s": ready_s,
+    return {"sims": n, "transport": transport, "steps_per_s": median(rates), "windows": rates, "ready_s": ready_s,
             "learner_cpu_cores": median(learner_cpu), "sims_cpu_cores": median(sims_cpu),
             "steps_per_sim_cpu_s": median(r / c for r, c in zip(rates, sims_cpu) if c > 0),
             "steps_per_cpu_s": median(r / (c + l) for r, c, l in zip(rates, sims_cpu, learner_cpu))}
@@ -395,10 +412,11 @@ def print_throughput(r: dict) -> None:
     print(f"  in-process limit ({lim['processes']} plain loops, no transport): "
           f"{lim['steps_per_s']:,.0f} steps/s  (windows {_ints(lim['windows'])}; "
           f"per process {_ints(lim['per_process'])}); {lim['steps_per_cpu_s']:,.0f} steps per cpu-s")
-    print(f"  {'sims':>5} | {'steps/s':>9} | {'pipeline/limit':>14} | {'learner cpu':>11} | "
+    print(f"  {'sims':>5} | {'transport':>10} | {'steps/s':>9} | {'pipeline/limit':>14} | {'learner cpu':>11} | "
           f"{'sims cpu':>8} | {'steps/sim-cpu-s':>15} | {'cpu efficiency':>14} | {'ready s':>7} | windows")
     for row in r["pipeline"]:
-        print(f"  {row['sims']:>5} | {row['steps_per_s']:>9,.0f} | {row['ratio_to_limit']:>14.2f} | "
+        print(f"  {row['sims']:>5} | {row['transport']:>10} | {row['steps_per_s']:>9,.0f} | "
+              f"{row['ratio_to_limit']:>14.2f} | "
               f"{row['learner_cpu_cores']:>11.2f} | {row['sims_cpu_cores']:>8.2f} | "
               f"{row['steps_per_sim_cpu_s']:>15,.0f} | {row['cpu_efficiency']:>14.2f} | "
               f"{row['ready_s']:>7.2f} | {_ints(row['windows'])}")
@@ -406,7 +424,10 @@ def print_throughput(r: dict) -> None:
           "+ learner over the limit's steps per cpu-s, blind to time lost to other processes; "
           "ready s: from creating the rings to every simulator's first episodes)")
     b = r["best"]
-    print(f"  best: {b['sims']} sims, {b['steps_per_s']:,.0f} steps/s = {b['ratio_to_limit']:.2f} of the limit")
+    print(f"  best: {b['sims']} sims over {b['transport']}, {b['steps_per_s']:,.0f} steps/s = "
+          f"{b['ratio_to_limit']:.2f} of the limit")
+    for n, ratio in r.get("tcp_binary_to_shm", {}).items():
+        print(f"  {n} sims: tcp-binary / shm = {ratio:.2f}")
 
 
 def _ints(xs) -> str:
@@ -415,7 +436,7 @@ def _ints(xs) -> str:
 
 # ---------------------------------------------------------------- transport
 
-VARIANTS = ("shm-binary", "shm-json", "tcp-json")
+VARIANTS = ("shm-binary", "shm-json", "tcp-binary", "tcp-json")
 
 
 def transport(args) -> dict:
@@ -431,7 +452,8 @@ def transport(args) -> dict:
                                      "CartPole-shaped episode of pre-built numpy arrays") + ", and times "
         f"client.request() (encode, transfer, server poll: decode + validate, a small SET_STATE "
         f"reply, client decode). The servers (ShmServer with a binary and a JSON client slot, "
-        f"TcpServer) run in this process. Per repetition and variant: {args.warmup} untimed "
+        f"TcpServer with a client that negotiated the binary codec in its PING and one that "
+        f"did not, as RLlib's) run in this process. Per repetition and variant: {args.warmup} untimed "
         f"messages, then --messages {args.messages} timed; us/step = median round trip / steps; "
         f"the figure is the median over --repeat {args.repeat} repetitions (variants interleaved).",
         steps=args.steps, messages=args.messages, repeat=args.repeat, warmup=args.warmup, env=args.env)
@@ -442,7 +464,8 @@ def transport(args) -> dict:
     shm = ShmServer(2, request_ring_bytes=ring)
     tcp = client = None
     try:
-        tcp = TcpServer("127.0.0.1", 0, max_frame_bytes=ring)
+        # No heartbeats are sent: a client idles while the other variants run.
+        tcp = TcpServer("127.0.0.1", 0, max_frame_bytes=ring, heartbeat_s=3600, heartbeat_timeout=7200)
         host, port = tcp.address
         client = run_worker(["_transport-client", "--shm-binary", shm.address(0), "--shm-json",
                              shm.address(1), "--tcp", f"{host}:{port}", "--steps", str(args.steps),
@@ -466,7 +489,9 @@ def transport(args) -> dict:
             "ns_per_body_byte": median(out["rtt_s"][v]) / sizes[codec_of(v)] * 1e9}
         for v in VARIANTS}
     result["ratios"] = {"tcp-json/shm-binary": per_step["tcp-json"] / per_step["shm-binary"],
-                        "shm-json/shm-binary": per_step["shm-json"] / per_step["shm-binary"]}
+                        "shm-json/shm-binary": per_step["shm-json"] / per_step["shm-binary"],
+                        "tcp-json/tcp-binary": per_step["tcp-json"] / per_step["tcp-binary"],
+                        "tcp-binary/shm-binary": per_step["tcp-binary"] / per_step["shm-binary"]}
     result["messages_served"] = served
     return finished(result)
 
@@ -542,6 +567,9 @@ def serve_transport(client: subprocess.Popen, servers: list, steps: int) -> int:
                 for conn_id, msg in server.poll(0.0):
                     if msg is None:
                         continue  # a client left (the end of a variant)
+                    if msg["type"] == "PING":  # a TCP client's handshake: the codec is agreed here
+                        server.reply(conn_id, {"type": "PONG"})
+                        continue
                     if msg["timesteps"] != steps:
                         raise RuntimeError(f"{conn_id}: {msg['timesteps']} steps, expected {steps}")
                     server.reply(conn_id, reply)
@@ -560,12 +588,18 @@ def transport_client(args) -> int:
     msg = transport_message(args.steps, env=args.env)
     clients = {"shm-binary": ShmClient(args.shm_binary, codec="binary", timeout=WAIT_S),
                "shm-json": ShmClient(args.shm_json, codec="json", timeout=WAIT_S),
-               "tcp-json": TcpClient(*parse_address(args.tcp), timeout=WAIT_S)}
+               "tcp-binary": TcpClient(*parse_address(args.tcp), timeout=WAIT_S, codec="binary"),
+               "tcp-json": TcpClient(*parse_address(args.tcp), timeout=WAIT_S, codec="json")}
     rtt = {v: [] for v in VARIANTS}
     try:
+        for v in ("tcp-binary", "tcp-json"):
+            clients[v].request({"type": "PING"})
+        if clients["tcp-binary"].codec != "binary":
+            raise RuntimeError("the TCP server did not agree to the binary codec")
         for r in range(args.repeat):
             # Rotate the order so that no variant always runs first (or right after another).
-            for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+            k = r % len(VARIANTS)
+            for v in VARIANTS[k:] + VARIANTS[:k]:
                 times = []
                 for i in range(args.warmup + args.messages):
                     t0 = time.perf_counter()
@@ -988,7 +1022,7 @@ def print_memory(r: dict) -> None:
 
 # --quick: the defaults of each subcommand that make it take seconds (CI runs every one).
 QUICK = {
-    "throughput": {"sims": [2], "seconds": 1.0, "warmup": 0.5, "repeat": 2},
+    "throughput": {"sims": [2], "seconds": 1.0, "warmup": 0.5, "repeat": 2, "transport": ["shm", "tcp-binary"]},
     "transport": {"steps": 100, "messages": 20, "repeat": 1, "warmup": 2},
     "solve": {"seeds": [0], "sims": 2, "timeout": 120.0},   # and --stop-return 100 for shmrl.run
     "sync": {"sims": 2, "updates": 5, "warmup": 1},
@@ -1020,9 +1054,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     s.add_argument("--repeat", type=int, default=3, help="windows; the figure is their median")
     s.add_argument("--envs-per-sim", type=int, default=1)
     s.add_argument("--env-steps-per-sample", type=int, default=256)
+    s.add_argument("--transport", nargs="+", choices=("shm", "tcp-binary"), default=["shm"],
+                   help="how the simulators reach the learner; several are measured side by side")
     s.add_argument("--env", default=ENV_ID, help="environment, as shmrl.run's --env (default: %(default)s)")
 
-    s = sub.add_parser("transport", parents=[common], help="per-env-step cost of shm-binary, shm-json, tcp-json")
+    s = sub.add_parser("transport", parents=[common],
+                       help="per-env-step cost of shm-binary, shm-json, tcp-binary, tcp-json")
     s.add_argument("--steps", type=int, default=500, help="env steps per message")
     s.add_argument("--messages", type=int, default=200, help="timed messages per variant and repetition")
     s.add_argument("--repeat", type=int, default=3)
