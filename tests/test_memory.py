@@ -291,3 +291,11 @@ def test_the_external_client_runs_a_recurrent_policy(start_run, tmp_path):
     summary = json.loads((logdir / "summary.json").read_text())
     assert summary["env_steps"] >= 3000 and summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, out
     assert summary["updates"] >= 2
+
+
+def test_eval_runs_a_recurrent_policy_with_its_state():
+    from shmrl.eval import evaluate
+
+    ppo = perturbed_ppo(NOVEL)
+    returns = evaluate(ppo.net.template.publish(ppo.published_weights()), "CartPoleNoVel-v1", episodes=6)
+    assert len(returns) == 6 and all(r >= 1 for r in returns)
