@@ -179,9 +179,18 @@ class EpisodeStore:
         return float(np.mean(returns)) if returns else float("nan")
 
 
-def check_episodes(batch: EpisodeBatch, spec: EnvSpec) -> str | None:
-    """Why validated chunks do not fit the environment, or None; fitting ones get their
-    observations and actions in the stored dtypes (an image's JSON integers as bytes)."""
+def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
+    """Why validated chunks do not fit the environment (and the policy's recurrent state of
+    ``state_size`` floats), or None; fitting ones get their observations and actions in the
+    stored dtypes (an image's JSON integers as bytes), and zeros where a recurrent policy's
+    chunks came without ``state_in`` (the state an episode starts from)."""
+    if batch.state_in is None:
+        if state_size:
+            batch.state_in = np.zeros((batch.num_chunks, state_size), np.float32)
+    elif not state_size:
+        return "the chunks carry 'state_in', but the policy has no memory"
+    elif batch.state_in.shape[1:] != (state_size,):
+        return f"'state_in' has {batch.state_in.shape[1:]} values per chunk; the policy's state has {state_size}"
     if batch.num_chunks:
         why, obs = spec.obs.check(batch.obs)
         if why:
@@ -214,8 +223,8 @@ class Hub:
 
     def __init__(self, spec: EnvSpec, store: EpisodeStore, env_steps_per_sample: int,
                  on_policy: bool = True, max_pending_steps: int | None = None,
-                 auth_token: str | None = None):
-        self.spec, self.store = spec, store
+                 auth_token: str | None = None, state_size: int = 0):
+        self.spec, self.store, self.state_size = spec, store, state_size
         self.auth_token = auth_token
         self.authenticated: set[str] = set()     # with an auth token: connections that showed it
         self.max_pending_steps = max_pending_steps
@@ -272,7 +281,7 @@ class Hub:
             self._reply(conn_id, self.state_msg)
         else:  # EPISODES, EPISODES_AND_GET_STATE
             batch = msg["episodes"]
-            reason = check_episodes(batch, self.spec)
+            reason = check_episodes(batch, self.spec, self.state_size)
             if reason:
                 self._drop(conn_id, reason, batch.num_steps)
                 return
@@ -334,7 +343,8 @@ class Learner:
                  env_steps_per_sample: int, train_batch_size: int,
                  on_policy: bool = True, max_policy_lag: int = 2, auth_token: str | None = None,
                  window: int = 100, first_weights_seq_no: int = 1, housekeeping=None,
-                 reward_gamma: float | None = None, batch_wait_timeout: float | None = None):
+                 reward_gamma: float | None = None, batch_wait_timeout: float | None = None,
+                 state_size: int = 0):
         """Publishes ``initial_weights`` (into the graph ``policy``) at once, as version
         ``first_weights_seq_no``: clients can sample before the trainer (torch) is even
         loaded. ``housekeeping(learner)``, if given, runs in the serving thread after every
@@ -342,13 +352,15 @@ class Learner:
         ``reward_gamma``: scale rewards by the running std of discounted returns (see
         ``EpisodeStore``). ``batch_wait_timeout``: once a client waits for new weights, the
         batch waits at most this long for the clients still sampling (one that went silent,
-        heartbeat or not, must not stall everyone), then trains on what it has."""
+        heartbeat or not, must not stall everyone), then trains on what it has.
+        ``state_size``: the floats of a recurrent policy's state (0: none)."""
         self.spec, self.servers = spec, servers
         self.train_batch_size = train_batch_size
         self.max_policy_lag = max_policy_lag
         self.store = EpisodeStore(window, reward_gamma)
         self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy,
-                       max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token)
+                       max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token,
+                       state_size=state_size)
         self.policy = policy
         self.housekeeping = housekeeping
         self.batch_wait_timeout = batch_wait_timeout
@@ -487,7 +499,7 @@ class Learner:
         self.store.steps_trained += chunks.num_steps   # only this thread writes it
         self.updates += 1
         self.publish(ppo.published_weights())
-        stats.update(update=self.updates, batch_steps=len(batch),
+        stats.update(update=self.updates, batch_steps=chunks.num_steps,
                      policy_lag=float(lags.mean()) if len(lags) else 0.0,
                      train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no, reward_scale=scale)
         return stats

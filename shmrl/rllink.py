@@ -32,7 +32,7 @@ import numpy as np
 
 # The episode fields (RLlink's, and shmrl's optional ones) are defined with the episodes.
 from shmrl.episode import (ACTION_DIST_INPUTS, ACTION_LOGP, ACTIONS, EPISODE_ID, FLAG_ALIASES, OBS,
-                           REWARDS, STEP_FIELDS, TERMINATED, TRUNCATED, WEIGHTS_SEQ_NO, EpisodeBatch,
+                           REWARDS, STATE_IN, STEP_FIELDS, TERMINATED, TRUNCATED, WEIGHTS_SEQ_NO, EpisodeBatch,
                            obs_rows)
 
 
@@ -69,7 +69,7 @@ _MAX_CODECS = 16
 REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE})
 
 _EPISODE_KEYS = frozenset({OBS, ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP, TERMINATED,
-                           TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO, *FLAG_ALIASES})
+                           TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO, STATE_IN, *FLAG_ALIASES})
 _REQUEST_FIELDS = {
     _T.PING: frozenset({"type", "auth_token", "codecs", "client_name"}),
     _T.GET_CONFIG: frozenset({"type"}),
@@ -249,13 +249,15 @@ class _Columns(dict):
     its own, so that no JSON object can pass for one)."""
 
 
-def episodes_body_bytes(steps: int, obs_bytes: int, action_size: int, dist_size: int, leaves: int = 1) -> int:
+def episodes_body_bytes(steps: int, obs_bytes: int, action_size: int, dist_size: int, leaves: int = 1,
+                        state_size: int = 0) -> int:
     """An upper bound on the binary body of an EPISODES message of ``steps`` env steps
     (what a request ring must take): ``obs_bytes`` per observation row (all its leaves),
     actions as int64 or float32, and as if every step began a chunk of its own (an
-    observation row, flags, version and id more); a descriptor per observation leaf."""
+    observation row, flags, version, id and recurrent state more); a descriptor per
+    observation leaf."""
     per_step = obs_bytes + 8 * action_size + 4 * (2 + dist_size)
-    per_chunk = obs_bytes + 8 + 2 + 8 + 64
+    per_chunk = obs_bytes + 8 + 2 + 8 + 64 + 4 * state_size
     return 4096 + 128 * leaves + steps * (per_step + per_chunk)
 
 
@@ -501,6 +503,10 @@ def _episode(ep, i: int) -> dict:
         out[EPISODE_ID] = eid if isinstance(eid, str) else int(eid)
     if WEIGHTS_SEQ_NO in ep:
         out[WEIGHTS_SEQ_NO] = _count(ep, WEIGHTS_SEQ_NO, where)
+    if STATE_IN in ep:
+        out[STATE_IN] = state = _array(ep, STATE_IN, where)
+        if state.ndim != 1:
+            raise ProtocolError(f"{where}: 'state_in' has shape {state.shape}, expected one list of numbers")
     return out
 
 
@@ -515,6 +521,9 @@ def _batch(episodes: list[dict], where: str) -> EpisodeBatch:
         if _obs_form(ep[OBS]) != _obs_form(first[OBS]):
             raise ProtocolError(f"{where}: episode {i} has observations of shape {_obs_form(ep[OBS])}, "
                                 f"episode 0 of {_obs_form(first[OBS])}: one message, one environment")
+    sizes = {len(ep[STATE_IN]) for ep in episodes if STATE_IN in ep}
+    if len(sizes) > 1:
+        raise ProtocolError(f"{where}: the episodes' 'state_in' differ in size ({sorted(sizes)})")
     for ep in stepped[1:]:
         for key in (ACTIONS, ACTION_DIST_INPUTS):
             a, b = ep[key], stepped[0][key]
@@ -524,7 +533,8 @@ def _batch(episodes: list[dict], where: str) -> EpisodeBatch:
     return EpisodeBatch.from_episodes(episodes)
 
 
-_COLUMN_KEYS = frozenset({"lengths", OBS, *STEP_FIELDS, TERMINATED, TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO})
+_COLUMN_KEYS = frozenset({"lengths", OBS, *STEP_FIELDS, TERMINATED, TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO,
+                          STATE_IN})
 _REQUIRED_COLUMNS = ("lengths", OBS, *STEP_FIELDS, TERMINATED, TRUNCATED)
 
 
@@ -569,8 +579,13 @@ def _columns(cols: dict, where: str) -> EpisodeBatch:
     if ids is not None and not (type(ids) is list and len(ids) == n and all(
             i is None or isinstance(i, str) or _is_int(i) for i in ids)):
         raise ProtocolError(f"{where}: 'episode_id' must be a list of {n} strings, ints or nulls")
+    state = None
+    if STATE_IN in cols:
+        state = _array(cols, STATE_IN, where) if n else np.zeros((0, 0), np.float32)
+        if state.ndim != 2 or len(state) != n:
+            raise ProtocolError(f"{where}: 'state_in' has shape {state.shape}, expected {n} rows of numbers")
     return EpisodeBatch(obs=obs, actions=actions, lengths=lengths, **rows, is_terminated=flags[TERMINATED],
-                        is_truncated=flags[TRUNCATED], weights_seq_no=seq, episode_ids=ids)
+                        is_truncated=flags[TRUNCATED], weights_seq_no=seq, episode_ids=ids, state_in=state)
 
 
 def _count(msg: dict, key: str, where: str, minimum: int = 0) -> int:

@@ -71,6 +71,9 @@ class RunConfig:
     activation: str | None = None
     cnn: str | None = None
     log_std_init: float | None = None
+    memory: str | None = None             # "none", "lstm" or "gru"; None: the env's preset
+    memory_size: int | None = None
+    max_seq_len: int | None = None
     torch_threads: int | None = None
     transport: str = "shm"
     tcp_host: str = "127.0.0.1"
@@ -226,7 +229,8 @@ def policy_net(config: RunConfig, spec):
     from shmrl.net import PolicyNet
 
     return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
-                     log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn)
+                     log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn,
+                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size)
 
 
 def ring_bytes(config: RunConfig, spec, net) -> dict:
@@ -241,7 +245,8 @@ def ring_bytes(config: RunConfig, spec, net) -> dict:
     steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
     leaves = spec.obs.leaves
     obs_bytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
-    request = rllink.episodes_body_bytes(steps, obs_bytes, spec.actions.action_size, spec.policy_outputs, len(leaves))
+    request = rllink.episodes_body_bytes(steps, obs_bytes, spec.actions.action_size, spec.policy_outputs, len(leaves),
+                                         net.state_size)
     params = sum(math.prod(shape) for shape in net.template.shapes.values())
     reply = rllink.set_state_body_bytes(4 * params + 4096)   # float32 weights and the graph around them
     return {"request_ring_bytes": ring_bytes_for(8 + request, ShmServer.REQUEST_RING_BYTES),
@@ -386,7 +391,8 @@ def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
                           auth_token=config.auth_token, first_weights_seq_no=first_seq,
                           housekeeping=supervisor.check if supervisor else None,
                           reward_gamma=config.gamma if config.normalize_reward else None,
-                          batch_wait_timeout=config.hang_timeout)
+                          batch_wait_timeout=config.hang_timeout,
+                          state_size=net.state_size)
         store = learner.store
         if resumed:
             store.restore(state["counters"], arrays)
@@ -415,7 +421,7 @@ def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
                                  epochs=config.epochs, minibatch_size=config.minibatch_size,
                                  ent_coef=config.ent_coef, vf_coef=config.vf_coef,
                                  max_grad_norm=config.max_grad_norm, reward_scale=config.reward_scale,
-                                 lr_anneal=config.lr_anneal),
+                                 lr_anneal=config.lr_anneal, max_seq_len=config.max_seq_len),
                   seed=config.seed, initial_weights=first_policy)
         if resumed:
             ppo.set_state(arrays, state["ppo"])
@@ -625,6 +631,16 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
                    help="activation of the hidden layers (default: %(default)s)")
     g.add_argument("--log-std-init", type=float, default=d.log_std_init,
                    help="initial log standard deviation of a Gaussian policy (Box actions) (default: %(default)s)")
+    g.add_argument("--memory", choices=("none", "lstm", "gru"), default=d.memory,
+                   help="a recurrent core (LSTM or GRU) between the hidden layers and the heads, shared by "
+                        "actor and critic: the policy keeps a state across the steps of an episode, for envs "
+                        "whose observation does not show everything (the ONNX policy takes state_in.<i> and "
+                        "gives state_out.<i>; README, 'Memory') (default: %(default)s)")
+    g.add_argument("--memory-size", type=int, default=d.memory_size, metavar="N",
+                   help="units of the recurrent core (default: %(default)s)")
+    g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, metavar="T",
+                   help="with --memory, PPO back-propagates through sequences of at most T steps "
+                        "(default: %(default)s)")
     g.add_argument("--torch-threads", type=int, default=d.torch_threads,
                    help="torch threads of the learner; the simulators need the other cores (default: %(default)s)")
     return p
@@ -693,6 +709,8 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--epochs, --minibatch-size, --hidden and --torch-threads must be >= 1, --max-policy-lag >= 0")
     if config.layers < 0:
         p.error("--layers must be >= 0")
+    if config.memory_size < 1 or config.max_seq_len < 1:
+        p.error("--memory-size and --max-seq-len must be >= 1")
     if config.log_every is not None and config.log_every < 0:
         p.error("--log-every must be >= 0")
     if config.vf_coef < 0 or config.max_grad_norm <= 0:

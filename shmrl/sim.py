@@ -65,6 +65,9 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     message carries ``env_steps_per_sample`` steps of them, cut into per-episode chunks.
     Returns the number of env steps sent. ``max_messages`` bounds the loop (tests);
     ``log_every_s`` logs progress (steps sent, recent returns) that often.
+
+    A recurrent policy (its graph takes ``state_in.<i>``) gets each env's state, zeroed
+    where an episode starts; every chunk carries the state before its first step.
     """
     config, state = handshake(client, auth_token)
     steps_per_env = -(-int(config["env_steps_per_sample"]) // envs_per_sim)
@@ -75,17 +78,23 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     sampler = make_sampler(envs.spec, np.random.default_rng(seed))
     rollout = Rollout(envs_per_sim, steps_per_env)
     obs = envs.reset()
+    state = policy.initial_state(envs_per_sim) if policy.state_size else None
     sent = messages = stepped = 0
     recent: deque = deque(maxlen=100)             # returns of the episodes completed lately
     next_log = time.monotonic() + (log_every_s or 0.0)
 
     while max_messages is None or messages < max_messages:
-        rollout.start(obs)
+        rollout.start(obs, state)
         for _ in range(steps_per_env):
-            logits = policy.logits(obs)
+            if state is None:
+                logits = policy.logits(obs)
+            else:
+                logits, state = policy.step(obs, state)
             actions, logp = sampler.sample(logits)
             obs, rewards, terminated, truncated, final_obs = envs.step(actions)
             rollout.record(actions, logits, logp, obs, rewards, terminated, truncated, final_obs)
+            if state is not None and final_obs is not None:   # an episode starts from zeros
+                state[np.asarray(terminated) | np.asarray(truncated)] = 0.0
             stepped += envs_per_sim
             client.heartbeat(stepped)  # a simulator whose env hangs stops counting
         n_steps = steps_per_env * envs_per_sim

@@ -121,22 +121,30 @@ def window_means(episodes: list[tuple[float, int, float]]) -> list[dict]:
     return out
 
 
-def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path) -> dict:
+def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path, algo: str = "ppo",
+            extra: tuple = ()) -> dict:
+    """rl-zoo3's training script for ``seconds``: its PPO with the entry ``zoo_config``
+    finds, or another ``algo`` (``ppo_lstm``: sb3-contrib's RecurrentPPO) with zoo's own
+    file for it; ``extra``: more of its arguments."""
     env = zoo_env(env)
-    conf = zoo_config(py, env, folder)
-    t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", "ppo", "--env", env, "--seed", str(seed),
-                     "-conf", str(conf), "--log-folder", str(folder / "zoo"), "--vec-env", "dummy",
-                     "--eval-freq", "-1", "--save-freq", "-1"],
+    conf = ["-conf", str(zoo_config(py, env, folder))] if algo == "ppo" else []
+    t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", algo, "--env", env, "--seed", str(seed),
+                     *conf, "--log-folder", str(folder / "zoo"), "--vec-env", "dummy",
+                     "--eval-freq", "-1", "--save-freq", "-1", *extra],
                     seconds, folder, folder / "sb3.log")
     monitors = sorted((folder / "zoo").rglob("*.monitor.csv"))
     if not monitors:
         raise RuntimeError(f"SB3 wrote no Monitor file; its log:\n{(folder / 'sb3.log').read_text()[-3000:]}")
+    # One Monitor file per env (n_envs > 1): every env's episodes, in the order they ended.
+    ended = []
+    for monitor in monitors:
+        with open(monitor) as f:
+            t_start = json.loads(f.readline().lstrip("#"))["t_start"]
+            ended += [(t_start + float(row["t"]) - t0, int(row["l"]), float(row["r"])) for row in csv.DictReader(f)]
     episodes, steps = [], 0
-    with open(monitors[0]) as f:
-        t_start = json.loads(f.readline().lstrip("#"))["t_start"]
-        for row in csv.DictReader(f):
-            steps += int(row["l"])
-            episodes.append((t_start + float(row["t"]) - t0, steps, float(row["r"])))
+    for wall, length, ret in sorted(ended):
+        steps += length
+        episodes.append((wall, steps, ret))
     # Throughput from SB3's own log: its last total_timesteps and time_elapsed (Monitor's
     # episode lengths count raw frames under AtariWrapper, and only finished episodes).
     log = (folder / "sb3.log").read_text()
@@ -144,7 +152,7 @@ def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path) -> dict
     elapsed = [float(x) for x in _log_values(log, "time_elapsed")]
     steps_per_s = totals[-1] / elapsed[-1] if totals and elapsed and elapsed[-1] else None
     return {"curve": window_means(episodes), "env_steps_per_s": steps_per_s, "env_steps": totals[-1] if totals else None,
-            "command": f"python -m rl_zoo3.train --algo ppo --env {env}"}
+            "command": " ".join(["python -m rl_zoo3.train --algo", algo, "--env", env, *extra])}
 
 
 def _log_values(log: str, key: str) -> list[str]:
@@ -199,7 +207,7 @@ def compare(sb3: dict, shmrl: dict, seconds: float) -> dict:
             "speedup": seconds / reached["wall_s"] if reached else None}
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, title: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,7 +233,7 @@ def plot(results: dict, path: Path) -> None:
             ax.set_title(env)
             ax.grid(alpha=0.3)
         axes[row][0].legend(fontsize=7)
-    who = "shmrl (presets) and SB3 + rl-zoo3's tuned PPO" if results["sb3"] else "shmrl (presets)"
+    who = title or ("shmrl (presets) and SB3 + rl-zoo3's tuned PPO" if results["sb3"] else "shmrl (presets)")
     fig.suptitle(f"{who}, on a {os.cpu_count()}-core machine", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
