@@ -56,10 +56,15 @@ def test_a_tcp_port_in_use(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        before = shmrl_files()
-        proc = command("shmrl.run", "--sims", 1, "--tcp-port", port, "--logdir", tmp_path / "a")
-    assert_one_line_error(proc, f"--tcp-port {port}", "already in use")
-    assert shmrl_files() == before   # the shared-memory rings made before the port was tried are gone
+        child = subprocess.Popen([sys.executable, "-m", "shmrl.run", "--sims", "1", "--tcp-port", str(port),
+                                  "--logdir", str(tmp_path / "a")], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        out, err = child.communicate(timeout=60)
+    assert_one_line_error(subprocess.CompletedProcess(child.args, child.returncode, out, err),
+                          f"--tcp-port {port}", "already in use")
+    # The shared-memory rings made before the port was tried are gone (segments are named
+    # after their owner's pid; other runs on the machine may have theirs).
+    assert not [f for f in shmrl_files() if f.startswith(f"shmrl_{child.pid}_")]
 
 
 @pytest.mark.parametrize("args, fragments", [

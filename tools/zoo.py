@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     for env in a.envs:
         runs = []
         for seed in a.seeds:  # in turns, so that both see the machine in the same state
-            with tempfile.TemporaryDirectory(prefix=f"shmrl-mujoco-{env}-") as tmp:
+            with tempfile.TemporaryDirectory(prefix=f"shmrl-zoo-{env.replace('/', '-')}-") as tmp:
                 tmp = Path(tmp)
                 entry = {"seed": seed}
                 if a.sb3:
