@@ -464,8 +464,10 @@ def transport(args) -> dict:
     shm = ShmServer(2, request_ring_bytes=ring)
     tcp = client = None
     try:
-        # No heartbeats are sent: a client idles while the other variants run.
-        tcp = TcpServer("127.0.0.1", 0, max_frame_bytes=ring, heartbeat_s=3600, heartbeat_timeout=7200)
+        # No heartbeats are sent, and a client idles (before its first request too) while the
+        # other variants run: minutes with big JSON messages.
+        tcp = TcpServer("127.0.0.1", 0, max_frame_bytes=ring, heartbeat_s=3600, heartbeat_timeout=7200,
+                        hello_timeout=10 * WAIT_S)
         host, port = tcp.address
         client = run_worker(["_transport-client", "--shm-binary", shm.address(0), "--shm-json",
                              shm.address(1), "--tcp", f"{host}:{port}", "--steps", str(args.steps),
