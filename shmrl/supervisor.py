@@ -12,7 +12,9 @@ slot reset and a replacement started without a lock around any of them.
 A simulator is replaced when its process exits (a SIGKILL included: seen within one
 serving round, about 50 ms) or when it hangs: the env-step count it writes into its
 shared-memory slot (its heartbeat) has not grown for ``hang_timeout`` seconds while the
-learner was not itself holding it back; over TCP, its connection (found by the name it
+learner was not itself holding it back, not counting the time it waited for a CPU (its
+run-queue wait, /proc/PID/schedstat): on a machine busy with other work a simulator at
+low priority may not run for seconds, and that is not a hang; over TCP, its connection (found by the name it
 gives in its PING) has been gone that long, closed for missing HEARTBEATs, while its
 process lives on. What it stepped but never sent is counted as lost (over TCP by the Hub,
 from its last HEARTBEAT). A simulator that keeps failing (``max_restarts`` within
@@ -28,6 +30,18 @@ import time
 from collections import deque
 
 log = logging.getLogger("shmrl.supervisor")
+
+
+def run_queue_wait_s(pid: int | None) -> float:
+    """Seconds process ``pid`` has spent runnable but waiting for a CPU (0.0 when the kernel
+    does not say: then every second without a step counts)."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def describe_exit(code: int | None) -> str:
@@ -107,6 +121,7 @@ class _Sim:
         self.steps_received_before = 0  # steps its connection had delivered before this process
         self.steps_seen = 0           # its heartbeat when last looked at
         self.progress_at = 0.0        # when the heartbeat last grew (or the learner held it back)
+        self.waited_at = 0.0          # its run-queue wait (run_queue_wait_s) at progress_at
         self.tcp_conn: str | None = None  # its TCP connection, when it has one
         self.failed_time: float | None = None  # when its last process failed, until the next one samples
         self.failed_at: deque = deque()  # recent failures, for the restart budget
@@ -143,6 +158,7 @@ class Supervisor:
                                          sim.name, self.auth_token, self.nice))
         sim.proc = proc  # only once started: stop() stops every sim.proc
         sim.started = sim.progress_at = time.monotonic()
+        sim.waited_at = 0.0  # a new process has waited for nothing yet
         sim.steps_received_before, sim.steps_seen = steps_received_before, 0
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -183,10 +199,14 @@ class Supervisor:
         steps = self.shm.env_steps(sim.index)
         if steps != sim.steps_seen:
             self._back(sim, now)
+        pid = self.shm.client_pid(sim.index) or (None if self.launcher.remote else getattr(sim.proc, "pid", None))
+        waited = run_queue_wait_s(pid)
         if steps != sim.steps_seen or sim.conn_id in learner.hub.waiting:
-            sim.steps_seen, sim.progress_at = steps, now  # progress, or held back by the learner
-        elif now - sim.progress_at > self.hang_timeout:
-            return f"hung: no env step for {now - sim.progress_at:.1f} s (--hang-timeout {self.hang_timeout:g})"
+            # Progress, or held back by the learner.
+            sim.steps_seen, sim.progress_at, sim.waited_at = steps, now, waited
+        elif (now - sim.progress_at) - (waited - sim.waited_at) > self.hang_timeout:
+            return (f"hung: no env step for {now - sim.progress_at:.1f} s, {waited - sim.waited_at:.1f} s of "
+                    f"them waiting for a CPU (--hang-timeout {self.hang_timeout:g})")
         return None
 
     def _tcp_trouble(self, sim: _Sim, learner, now: float) -> str | None:

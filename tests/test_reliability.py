@@ -156,6 +156,45 @@ def test_a_hung_simulator_is_found_by_its_heartbeat_and_restarted(start_run, tmp
     check_conservation(summary, logdir)
 
 
+def test_time_a_simulator_waits_for_a_cpu_is_not_taken_for_a_hang(monkeypatch):
+    """On a machine busy with other work, a low-priority simulator may be runnable and not
+    run for seconds: only the time it could have run without stepping counts as hung."""
+    from types import SimpleNamespace
+
+    import shmrl.supervisor as supervisor
+
+    shm = SimpleNamespace(env_steps=lambda i: 7, client_pid=lambda i: 4321)
+    launcher = SimpleNamespace(remote=False, exit_reason=lambda proc: None)
+    sup = Supervisor(["shm:slot"], env="CartPole-v1", seed=0, shm_server=shm, hang_timeout=1.0,
+                     launcher=launcher)
+    sim = sup.sims[0]
+    sim.proc, sim.steps_seen, sim.progress_at, sim.waited_at = object(), 7, 100.0, 2.0
+    learner = SimpleNamespace(hub=SimpleNamespace(waiting=set()))
+    asked = []
+
+    def waited(pid):
+        asked.append(pid)
+        return wait_now
+
+    monkeypatch.setattr(supervisor, "run_queue_wait_s", waited)
+    wait_now = 6.5          # 5 s without a step, 4.5 of them waiting for a CPU: 0.5 s it could run
+    assert sup._trouble(sim, learner, now=105.0) is None
+    wait_now = 6.8          # 6 s without a step, 4.8 waiting: 1.2 s it could run, past the timeout
+    why = sup._trouble(sim, learner, now=106.0)
+    assert why.startswith("hung: no env step for 6.0 s, 4.8 s of them waiting for a CPU"), why
+    assert asked == [4321, 4321]        # the slot's own client process
+    # Without schedstat (or waiting for nothing) every second counts, as before.
+    monkeypatch.setattr(supervisor, "run_queue_wait_s", lambda pid: 2.0)
+    assert sup._trouble(sim, learner, now=101.5).startswith("hung: no env step for 1.5 s")
+
+
+def test_run_queue_wait_is_read_for_a_live_process_and_zero_for_none():
+    from shmrl.supervisor import run_queue_wait_s
+
+    assert run_queue_wait_s(os.getpid()) >= 0.0
+    assert run_queue_wait_s(None) == 0.0 and run_queue_wait_s(2 ** 22 + 12345) == 0.0   # no such process
+
+
 def test_a_simulator_that_keeps_dying_fails_the_run(start_run):
     run = start_run("--sims", 2, "--stop-return", 1e9, "--max-env-steps", 10_000_000)
     run.wait_for("update    1 |", timeout=60)
