@@ -322,3 +322,36 @@ def test_a_parallel_env_trains_per_agent_policies_and_resumes(tmp_path, no_shm_l
     assert again["resumed_from"] and again["env_steps"] >= 8000
     assert again["weights_seq_no"] > summary["weights_seq_no"]
     assert again["return_by_agent"]["a"] > 5.0
+
+
+def test_the_external_client_trains_two_agents_over_json(start_run, tmp_path):
+    """The JSON path of the README's example: chunks with agent_id and module_id from a
+    client that imports nothing of shmrl, SET_STATE with one model per policy."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "external_client.py"
+    logdir = tmp_path / "logs"
+    (tmp_path / "examples").mkdir()
+    shutil.copy(example, tmp_path / "examples" / "external_client.py")
+    run = start_run("--sims", 0, "--tcp-port", 0, "--env", "examples.external_client:pair_spaces",
+                    "--policy-map", "per-agent", "--stop-return", 6.5, "--max-env-steps", 60_000,
+                    "--train-batch-size", 1000, "--env-steps-per-sample", 500, "--lr", 3e-3, "--logdir", logdir)
+    run.wait_for("listening for RLlink clients on", timeout=30)
+    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    client = subprocess.Popen([sys.executable, str(example), "--port", str(port), "--max-retries", "0",
+                               "--game", "pair"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run.proc.wait(timeout=150)
+        client.wait(timeout=30)
+    finally:
+        client.kill()
+        client.wait(5)
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert run.proc.returncode == 0, run.output()    # random play earns 5 (left) and 2.5 (right)
+    assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary
+    assert summary["return_by_agent"]["left"] > 7 and summary["return_by_agent"]["right"] > 3.5
+    assert sorted(summary["return_by_policy"]) == ["left", "right"]
