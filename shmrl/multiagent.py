@@ -360,10 +360,14 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
     mapper = policy_mapper(policy_map or config.get("policy_map", "shared"))
     policies = PolicySet()
     policies.update(state["policies"])
-    wanted = set(spec.policy_specs(mapper))
-    if wanted - set(policies.models):
-        raise ValueError(f"{env_id}: the server has no policy {sorted(wanted - set(policies.models))} "
+    wanted = spec.policy_specs(mapper)
+    if set(wanted) - set(policies.models):
+        raise ValueError(f"{env_id}: the server has no policy {sorted(set(wanted) - set(policies.models))} "
                          f"(its policies: {sorted(policies.models)})")
+    from shmrl.sim import check_policy_fits
+
+    for pid, policy_spec in wanted.items():
+        check_policy_fits(policies.models[pid], policy_spec)
     sampler = MultiAgentSampler(factory, spec, mapper, policies, envs_per_sim, seed,
                                 league_prob=float(config.get("league_prob", 0.0)))
     per_sample = int(config["env_steps_per_sample"])

@@ -355,3 +355,22 @@ def test_the_external_client_trains_two_agents_over_json(start_run, tmp_path):
     assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary
     assert summary["return_by_agent"]["left"] > 7 and summary["return_by_agent"]["right"] > 3.5
     assert sorted(summary["return_by_policy"]) == ["left", "right"]
+
+
+def test_a_league_snapshot_plays_one_seat_and_its_steps_are_not_sent():
+    _, spec = resolve_env(FirstWins)
+    model = model_for(FirstWins, "p0")
+    policies = PolicySet()
+    policies.update({"shared": {"onnx_file": encode_onnx_file(model), "weights_seq_no": 7},
+                     "shared@3": {"onnx_file": encode_onnx_file(model), "weights_seq_no": 3, "frozen": True}})
+    sampler = MultiAgentSampler(FirstWins, spec, policy_mapper("shared"), policies, num_envs=4, seed=0,
+                                league_prob=1.0)
+    for _ in range(2 * 5):
+        sampler.step()
+    games = list(sampler.games)
+    assert len(games) == 4 * 5
+    for assigned, _ in games:   # every game: one seat the snapshot, the other the learner
+        assert sorted(assigned.values()) == ["shared", "shared@3"]
+    batch = sampler.take()
+    assert sorted(batch.policies) == ["shared"] and batch.policies["shared"].num_steps == 4 * 5
+    assert set(batch.policies["shared"].weights_seq_no.tolist()) == {7}
