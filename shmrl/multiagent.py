@@ -346,17 +346,20 @@ class MultiAgentSampler:
 
 def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_messages: int | None = None,
                   log_every_s: float | None = None, auth_token: str | None = None,
-                  policy_map: str | None = None) -> int:
+                  policy_map: str | None = None, handshake: tuple | None = None) -> int:
     """``shmrl.sim.run_simulator`` for a multi-agent env: sample with the learner's latest
     policies until the connection ends; returns the agent steps sent. The policy map is
-    the server's (SET_CONFIG ``policy_map``) unless ``policy_map`` is given."""
+    the server's (SET_CONFIG ``policy_map``) unless ``policy_map`` is given. ``handshake``:
+    (SET_CONFIG, SET_STATE) where the caller has done it already."""
     from shmrl.envs import resolve_env
-    from shmrl.sim import handshake
+    from shmrl import sim
 
-    config, state = handshake(client, auth_token)
+    config, state = handshake or sim.handshake(client, auth_token)
     if "policies" not in state:
         raise ValueError(f"{env_id} is a multi-agent env but the server trains a single-agent policy")
     factory, spec = resolve_env(env_id)
+    if not isinstance(spec, MultiAgentSpec):
+        raise ValueError(f"the server trains several policies (a multi-agent env), but {env_id} is single-agent")
     mapper = policy_mapper(policy_map or config.get("policy_map", "shared"))
     policies = PolicySet()
     policies.update(state["policies"])
@@ -364,10 +367,8 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
     if set(wanted) - set(policies.models):
         raise ValueError(f"{env_id}: the server has no policy {sorted(set(wanted) - set(policies.models))} "
                          f"(its policies: {sorted(policies.models)})")
-    from shmrl.sim import check_policy_fits
-
     for pid, policy_spec in wanted.items():
-        check_policy_fits(policies.models[pid], policy_spec)
+        sim.check_policy_fits(policies.models[pid], policy_spec)
     sampler = MultiAgentSampler(factory, spec, mapper, policies, envs_per_sim, seed,
                                 league_prob=float(config.get("league_prob", 0.0)))
     per_sample = int(config["env_steps_per_sample"])

@@ -197,15 +197,12 @@ def load_resume_checkpoint(config: RunConfig, net) -> tuple:
     if saved_env is not None and saved_env != env_name(config.env):
         raise ConfigError(f"--resume {config.resume}: its checkpoint was trained on {saved_env}, not "
                           f"{env_name(config.env)}; a run resumes on the env it was trained on")
-    why = None
-    for pid, n in (net.items() if isinstance(net, dict) else [(None, net)]):
-        why = n.check(saved_policy(arrays, pid))
+    # A multi-agent run's nets are by policy id: each must fit its saved policy.
+    for pid, one in (net.items() if isinstance(net, dict) else [(None, net)]):
+        why = one.check(saved_policy(arrays, pid))
         if why:
-            break
-    if why:
-        net = n
-        raise ConfigError(f"--resume {config.resume}: {path} does not fit a network of --hidden {config.hidden} "
-                          f"for {net.spec.env_id}: {why}; was it saved with other layer sizes?")
+            raise ConfigError(f"--resume {config.resume}: {path} does not fit a network of --hidden {config.hidden} "
+                              f"for {one.spec.env_id}: {why}; was it saved with other layer sizes?")
     return path, arrays, state
 
 
