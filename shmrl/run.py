@@ -470,8 +470,8 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                                                "train_s", "batch_steps", "weights_seq_no", "policy_lag",
                                                "lr", "reward_scale")},
                        **counts(learner, supervisor), "elapsed_s": now - t_start, **policy_returns(learner)}
-                if "policies" in stats:
-                    row["policies"] = stats["policies"]
+                if "policies" in stats:   # a multi-agent update: each policy's losses, "<id>/pi_loss"
+                    row["policies"] = {f"{pid}/{k}": v for pid, st in stats["policies"].items() for k, v in st.items()}
                 if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
                     print(progress_line(row, len(store.returns)), flush=True)
                     last_line = now

@@ -374,3 +374,19 @@ def test_a_league_snapshot_plays_one_seat_and_its_steps_are_not_sent():
     batch = sampler.take()
     assert sorted(batch.policies) == ["shared"] and batch.policies["shared"].num_steps == 4 * 5
     assert set(batch.policies["shared"].weights_seq_no.tolist()) == {7}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy-map", "no_such_module_xyz:fn"], "cannot load fn from no_such_module_xyz"),
+    (["--policy-map", "sideways"], "shared, per-agent or package.module:fn"),
+    (["--league", "-1"], "--league must be >= 0"),
+])
+def test_bad_multiagent_flags_are_one_line_errors(args, message):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-m", "shmrl.run", "--env", "pz:connect_four_v3", *args],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
