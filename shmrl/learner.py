@@ -321,8 +321,10 @@ class Hub:
     def set_state(self, weights_seq_no: int, onnx_file) -> None:
         """Publish new weights and release every client waiting for them. ``onnx_file``: a
         multi-agent run's is a dict of SET_STATE ``policies`` entries."""
-        self.state_msg = {"type": T.SET_STATE.value, "weights_seq_no": weights_seq_no,
-                          **({"policies": onnx_file} if isinstance(onnx_file, dict) else {"onnx_file": onnx_file})}
+        # The single-agent message keeps its bytes (key order included): RLlib's JSON.
+        self.state_msg = {"type": T.SET_STATE.value,
+                          ("policies" if isinstance(onnx_file, dict) else "onnx_file"): onnx_file,
+                          "weights_seq_no": weights_seq_no}
         waiting, self.waiting = self.waiting, []
         for conn_id in waiting:
             self._reply(conn_id, self.state_msg)
