@@ -305,7 +305,7 @@ def test_multiagent_quick(tool):
     assert run["met"] == (run["win_rate_greedy"] >= 0.9 and run["wall_s"] <= 300)
     spread = r["simple_spread"]
     run = spread["runs"][0]
-    assert run["exit"] == 1 and run["env_steps"] >= 6000 and run["return_mean"] < 0
+    assert run["exit"] == 1 and run["env_steps"] >= 13000 and run["return_mean"] < 0
     assert run["return_at_target_s"] < 0   # the last progress row within the 600 s
     assert sorted(run["return_by_agent"]) == ["agent_0", "agent_1", "agent_2"]
     assert spread["target"]["wall_s"] == 600.0 and run["met"] == (run["reached_s"] is not None
