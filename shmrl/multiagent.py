@@ -195,12 +195,14 @@ def stepper(env, seed: int | None):
 # ------------------------------------------------------------------ the simulator loop
 
 class PolicySet:
-    """The ONNX models of SET_STATE's ``policies``, rebuilt only where the version changed."""
+    """The ONNX models of SET_STATE's ``policies``, rebuilt only where the version changed.
+    A snapshot the league has dropped stays until no episode plays it (``prune``)."""
 
     def __init__(self):
         self.models: dict = {}     # pid -> OnnxPolicy
         self.seqs: dict = {}       # pid -> weights_seq_no
         self.frozen: set = set()
+        self.published: set = set()   # the pids of the latest SET_STATE
 
     def update(self, policies: dict) -> None:
         from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
@@ -211,12 +213,16 @@ class PolicySet:
                 self.seqs[pid] = entry["weights_seq_no"]
             if entry.get("frozen"):
                 self.frozen.add(pid)
-        for pid in set(self.models) - set(policies):
+        self.published = set(policies)
+
+    def prune(self, in_use: set) -> None:
+        """Forget the models no longer published that no agent plays."""
+        for pid in set(self.models) - self.published - in_use:
             del self.models[pid], self.seqs[pid]
             self.frozen.discard(pid)
 
     def snapshots_of(self, pid: str) -> list:
-        return sorted(p for p in self.frozen if p.split("@", 1)[0] == pid)
+        return sorted(p for p in self.frozen & self.published if p.split("@", 1)[0] == pid)
 
 
 class MultiAgentSampler:
@@ -397,6 +403,7 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
         if reply["type"] != T.SET_STATE.value or "policies" not in reply:
             raise ConnectionError(f"expected a multi-agent SET_STATE, got {reply['type']}")
         policies.update(reply["policies"])
+        policies.prune({pid for assigned in sampler.assigned for pid in assigned.values()})
         if log_every_s and time.monotonic() >= next_log:
             next_log += log_every_s
             log.info("sent %d agent steps; policies %s; mean returns %s", sent, policies.seqs,

@@ -390,3 +390,17 @@ def test_bad_multiagent_flags_are_one_line_errors(args, message):
                           capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_snapshot_dropped_from_the_league_plays_out_its_episodes():
+    model = encode_onnx_file(model_for(FirstWins, "p0"))
+    ps = PolicySet()
+    ps.update({"shared": {"onnx_file": model, "weights_seq_no": 5},
+               "shared@3": {"onnx_file": model, "weights_seq_no": 3, "frozen": True}})
+    ps.update({"shared": {"onnx_file": model, "weights_seq_no": 6},
+               "shared@6": {"onnx_file": model, "weights_seq_no": 6, "frozen": True}})
+    assert ps.snapshots_of("shared") == ["shared@6"]        # no new episode picks shared@3
+    ps.prune({"shared", "shared@3"})                         # an episode still plays it
+    assert "shared@3" in ps.models and "shared@3" in ps.frozen
+    ps.prune({"shared"})
+    assert sorted(ps.models) == ["shared", "shared@6"]
