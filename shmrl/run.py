@@ -85,9 +85,9 @@ class RunConfig:
     log_every: float | None = None        # None: every update on a terminal, else every 10 s
     tensorboard: bool | None = None       # None: when the tensorboard package is installed
     policy_map: str = "shared"            # multi-agent envs: shared, per-agent or package.module:fn
-    league: int = 0                       # multi-agent self-play: frozen snapshots kept (0: none)
-    league_every: int = 10                # updates between snapshots
-    league_prob: float = 0.5              # chance an episode has one agent play a snapshot
+    league: int | None = None             # multi-agent self-play: frozen snapshots kept (0: none)
+    league_every: int | None = None       # updates between snapshots
+    league_prob: float | None = None      # chance an episode has one agent play a snapshot
 
 
 def env_defaults(env, spec=None) -> dict:
