@@ -39,7 +39,7 @@ C4_TARGET_WIN_RATE, C4_TARGET_S = 0.9, 300.0
 SPREAD_TARGET_S = 600.0
 # The reference return in PettingZoo's per-agent convention (README, "Multi-agent training").
 SPREAD_REFERENCE = -22.3
-FULL = {"c4_steps": 600_000, "spread_steps": 2_000_000, "games": 1000, "timeout": 900.0}
+FULL = {"c4_steps": 500_000, "spread_steps": 2_000_000, "games": 1000, "timeout": 900.0}
 QUICK = {"c4_steps": 4096, "spread_steps": 13000, "games": 50, "timeout": 120.0, "seeds": [0]}
 
 
