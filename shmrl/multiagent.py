@@ -228,8 +228,9 @@ class PolicySet:
 class MultiAgentSampler:
     """K multi-agent envs, every policy's decisions batched into one ONNX call per step.
 
-    ``assign(k, agent)`` gives the policy an agent plays in env k's current episode;
-    finished chunks (and, at ``take()``, the running ones cut) are grouped per policy.
+    Each env's agents get their policies at its episode start (the map, a league
+    snapshot for one of them with ``league_prob``, or ``assign(k)``); finished chunks (and,
+    at ``take()``, the running ones cut) are grouped per policy.
     """
 
     def __init__(self, factory, spec: MultiAgentSpec, mapper: Callable, policies: PolicySet, num_envs: int,
@@ -273,6 +274,11 @@ class MultiAgentSampler:
                 assigned[agent] = snaps[self.rng.integers(len(snaps))]
         return {a: o for a, o in env.reset().items()}
 
+    def _own(self, agent, obs):
+        """``obs`` in the stored form, copied: an env may reuse its arrays."""
+        stored = self.layouts[agent].split(obs)
+        return {k: v.copy() for k, v in stored.items()} if isinstance(stored, dict) else stored.copy()
+
     def policy_of(self, k: int, agent) -> str:
         pid = self.assigned[k].get(agent)
         if pid is None:   # an agent that joined late, beyond possible_agents' first map
@@ -285,7 +291,7 @@ class MultiAgentSampler:
         for k, to_act in enumerate(self.to_act):
             for agent, obs in to_act.items():
                 key = (k, agent)
-                stored = self.layouts[agent].split(obs)
+                stored = self._own(agent, obs)
                 if key not in self.open:
                     self.open[key] = Episode(stored, id=f"{self.episode_ids[k]}-{agent}", agent_id=agent,
                                              weights_seq_no=None)
@@ -321,7 +327,7 @@ class MultiAgentSampler:
                 self.returns[k][agent] += reward
                 ep = self.open[key]
                 if taken is not None:
-                    ep.add_step(taken[0], reward, self.layouts[agent].split(obs), taken[1], taken[2], term, trunc)
+                    ep.add_step(taken[0], reward, self._own(agent, obs), taken[1], taken[2], term, trunc)
                     if self.policy_of(k, agent) not in self.policies.frozen:
                         self.steps += 1
                 if term or trunc:
