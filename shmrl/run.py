@@ -266,7 +266,9 @@ def progress_line(row: dict, n_returns: int) -> str:
             f"v {row['v_loss']:.3f} ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} | "
             f"lag {row['policy_lag']:.1f} | {row['elapsed_s']:.1f}s | {clients}"
             + ("" if "return_by_agent" not in row else " | " + " ".join(
-                f"{a}={r:.2f}" for a, r in sorted(row["return_by_agent"].items()))))
+                f"{a}={r:.2f}" for a, r in sorted(row["return_by_agent"].items())))
+            + ("" if len(row.get("return_by_policy", {})) < 2 else " | policies " + " ".join(
+                f"{p}={r:.2f}" for p, r in sorted(row["return_by_policy"].items()))))
 
 
 def _k(n: int) -> str:
