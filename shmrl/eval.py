@@ -7,8 +7,9 @@
 
 A multi-agent env (PettingZoo) is played against ``--opponent``: ``random`` (a uniformly
 random legal player: its action mask's allowed actions), ``self`` (the policy itself) or
-another policy file; the policy takes the seats in turn, and the win, draw and loss rates
-are reported (a win: the policy's agent ends with a higher return than every other).
+another policy file (or a run's log folder: its policy-shared.onnx); the policy takes the
+seats in turn, and the win, draw and loss rates are reported (a win: the policy's agent
+ends with a higher return than every other; against ``self``, the first seat's).
 
 The policy acts greedily by default (the most likely action; the mean of a Gaussian), as
 evaluations usually do; ``--stochastic`` samples as training did. Like the simulators,
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 import statistics
 import sys
 
@@ -108,8 +110,14 @@ def _multiagent(a, model: bytes) -> int:
 
     opponent = a.opponent
     if opponent not in ("random", "self"):
-        with open(opponent, "rb") as f:
-            opponent = f.read()
+        path = Path(opponent)
+        if path.is_dir():   # a run's log folder: its shared policy, or its only one
+            found = sorted(path.glob("policy-*.onnx"))
+            shared = path / "policy-shared.onnx"
+            if not shared.exists() and len(found) != 1:
+                raise ValueError(f"--opponent {opponent}: no policy-shared.onnx and not exactly one policy-*.onnx")
+            path = shared if shared.exists() else found[0]
+        opponent = path.read_bytes()
     result = play(a.env, model, opponent, a.episodes, a.seed, greedy=not a.stochastic)
     result["stochastic"] = a.stochastic
     if a.opponent not in ("random", "self"):

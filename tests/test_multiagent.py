@@ -404,3 +404,20 @@ def test_a_snapshot_dropped_from_the_league_plays_out_its_episodes():
     assert "shared@3" in ps.models and "shared@3" in ps.frozen
     ps.prune({"shared"})
     assert sorted(ps.models) == ["shared", "shared@6"]
+
+
+def test_eval_cli_plays_against_random_and_against_a_run_folder(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "policy-shared.onnx").write_bytes(model_for("pz:connect_four_v3", "player_0", seed=1))
+    (tmp_path / "me.onnx").write_bytes(model_for("pz:connect_four_v3", "player_0", seed=2))
+    for opponent in ("random", str(tmp_path / "run")):
+        proc = subprocess.run([sys.executable, "-m", "shmrl.eval", str(tmp_path / "me.onnx"), "--env",
+                               "pz:connect_four_v3", "--opponent", opponent, "--episodes", "20", "--json"],
+                              capture_output=True, text=True, timeout=60, cwd=Path(__file__).parent.parent)
+        assert proc.returncode == 0, proc.stderr
+        r = json.loads(proc.stdout)
+        assert r["episodes"] == 20 and abs(r["win_rate"] + r["draw_rate"] + r["loss_rate"] - 1) < 1e-9
