@@ -62,9 +62,13 @@ def pz_make(name: str):
     safety wrappers (order enforcement, bounds assertions, ending the game on an illegal
     move), which cost about 2/3 of a connect_four or simple_spread step here: shmrl
     steps the API in order, and its policies never choose a masked action."""
+    import warnings
+
     for package in PZ_PACKAGES:
         try:
-            module = importlib.import_module(f"{package}.{name}")
+            with warnings.catch_warnings():   # PettingZoo 1.27 deprecates these modules for its registry,
+                warnings.simplefilter("ignore", DeprecationWarning)   # whose envs come wrapped
+                module = importlib.import_module(f"{package}.{name}")
         except ImportError as e:
             if getattr(e, "name", "") not in (f"{package}.{name}", package, package.split(".")[0]):
                 raise ValueError(f"--env pz:{name}: {e} (pip install 'shmrl[pettingzoo]')") from None
