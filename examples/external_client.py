@@ -5,6 +5,8 @@ speaks RLlink's JSON variant over TCP, so it trains against `python -m shmrl.run
 --tcp-port 5556` (with or without local simulators) or any RLlink JSON server.
 
     python examples/external_client.py --port 5556                 # CartPole-v1
+    python examples/external_client.py --port 5556 --game cartpole-novel   # its velocities hidden:
+        # a recurrent policy, the learner runs with --env CartPoleNoVel-v1
     python examples/external_client.py --port 5556 --game forager  # a Dict observation,
         # an action mask and a two-part action; the learner runs with
         # --env examples.external_client:forager_spaces (spaces only: the game is here)
@@ -26,6 +28,13 @@ The loop, which is all an integration has to reproduce:
    chunk with both flags false and continues in the next message from its last obs),
    install the model from the SET_STATE reply, go to 2.
 4. when the server goes away, reconnect and start again at 1.
+
+A recurrent policy (the learner runs with --memory lstm|gru) has inputs `state_in.<i>` and
+outputs `state_out.<i>`, float32 [1, memory_size] each: feed zeros at an episode's first
+step and each step's `state_out.<i>` into the next one's `state_in.<i>`; every chunk
+carries the state before its first step as "state_in", a flat list (`state_in.0` then
+`state_in.1` ...): zeros for a chunk that begins an episode, the running state for one
+that continues it. `Policy` below does all of it; nothing else changes.
 
 The ONNX contract (README, "The ONNX policy"): a flat Box observation is fed as input
 `onnx::Gemm_0`, float32 [1, obs_dim]. A Dict observation feeds one input per leaf,
@@ -83,9 +92,34 @@ def request(sock: socket.socket, msg: dict, expect: str) -> dict:
 
 
 # ---------------------------------------------------------------- the policy
-def load_policy(set_state: dict) -> ort.InferenceSession:
-    model = gzip.decompress(base64.b64decode(set_state["onnx_file"]))
-    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+class Policy:
+    """The ONNX model of a SET_STATE and, if it is recurrent (inputs state_in.<i>), its
+    state: ``state`` carries over from the policy it replaces (same episode, new weights)."""
+
+    def __init__(self, set_state: dict, state: dict | None = None):
+        model = gzip.decompress(base64.b64decode(set_state["onnx_file"]))
+        self.session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.state_inputs = sorted((i for i in self.session.get_inputs() if i.name.startswith("state_in.")),
+                                   key=lambda i: int(i.name.split(".")[1]))
+        self.state = state if state is not None else {}
+        if set(self.state) != {i.name for i in self.state_inputs}:
+            self.reset()
+
+    def reset(self) -> None:
+        """An episode begins: zeros."""
+        self.state = {i.name: np.zeros((1, i.shape[-1]), np.float32) for i in self.state_inputs}
+
+    def flat_state(self) -> list[float] | None:
+        """The state now, as a chunk's "state_in" (None: the policy has no memory)."""
+        return np.concatenate([self.state[i.name] for i in self.state_inputs], axis=1)[0].tolist() \
+            if self.state_inputs else None
+
+    def run(self, feeds: dict) -> list[float]:
+        """Output 0 for one observation's inputs; the state moves on a step."""
+        out = dict(zip(self.outputs, self.session.run(None, {**feeds, **self.state})))
+        self.state = {name: out[name.replace("state_in.", "state_out.")] for name in self.state}
+        return out[self.outputs[0]][0].tolist()
 
 
 def categorical(logits: list[float]) -> tuple[int, float]:
@@ -96,20 +130,20 @@ def categorical(logits: list[float]) -> tuple[int, float]:
     return action, math.log(probs[action] / sum(probs))
 
 
-def act(session: ort.InferenceSession, obs: list[float]) -> tuple[int, list[float], float]:
+def act(policy: Policy, obs: list[float]) -> tuple[int, list[float], float]:
     """CartPole: one Discrete action from a flat observation."""
-    logits = session.run(None, {"onnx::Gemm_0": np.array([obs], np.float32)})[0][0].tolist()
+    logits = policy.run({"onnx::Gemm_0": np.array([obs], np.float32)})
     action, logp = categorical(logits)
     return action, logits, logp
 
 
-def act_forager(session: ort.InferenceSession, obs: dict) -> tuple[list[float], list[float], float]:
+def act_forager(policy: Policy, obs: dict) -> tuple[list[float], list[float], float]:
     """The forager: a Dict observation (one input per leaf, the mask among them) and a
     Tuple(Discrete(3), Box(1)) action: output 0 is [3 logits, mean, log-std]."""
     feeds = {"obs.position": np.array([obs["position"]], np.float32),
              "obs.target": np.array([obs["target"]], np.int64),
              "action_mask": np.array([obs["action_mask"]], np.uint8)}
-    out = session.run(None, feeds)[0][0].tolist()
+    out = policy.run(feeds)
     move, logp = categorical(out[:3])                   # masked moves have logits of -1e9
     mean, log_std = out[3], out[4]
     noise = random.gauss(0.0, 1.0)
@@ -141,6 +175,23 @@ class CartPole:
         truncated = self.steps >= 500
         # float32 like gymnasium's observations
         return np.float32(self.state).tolist(), 1.0, terminated, truncated
+
+
+class CartPoleNoVel(CartPole):
+    """CartPole with the velocities hidden (observed as 0): the learner runs with --env
+    CartPoleNoVel-v1, whose preset has --memory lstm; only a recurrent policy learns it."""
+
+    def reset(self) -> list[float]:
+        return self._hide(super().reset())
+
+    def step(self, action: int):
+        obs, reward, terminated, truncated = super().step(action)
+        return self._hide(obs), reward, terminated, truncated
+
+    @staticmethod
+    def _hide(obs: list[float]) -> list[float]:
+        obs[1] = obs[3] = 0.0
+        return obs
 
 
 class Forager:
@@ -218,13 +269,18 @@ def pair_spaces():
     return Spaces()
 
 
-GAMES = {"cartpole": (CartPole, act), "forager": (Forager, act_forager), "pair": (Pair, act)}
+GAMES = {"cartpole": (CartPole, act), "cartpole-novel": (CartPoleNoVel, act), "forager": (Forager, act_forager),
+         "pair": (Pair, act)}
 
 
 # ---------------------------------------------------------------- the client loop
-def new_chunk(obs) -> dict:
-    return {"obs": [obs], "actions": [], "rewards": [], "action_dist_inputs": [], "action_logp": [],
-            "is_terminated": False, "is_truncated": False}
+def new_chunk(obs, policy: Policy) -> dict:
+    chunk = {"obs": [obs], "actions": [], "rewards": [], "action_dist_inputs": [], "action_logp": [],
+             "is_terminated": False, "is_truncated": False}
+    state = policy.flat_state()
+    if state is not None:       # a recurrent policy: the state before the chunk's first step
+        chunk["state_in"] = state
+    return chunk
 
 
 def run_session(host: str, port: int, on_connected, game: str = "cartpole") -> None:
@@ -235,15 +291,15 @@ def run_session(host: str, port: int, on_connected, game: str = "cartpole") -> N
         config = request(sock, {"type": "GET_CONFIG"}, "SET_CONFIG")
         if game == "pair":
             return run_multiagent(sock, config, make_env(), act)
-        session = load_policy(request(sock, {"type": "GET_STATE"}, "SET_STATE"))
+        policy = Policy(request(sock, {"type": "GET_STATE"}, "SET_STATE"))
         steps_per_sample = config["env_steps_per_sample"]
         env = make_env()
-        chunk = new_chunk(env.reset())
+        chunk = new_chunk(env.reset(), policy)
         episode_return, returns = 0.0, []
         while True:
             chunks = []
             for _ in range(steps_per_sample):
-                action, logits, logp = act(session, chunk["obs"][-1])
+                action, logits, logp = act(policy, chunk["obs"][-1])
                 obs, reward, terminated, truncated = env.step(action)
                 for key, value in (("actions", action), ("rewards", reward), ("obs", obs),
                                    ("action_dist_inputs", logits), ("action_logp", logp)):
@@ -253,15 +309,16 @@ def run_session(host: str, port: int, on_connected, game: str = "cartpole") -> N
                     chunk["is_terminated"], chunk["is_truncated"] = terminated, truncated
                     chunks.append(chunk)
                     returns.append(episode_return)
-                    chunk, episode_return = new_chunk(env.reset()), 0.0
+                    policy.reset()
+                    chunk, episode_return = new_chunk(env.reset(), policy), 0.0
             if chunk["actions"]:              # still running: send what we have, continue after
                 chunks.append(chunk)
-                chunk = new_chunk(chunk["obs"][-1])
+                chunk = new_chunk(chunk["obs"][-1], policy)
             # force_on_policy: wait for SET_STATE before sampling on. A strict learner answers
             # after its next update, shmrl's asynchronous one at once with its latest weights
             # (it corrects for the lag with action_logp); the client does the same either way.
             msg = {"type": "EPISODES_AND_GET_STATE", "episodes": chunks, "timesteps": steps_per_sample}
-            session = load_policy(request(sock, msg, "SET_STATE"))
+            policy = Policy(request(sock, msg, "SET_STATE"), policy.state)
             if returns:
                 print(f"mean return of the last {len(returns[-20:])} episodes: "
                       f"{sum(returns[-20:]) / len(returns[-20:]):.1f}", flush=True)
@@ -272,16 +329,16 @@ def run_multiagent(sock: socket.socket, config: dict, env, act) -> None:
     """The same loop with several agents: a chunk per agent, under the policy (module) it
     plays; an agent's chunk ends when the agent is done, whatever the others do."""
     state = request(sock, {"type": "GET_STATE"}, "SET_STATE")
-    sessions = {m: load_policy(p) for m, p in state["policies"].items()}
+    policies = {m: Policy(p) for m, p in state["policies"].items()}
     module_of = {a: "shared" if config.get("policy_map", "shared") == "shared" else a for a in env.agents}
     steps_per_sample = config["env_steps_per_sample"]
     obs = env.reset()
-    chunks = {a: new_chunk(o) for a, o in obs.items()}
+    chunks = {a: new_chunk(o, policies[module_of[a]]) for a, o in obs.items()}
     returns = []
     while True:
         done_chunks, steps = [], 0
         while steps < steps_per_sample:
-            acted = {a: act(sessions[module_of[a]], chunks[a]["obs"][-1]) for a in chunks}
+            acted = {a: act(policies[module_of[a]], chunks[a]["obs"][-1]) for a in chunks}
             obs, rewards, terminated, truncated = env.step({a: x[0] for a, x in acted.items()})
             for a, (action, logits, logp) in acted.items():
                 chunk = chunks[a]
@@ -295,14 +352,14 @@ def run_multiagent(sock: socket.socket, config: dict, env, act) -> None:
                     returns.append(sum(chunk["rewards"]))
                     del chunks[a]
             if not chunks:                      # every agent is done: a new episode
-                chunks = {a: new_chunk(o) for a, o in env.reset().items()}
+                chunks = {a: new_chunk(o, policies[module_of[a]]) for a, o in env.reset().items()}
         for a, chunk in list(chunks.items()):   # still running: sent, continued after
             if chunk["actions"]:
                 done_chunks.append({**chunk, "agent_id": a, "module_id": module_of[a]})
-                chunks[a] = new_chunk(chunk["obs"][-1])
+                chunks[a] = new_chunk(chunk["obs"][-1], policies[module_of[a]])
         msg = {"type": "EPISODES_AND_GET_STATE", "episodes": done_chunks, "timesteps": steps}
         state = request(sock, msg, "SET_STATE")
-        sessions = {m: load_policy(p) for m, p in state["policies"].items()}
+        policies = {m: Policy(p) for m, p in state["policies"].items()}
         if returns:
             print(f"mean agent return of the last {len(returns[-20:])} agent episodes: "
                   f"{sum(returns[-20:]) / len(returns[-20:]):.2f}", flush=True)

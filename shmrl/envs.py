@@ -142,6 +142,35 @@ class Pendulum:
         return self._obs(), -costs, False, self._steps >= self.max_episode_steps, {}
 
 
+class CartPoleNoVel(CartPole):
+    """CartPole-v1 with the cart's and the pole's velocities hidden (observed as 0), as
+    rl-zoo3's CartPoleNoVel-v1 (its MaskVelocityWrapper): only a policy with memory can
+    tell which way the pole moves."""
+
+    spec = EnvSpec("CartPoleNoVel-v1", CartPole.spec.observation_space, Discrete(2), reward_threshold=475.0)
+    VISIBLE = np.array([1, 0, 1, 0], np.float32)
+
+    def reset(self, seed: int | None = None):
+        obs, info = super().reset(seed)
+        return obs * self.VISIBLE, info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs * self.VISIBLE, reward, terminated, truncated, info
+
+
+class PendulumNoVel(Pendulum):
+    """Pendulum-v1 with the angular velocity hidden (observed as 0), as rl-zoo3's
+    PendulumNoVel-v1."""
+
+    spec = EnvSpec("PendulumNoVel-v1", Pendulum.spec.observation_space, Pendulum.spec.action_space)
+
+    def _obs(self) -> np.ndarray:
+        obs = super()._obs()
+        obs[2] = 0.0
+        return obs
+
+
 class VecCartPole:
     """``num_envs`` CartPoles stepped together in numpy: the same dynamics, thresholds and
     truncation as ``CartPole`` (float64 state, float32 observations), each env seeded
@@ -239,7 +268,8 @@ class LoopVecEnv:
         return obs, self._rewards, self._terminated, self._truncated, final_obs
 
 
-ENVS = {"CartPole-v1": CartPole, "Pendulum-v1": Pendulum}
+ENVS = {"CartPole-v1": CartPole, "Pendulum-v1": Pendulum, "CartPoleNoVel-v1": CartPoleNoVel,
+        "PendulumNoVel-v1": PendulumNoVel}
 VECTORIZED = {"CartPole-v1": VecCartPole}
 # numpy's per-call cost (1-3 us here, some 30 calls a step) pays only for enough envs:
 # below this, a Python loop over single envs is faster.

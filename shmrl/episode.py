@@ -33,6 +33,10 @@ WEIGHTS_SEQ_NO = "weights_seq_no"
 # (module) that chose them. A chunk has both or neither.
 AGENT_ID = "agent_id"
 MODULE_ID = "module_id"
+# A recurrent policy's state before the chunk's first step (float32, the graph's state_in.<i>
+# side by side): what lets the learner replay a chunk cut in mid-episode. Absent: zeros,
+# the state an episode starts from.
+STATE_IN = "state_in"
 STEP_FIELDS = (ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP)  # one row per step
 
 _ids = itertools.count()
@@ -84,9 +88,9 @@ def new_episode_id() -> str:
 
 class Episode:
     __slots__ = ("id", "obs", "actions", "rewards", "action_dist_inputs", "action_logp",
-                 "is_terminated", "is_truncated", "weights_seq_no", "agent_id")
+                 "is_terminated", "is_truncated", "weights_seq_no", "state_in", "agent_id")
 
-    def __init__(self, first_obs, id: str | None = None, weights_seq_no: int | None = None,
+    def __init__(self, first_obs, id: str | None = None, weights_seq_no: int | None = None, state_in=None,
                  agent_id=None):
         self.id = id if id is not None else new_episode_id()
         self.agent_id = agent_id
@@ -98,6 +102,7 @@ class Episode:
         self.is_terminated = False
         self.is_truncated = False
         self.weights_seq_no = weights_seq_no
+        self.state_in = None if state_in is None else np.asarray(state_in, np.float32).reshape(-1)
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -159,6 +164,8 @@ class Episode:
             d[WEIGHTS_SEQ_NO] = self.weights_seq_no
         if self.agent_id is not None:
             d[AGENT_ID] = self.agent_id
+        if self.state_in is not None:
+            d[STATE_IN] = self.state_in
         return d
 
     @classmethod
@@ -175,6 +182,7 @@ class Episode:
         ep.is_truncated = bool(d[TRUNCATED])
         ep.weights_seq_no = d.get(WEIGHTS_SEQ_NO)
         ep.agent_id = d.get(AGENT_ID)
+        ep.state_in = d.get(STATE_IN)
         return ep
 
 
@@ -188,18 +196,21 @@ class EpisodeBatch:
     observation more, rows ``obs_first[i]..obs_last[i]`` of ``obs``. Per chunk also:
     ``is_terminated``, ``is_truncated``, ``weights_seq_no`` (int64, -1 where the client
     did not say), ``episode_ids`` (a list, None entries where the client sent none; or
-    None for all) and ``agent_ids`` (a list in a multi-agent batch, else None).
+    None for all), ``state_in`` (float32 [chunks, state_size]: a recurrent policy's
+    state before each chunk's first step; or None) and ``agent_ids`` (a list in a
+    multi-agent batch, else None).
 
     The constructor takes arrays as they are; ``rllink.validate`` is what checks a
     client's (``shmrl.rllink`` builds every batch that comes off a wire).
     """
 
     __slots__ = ("obs", "actions", "rewards", "action_dist_inputs", "action_logp", "lengths",
-                 "is_terminated", "is_truncated", "episode_ids", "weights_seq_no", "agent_ids",
+                 "is_terminated", "is_truncated", "episode_ids", "weights_seq_no", "state_in", "agent_ids",
                  "num_steps", "offsets", "obs_first", "obs_last")
 
     def __init__(self, *, obs, actions, rewards, action_dist_inputs, action_logp, lengths,
-                 is_terminated, is_truncated, episode_ids=None, weights_seq_no=None, agent_ids=None):
+                 is_terminated, is_truncated, episode_ids=None, weights_seq_no=None, state_in=None,
+                 agent_ids=None):
         self.agent_ids = agent_ids
         self.obs, self.actions, self.rewards = obs, actions, rewards
         self.action_dist_inputs, self.action_logp = action_dist_inputs, action_logp
@@ -207,6 +218,7 @@ class EpisodeBatch:
         self.is_terminated = np.asarray(is_terminated, bool)
         self.is_truncated = np.asarray(is_truncated, bool)
         self.episode_ids = episode_ids
+        self.state_in = state_in
         n = len(self.lengths)
         self.weights_seq_no = (np.full(n, -1, np.int64) if weights_seq_no is None
                                else np.asarray(weights_seq_no, np.int64))
@@ -243,6 +255,7 @@ class EpisodeBatch:
         seq = int(self.weights_seq_no[i])
         ep.weights_seq_no = seq if seq >= 0 else None
         ep.agent_id = self.agent_ids[i] if self.agent_ids is not None else None
+        ep.state_in = self.state_in[i] if self.state_in is not None else None
         return ep
 
     def chunks(self) -> list[Episode]:
@@ -262,6 +275,8 @@ class EpisodeBatch:
             cols[EPISODE_ID] = self.episode_ids
         if self.agent_ids is not None:
             cols[AGENT_ID] = self.agent_ids
+        if self.state_in is not None:
+            cols[STATE_IN] = self.state_in
         return cols
 
     def select(self, keep) -> "EpisodeBatch":
@@ -276,6 +291,7 @@ class EpisodeBatch:
             is_truncated=self.is_truncated[keep], weights_seq_no=self.weights_seq_no[keep],
             episode_ids=(None if self.episode_ids is None
                          else [e for e, k in zip(self.episode_ids, keep.tolist()) if k]),
+            state_in=None if self.state_in is None else self.state_in[keep],
             agent_ids=(None if self.agent_ids is None
                        else [a for a, k in zip(self.agent_ids, keep.tolist()) if k]))
 
@@ -290,10 +306,14 @@ class EpisodeBatch:
         agents = None
         if any(b.agent_ids is not None for b in batches):
             agents = [a for b in batches for a in (b.agent_ids or [None] * b.num_chunks)]
+        states = [b.state_in for b in batches]
+        if any(s is None for s in states) and not all(s is None for s in states):
+            raise ValueError("some batches carry state_in and some do not")
         return cls(agent_ids=agents, **{k: np.concatenate([getattr(b, k) for b in batches])
                       for k in ("actions", "rewards", "action_dist_inputs", "action_logp", "lengths",
                                 "is_terminated", "is_truncated", "weights_seq_no")},
-                   obs=obs_concat([b.obs for b in batches]), episode_ids=ids)
+                   obs=obs_concat([b.obs for b in batches]), episode_ids=ids,
+                   state_in=None if states[0] is None else np.concatenate(states))
 
     @classmethod
     def from_episodes(cls, episodes: list) -> "EpisodeBatch":
@@ -312,12 +332,21 @@ class EpisodeBatch:
 
         ids = [e.id for e in eps]
         agents = [getattr(e, "agent_id", None) for e in eps]
+        states = None
+        sizes = {len(e.state_in) for e in eps if e.state_in is not None}
+        if len(sizes) > 1:
+            raise ValueError(f"the chunks' state_in differ in size ({sorted(sizes)})")
+        if sizes:   # a chunk without one starts from zeros
+            states = np.zeros((len(eps), sizes.pop()), np.float32)
+            for i, e in enumerate(eps):
+                if e.state_in is not None:
+                    states[i] = e.state_in
         return cls(obs=obs_concat([e.obs for e in eps]), actions=steps(ACTIONS), rewards=steps(REWARDS),
                    action_dist_inputs=steps(ACTION_DIST_INPUTS), action_logp=steps(ACTION_LOGP),
                    lengths=[len(e) for e in eps], is_terminated=[e.is_terminated for e in eps],
                    is_truncated=[e.is_truncated for e in eps],
                    weights_seq_no=[-1 if e.weights_seq_no is None else e.weights_seq_no for e in eps],
-                   episode_ids=None if all(i is None for i in ids) else ids,
+                   episode_ids=None if all(i is None for i in ids) else ids, state_in=states,
                    agent_ids=None if all(a is None for a in agents) else agents)
 
 
@@ -353,7 +382,9 @@ class Rollout:
     under the same episode id.
 
     ``obs[t]`` is what the policy saw at step t; ``obs[steps]`` is where the next rollout
-    starts.
+    starts. With a recurrent policy, ``start`` takes each env's state too, and every chunk
+    carries the state before its first step: that one for the chunks that begin the
+    rollout, zeros for those that begin an episode.
     """
 
     def __init__(self, num_envs: int, steps: int):
@@ -362,13 +393,16 @@ class Rollout:
         self.returns = np.zeros(num_envs)  # of each env's running episode, so far
         self.completed: list[float] = []   # returns of the episodes that ended, for the caller to read
         self.t = 0
+        self._state0: np.ndarray | None = None
         self._bufs: dict[str, np.ndarray] | None = None
         self._final_obs: list[tuple] = []  # (step, envs that ended, their final obs)
 
-    def start(self, obs) -> None:
-        """Begin a rollout from ``obs`` (one row per env; a dict of leaves for a Dict space)."""
+    def start(self, obs, state: np.ndarray | None = None) -> None:
+        """Begin a rollout from ``obs`` (one row per env; a dict of leaves for a Dict space)
+        and, for a recurrent policy, each env's ``state`` ([envs, state_size])."""
         self.t = 0
         self._obs0 = obs_map(np.array, obs)  # a copy: envs reuse their arrays
+        self._state0 = None if state is None else np.array(state, np.float32)
 
     def record(self, actions, action_dist_inputs, action_logp, obs, rewards, terminated, truncated,
                final_obs=None) -> None:
@@ -452,6 +486,10 @@ class Rollout:
             action_logp=env_major(b[ACTION_LOGP]).astype(np.float32), lengths=lengths,
             is_terminated=terminated[last], is_truncated=truncated[last],
             weights_seq_no=None if weights_seq_no is None else np.full(n, weights_seq_no))
+        if self._state0 is not None:
+            batch.state_in = np.zeros((n, self._state0.shape[1]), np.float32)
+            at_start = first % T == 0                # the chunks that begin this rollout
+            batch.state_in[at_start] = self._state0[first[at_start] // T]
         # Ids and running returns: a Python step per chunk (chunks are few next to steps).
         ids, chunk_done, chunk_env = [], done[last].tolist(), (first // T).tolist()
         for k, ret, ended in zip(chunk_env, batch.chunk_returns().tolist(), chunk_done):

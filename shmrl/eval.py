@@ -50,13 +50,19 @@ def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: in
     K = envs.num_envs
     share = [(episodes + k) // K for k in range(K)]
     running, returns = np.zeros(K), []
+    state = policy.initial_state(K) if policy.state_size else None   # a recurrent policy's
     while len(returns) < episodes:
-        out = policy.logits(obs)
+        if state is None:
+            out = policy.logits(obs)
+        else:
+            out, state = policy.step(obs, state)
         # Greedy: every part's most likely value (a masked action never is: its logit is -1e9).
         actions = sampler.sample(out)[0] if stochastic else sampler.greedy(out)
         obs, rewards, terminated, truncated, _ = envs.step(actions)
         running += rewards
         for k in np.flatnonzero(terminated | truncated):
+            if state is not None:
+                state[k] = 0.0
             if share[k]:
                 share[k] -= 1
                 returns.append(float(running[k]))

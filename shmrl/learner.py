@@ -249,9 +249,18 @@ class MultiStore(EpisodeStore):
         return {pid: store.return_mean() for pid, store in self.policies.items()}
 
 
-def check_episodes(batch: EpisodeBatch, spec: EnvSpec) -> str | None:
-    """Why validated chunks do not fit the environment, or None; fitting ones get their
-    observations and actions in the stored dtypes (an image's JSON integers as bytes)."""
+def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
+    """Why validated chunks do not fit the environment (and the policy's recurrent state of
+    ``state_size`` floats), or None; fitting ones get their observations and actions in the
+    stored dtypes (an image's JSON integers as bytes), and zeros where a recurrent policy's
+    chunks came without ``state_in`` (the state an episode starts from)."""
+    if batch.state_in is None:
+        if state_size:
+            batch.state_in = np.zeros((batch.num_chunks, state_size), np.float32)
+    elif not state_size:
+        return "the chunks carry 'state_in', but the policy has no memory"
+    elif batch.state_in.shape[1:] != (state_size,):
+        return f"'state_in' has {batch.state_in.shape[1:]} values per chunk; the policy's state has {state_size}"
     if batch.num_chunks:
         why, obs = spec.obs.check(batch.obs)
         if why:
@@ -302,10 +311,11 @@ class Hub:
 
     def __init__(self, spec: EnvSpec, store: EpisodeStore, env_steps_per_sample: int,
                  on_policy: bool = True, max_pending_steps: int | None = None,
-                 auth_token: str | None = None, policy_specs: dict | None = None, extra_config: dict | None = None):
+                 auth_token: str | None = None, state_size: int = 0, policy_specs: dict | None = None,
+                 extra_config: dict | None = None):
         """``policy_specs``: a multi-agent run's policies (policy id -> EnvSpec of its agents);
         ``extra_config``: more fields for SET_CONFIG (a multi-agent run's policy map)."""
-        self.spec, self.store = spec, store
+        self.spec, self.store, self.state_size = spec, store, state_size
         self.policy_specs = policy_specs
         self.auth_token = auth_token
         self.authenticated: set[str] = set()     # with an auth token: connections that showed it
@@ -317,6 +327,9 @@ class Hub:
         self.servers: dict[str, object] = {}     # conn_id -> the server that owns it
         self.sampling: set[str] = set()          # connections that have asked for weights
         self.waiting: list[str] = []             # connections waiting for the next weights
+        self.waiting_since: float | None = None  # time.monotonic() when the first of them began
+        self.names: dict[str, str] = {}          # conn_id -> the client_name its PING gave
+        self.stepped: dict[str, int] = {}        # conn_id -> env steps its last HEARTBEAT reported
 
     def set_state(self, weights_seq_no: int, onnx_file) -> None:
         """Publish new weights and release every client waiting for them. ``onnx_file``: a
@@ -325,7 +338,7 @@ class Hub:
         self.state_msg = {"type": T.SET_STATE.value,
                           ("policies" if isinstance(onnx_file, dict) else "onnx_file"): onnx_file,
                           "weights_seq_no": weights_seq_no}
-        waiting, self.waiting = self.waiting, []
+        waiting, self.waiting, self.waiting_since = self.waiting, [], None
         for conn_id in waiting:
             self._reply(conn_id, self.state_msg)
 
@@ -348,7 +361,13 @@ class Hub:
                 self.forget(conn_id)
                 return
             self.authenticated.add(conn_id)
-        if kind == T.PING.value:
+        if kind == T.HEARTBEAT.value:  # answered by nothing; the transport saw it alive
+            if msg["env_steps"] is not None:
+                self.stepped[conn_id] = max(msg["env_steps"], self.stepped.get(conn_id, 0))
+        elif kind == T.PING.value:
+            if "client_name" in msg:
+                self.names[conn_id] = msg["client_name"]
+                log.info("%s is %s", conn_id, msg["client_name"])
             self._reply(conn_id, {"type": T.PONG.value})
         elif kind == T.GET_CONFIG.value:
             self._reply(conn_id, self.config_msg)
@@ -359,7 +378,7 @@ class Hub:
             batch = msg["episodes"]
             reason = check_multiagent(batch, self.policy_specs)
             if reason is None and self.policy_specs is None:
-                reason = check_episodes(batch, self.spec)
+                reason = check_episodes(batch, self.spec, self.state_size)
             if reason:
                 self._drop(conn_id, reason, batch.num_steps)
                 return
@@ -368,6 +387,8 @@ class Hub:
                 self.sampling.add(conn_id)
                 full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
                 if self.on_policy or full:
+                    if not self.waiting:
+                        self.waiting_since = time.monotonic()
                     self.waiting.append(conn_id)
                 else:
                     self._reply(conn_id, self.state_msg)
@@ -377,11 +398,24 @@ class Hub:
 
     def _drop(self, conn_id: str, reason: str, steps: int) -> None:
         self.store.drop("does not fit the environment", steps)
+        self.stepped.pop(conn_id, None)  # its steps are dropped, not lost
         self.servers[conn_id].drop(conn_id, reason)
         self.forget(conn_id)
 
+    def name(self, conn_id: str) -> str:
+        """``conn_id``, with the name the client gave in its PING."""
+        name = self.names.get(conn_id)
+        return f"{conn_id} ({name})" if name else conn_id
+
     def forget(self, conn_id: str) -> None:
-        """The connection is closed: nothing is owed to it, its open episodes never complete."""
+        """The connection is closed: nothing is owed to it, its open episodes never complete;
+        what it reported stepping (HEARTBEAT) beyond what it sent is counted as lost."""
+        if conn_id in self.stepped:
+            lost = self.stepped.pop(conn_id) - self.store.steps_by_conn.get(conn_id, 0)
+            if lost > 0:
+                self.store.steps_lost += lost
+                log.warning("%s: %d env steps it had stepped but not sent are lost", self.name(conn_id), lost)
+        self.names.pop(conn_id, None)
         self.sampling.discard(conn_id)
         self.authenticated.discard(conn_id)
         if conn_id in self.waiting:
@@ -406,14 +440,18 @@ class Learner:
                  env_steps_per_sample: int, train_batch_size: int,
                  on_policy: bool = True, max_policy_lag: int = 2, auth_token: str | None = None,
                  window: int = 100, first_weights_seq_no: int = 1, housekeeping=None,
-                 reward_gamma: float | None = None, policy_specs: dict | None = None,
+                 reward_gamma: float | None = None, batch_wait_timeout: float | None = None,
+                 state_size: int = 0, policy_specs: dict | None = None,
                  extra_config: dict | None = None, league_size: int = 0, league_every: int = 10):
         """Publishes ``initial_weights`` (into the graph ``policy``) at once, as version
         ``first_weights_seq_no``: clients can sample before the trainer (torch) is even
         loaded. ``housekeeping(learner)``, if given, runs in the serving thread after every
         round of requests (the supervisor watches the simulators from there).
         ``reward_gamma``: scale rewards by the running std of discounted returns (see
-        ``EpisodeStore``).
+        ``EpisodeStore``). ``batch_wait_timeout``: once a client waits for new weights, the
+        batch waits at most this long for the clients still sampling (one that went silent,
+        heartbeat or not, must not stall everyone), then trains on what it has.
+        ``state_size``: the floats of a recurrent policy's state (0: none).
 
         A multi-agent run (``shmrl.multiagent``) gives ``policy_specs`` (policy id -> EnvSpec),
         and ``policy`` and ``initial_weights`` as dicts by policy id: each policy has its own
@@ -428,12 +466,14 @@ class Learner:
                       else EpisodeStore(window, reward_gamma))
         self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy,
                        max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token,
-                       policy_specs=policy_specs, extra_config=extra_config)
+                       state_size=state_size, policy_specs=policy_specs, extra_config=extra_config)
         self.league_size, self.league_every = league_size, max(1, league_every)
         self.league: dict = {}          # "policy@version" -> (version, ONNX file): frozen snapshots
         self.model_seqs: dict = {}      # policy id -> the version its current model was published at
         self.policy = policy
         self.housekeeping = housekeeping
+        self.batch_wait_timeout = batch_wait_timeout
+        self.short_batches = 0                     # trained without a client that was too slow
         self.weights_seq_no = first_weights_seq_no - 1
         self.updates = 0
         self.model_bytes = b""
@@ -495,8 +535,17 @@ class Learner:
         self.hub.forget(conn_id)
 
     def ready(self) -> bool:
-        pending = self.store.pending_steps
-        return pending >= self.train_batch_size or (pending > 0 and self.hub.all_waiting())
+        pending, hub = self.store.pending_steps, self.hub
+        if pending >= self.train_batch_size or (pending > 0 and hub.all_waiting()):
+            return True
+        if (pending > 0 and hub.waiting_since is not None and self.batch_wait_timeout is not None
+                and time.monotonic() - hub.waiting_since > self.batch_wait_timeout):
+            silent = sorted(hub.sampling - set(hub.waiting))
+            self.short_batches += 1
+            log.warning("the batch waited %.1f s for %s; training on the %d env steps it has without them",
+                        time.monotonic() - hub.waiting_since, ", ".join(map(hub.name, silent)), pending)
+            return True
+        return False
 
     def start(self) -> None:
         """Serve in a background thread until ``stop()``."""
@@ -581,7 +630,7 @@ class Learner:
         self.store.steps_trained += chunks.num_steps   # only this thread writes it
         self.updates += 1
         self.publish(ppo.published_weights())
-        stats.update(update=self.updates, batch_steps=len(batch),
+        stats.update(update=self.updates, batch_steps=chunks.num_steps,
                      policy_lag=float(lags.mean()) if len(lags) else 0.0,
                      train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no, reward_scale=scale)
         return stats
@@ -600,7 +649,7 @@ class Learner:
             lags.extend((version - seq[seq >= 0]).tolist())
             scale = ppo.config.reward_scale * self.store.policies[pid].reward_scale()
             batch = ppo.make_batch(sub, reward_scale=scale)
-            per_policy[pid] = {**ppo.update(batch, progress), "batch_steps": len(batch), "reward_scale": scale}
+            per_policy[pid] = {**ppo.update(batch, progress), "batch_steps": sub.num_steps, "reward_scale": scale}
             ppo.update_obs_stats(sub)
             steps += sub.num_steps
         self.store.steps_trained += steps

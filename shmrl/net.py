@@ -3,7 +3,7 @@ that clients run (``PolicyNet.graph``) and as torch functions that the learner t
 (``forward_torch``). Each layer type below holds both renderings side by side, so the
 two cannot drift apart; tests check they agree.
 
-    observation leaves --encoder per leaf--> concatenated --trunk (MLP)--> head
+    observation leaves --encoder per leaf--> concatenated --trunk (MLP)--> [core] --> head
 
 An encoder per observation leaf (``shmrl.spaces``): a float vector is flattened and, with
 ``normalize_obs``, normalized by the learner's running statistics (the graph's first
@@ -17,6 +17,13 @@ observation, masked logits become -1e9 inside the graph: no client can sample th
 The critic is the same network with its own weights (``vf.`` names) and a head of one
 value; with ``shared`` (the default when there is an image) it shares the encoders and
 trunk, as CleanRL's Atari agent does.
+
+With ``memory`` ("lstm" or "gru") a recurrent core (``Recurrent``) sits between the trunk
+and the heads, shared by actor and critic (the critic's state is then the actor's, which
+is what the simulators carry). The graph takes the state before the step as inputs
+``state_in.<i>`` and gives the state after it as outputs ``state_out.<i>``, float32
+[batch, memory_size] each: for an LSTM 0 is h and 1 is c, for a GRU 0 is h. Zeros start
+an episode. The graph without ``memory`` is byte for byte what it was before.
 
 This module imports torch only inside ``*_torch`` functions: simulators import it to
 build nothing but the graph's inputs, never torch.
@@ -203,6 +210,62 @@ class Encoder:
         return self.dense.torch(x, p) if self.dense else x
 
 
+class Recurrent:
+    """An LSTM or GRU cell in torch's layout and gate order (LSTM: i, f, g, o; GRU: r, z, n),
+    weights ``<name>.w_ih`` [gates * size, n_in], ``.w_hh`` [gates * size, size], ``.b_ih``,
+    ``.b_hh``. The graph renders one step from elementary operators (Gemm, Split, Sigmoid,
+    Tanh, Mul, Add, Sub), which every onnxruntime runs alike; torch runs a whole sequence
+    with its own fused ``torch.lstm``/``torch.gru`` over the same weights. The state is
+    flat, [batch, state_size]: an LSTM's h then c, a GRU's h."""
+
+    def __init__(self, name: str, kind: str, n_in: int, size: int):
+        if kind not in ("lstm", "gru"):
+            raise ValueError(f"memory {kind!r} is not 'lstm' or 'gru'")
+        self.name, self.kind, self.n_in, self.size = name, kind, n_in, size
+        self.gates = 4 if kind == "lstm" else 3
+        self.n_states = 2 if kind == "lstm" else 1
+        self.state_size = self.n_states * size
+
+    def params(self):
+        n = self.gates * self.size
+        return [(f"{self.name}.w_ih", (n, self.n_in), 1.0), (f"{self.name}.w_hh", (n, self.size), 1.0),
+                (f"{self.name}.b_ih", (n,), 0.0), (f"{self.name}.b_hh", (n,), 0.0)]
+
+    def onnx(self, g: Graph, x: str, states: list[str], outs: list[str]) -> str:
+        """One step from ``x`` and the state inputs ``states``; writes ``outs``, returns h."""
+        p = self.name
+        gi = g.node("Gemm", [x, f"{p}.w_ih", f"{p}.b_ih"], transB=1)
+        gh = g.node("Gemm", [states[0], f"{p}.w_hh", f"{p}.b_hh"], transB=1)
+        if self.kind == "lstm":
+            i, f, c_hat, o = (f"{p}.{gate}" for gate in ("i", "f", "g", "o"))
+            g.node("Split", [g.node("Add", [gi, gh])], outputs=[i, f, c_hat, o], axis=1)
+            c = g.node("Add", [g.node("Mul", [g.node("Sigmoid", [f]), states[1]]),
+                               g.node("Mul", [g.node("Sigmoid", [i]), g.node("Tanh", [c_hat])])], outs[1])
+            return g.node("Mul", [g.node("Sigmoid", [o]), g.node("Tanh", [c])], outs[0])
+        xr, xz, xn, hr, hz, hn = (f"{p}.{gate}" for gate in ("xr", "xz", "xn", "hr", "hz", "hn"))
+        g.node("Split", [gi], outputs=[xr, xz, xn], axis=1)
+        g.node("Split", [gh], outputs=[hr, hz, hn], axis=1)
+        r = g.node("Sigmoid", [g.node("Add", [xr, hr])])
+        z = g.node("Sigmoid", [g.node("Add", [xz, hz])])
+        n = g.node("Tanh", [g.node("Add", [xn, g.node("Mul", [r, hn])])])
+        # h' = (1 - z) * n + z * h = n + z * (h - n)
+        return g.node("Add", [n, g.node("Mul", [z, g.node("Sub", [states[0], n])])], outs[0])
+
+    def torch(self, x, state, p):
+        """(outputs [B, T, size], state after the last step [B, state_size]) for inputs
+        [B, T, n_in] and the state before the first step [B, state_size]."""
+        import torch
+
+        weights = [p[f"{self.name}.{w}"] for w in ("w_ih", "w_hh", "b_ih", "b_hh")]
+        h0 = state[:, :self.size].unsqueeze(0).contiguous()
+        if self.kind == "lstm":
+            c0 = state[:, self.size:].unsqueeze(0).contiguous()
+            y, h, c = torch.lstm(x, (h0, c0), weights, True, 1, 0.0, False, False, True)
+            return y, torch.cat([h[0], c[0]], dim=1)
+        y, h = torch.gru(x, h0, weights, True, 1, 0.0, False, False, True)
+        return y, h[0]
+
+
 def _channels_first(shape: tuple) -> bool:
     from shmrl.spaces import image_layout
 
@@ -216,11 +279,12 @@ class PolicyNet:
 
     Weights are a dict by name: ``enc.<leaf>...`` (encoders), ``pi.<i>`` (trunk),
     ``pi.head`` (the head, with a Gaussian's log-std rows), ``obs_mean.<leaf>`` and
-    ``obs_inv_std.<leaf>`` (statistics); the critic's are ``vf.``-prefixed."""
+    ``obs_inv_std.<leaf>`` (statistics); the critic's are ``vf.``-prefixed; the recurrent
+    core's (with ``memory``) ``pi.core.``."""
 
     def __init__(self, spec, hidden: int = 64, activation: str = "Tanh", normalize_obs: bool = False,
                  log_std_init: float = LOG_STD_INIT, layers: int = 2, cnn: str = "nature",
-                 shared: bool | None = None):
+                 shared: bool | None = None, memory: str | None = None, memory_size: int = 64):
         if activation not in ONNX_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {sorted(ONNX_ACTIVATIONS)}")
         self.spec, self.hidden, self.activation, self.layers = spec, hidden, activation, layers
@@ -229,15 +293,19 @@ class PolicyNet:
         self.leaves = layout.inputs
         self.mask = layout.mask
         self.shared = any(leaf.encoding == "image" for leaf in self.leaves) if shared is None else shared
+        self.shared = self.shared or memory is not None   # one core: the state clients carry is the critic's too
         # With --normalize-obs: every vector and image leaf (one-hot encodings are not).
         self.normalized = {leaf.name for leaf in self.leaves
                            if normalize_obs and leaf.encoding in ("vector", "image")}
         self.actor = self._tower("pi", cnn)
         self.critic = self.actor if self.shared else self._tower("vf", cnn)
-        self.value_head = Dense("vf.head", self.critic["trunk_out"], 1, None, VALUE_GAIN)
+        self.core = Recurrent("pi.core", memory, self.actor["trunk_out"], memory_size) if memory else None
+        features = memory_size if memory else self.actor["trunk_out"]
+        self.state_size = self.core.state_size if self.core else 0
+        self.value_head = Dense("vf.head", features, 1, None, VALUE_GAIN)
         # Rows of the head the actor trains (logits, means) and the log-std rows it does not.
         self.trained_rows, self.log_std_rows = _head_rows(spec.actions)
-        self.policy_head = Dense("pi.head", self.actor["trunk_out"], len(self.trained_rows), None, POLICY_GAIN)
+        self.policy_head = Dense("pi.head", features, len(self.trained_rows), None, POLICY_GAIN)
         # Where a mask's columns are among the trained rows (a Box part's log-stds are not).
         position = {row: i for i, row in enumerate(self.trained_rows.tolist())}
         self._mask_trained_columns = _LazyIndex([position[c] for c in spec.actions.mask_columns.tolist()])
@@ -258,10 +326,14 @@ class PolicyNet:
     def trained_params(self) -> list[tuple[str, tuple, float]]:
         """(name, shape, init gain) of every trained weight, actor first, then the critic's."""
         actor = [p for e in self.actor["encoders"] for p in e.params()]
-        actor += [p for d in self.actor["trunk"] for p in d.params()] + self.policy_head.params()
+        actor += [p for d in self.actor["trunk"] for p in d.params()] + self._core_params()
+        actor += self.policy_head.params()
         critic = [] if self.shared else [p for e in self.critic["encoders"] for p in e.params()] + \
             [p for d in self.critic["trunk"] for p in d.params()]
         return actor + critic + self.value_head.params()
+
+    def _core_params(self):
+        return self.core.params() if self.core else []
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
         """Orthogonal weights (gain sqrt 2 in hidden layers, 0.01 for the policy head so its
@@ -321,9 +393,12 @@ class PolicyNet:
         elem = {"float32": FLOAT, "uint8": UINT8, "int64": INT64}
         inputs = {leaf.name: g.input(leaf.input_name, ["batch", *leaf.shape], elem[leaf.dtype]) for leaf in self.leaves}
         mask = g.input(self.mask.input_name, ["batch", *self.mask.shape], UINT8) if self.mask else None
+        states = [g.input(name, ["batch", self.core.size]) for name in self.state_names("in")]
         for name, shape in self._graph_params():
             g.param(name, shape)
         x = self._onnx_tower(g, self.actor, inputs)
+        if self.core:
+            x = self.core.onnx(g, x, states, self.state_names("out"))
         out = self.policy_head_full(g, x, masked=mask is not None)
         if mask is not None:
             allowed = g.node("Cast", [mask], to=FLOAT)
@@ -336,7 +411,13 @@ class PolicyNet:
                 penalty = g.node("MatMul", [penalty, g.const("mask.spread", spread)])
             g.node("Add", [out, penalty], OUTPUT_NAME)
         g.output(OUTPUT_NAME, ["batch", self.spec.actions.dist_size])
+        for name in self.state_names("out"):
+            g.output(name, ["batch", self.core.size])
         return g
+
+    def state_names(self, direction: str) -> list[str]:
+        """The graph's ``state_in.<i>`` inputs or ``state_out.<i>`` outputs (none without memory)."""
+        return [f"state_{direction}.{i}" for i in range(self.core.n_states)] if self.core else []
 
     def _graph_params(self):
         """(name, shape) of every weight of the graph, in the order the template lists them."""
@@ -344,7 +425,8 @@ class PolicyNet:
         for e in self.actor["encoders"]:
             out += e.stats() + [(n, s) for n, s, _ in e.params()]
         out += [(n, s) for d in self.actor["trunk"] for n, s, _ in d.params()]
-        return out + [("pi.head.w", (self.spec.actions.dist_size, self.actor["trunk_out"])),
+        out += [(n, s) for n, s, _ in self._core_params()]
+        return out + [("pi.head.w", (self.spec.actions.dist_size, self.policy_head.n_in)),
                       ("pi.head.b", (self.spec.actions.dist_size,))]
 
     def _onnx_tower(self, g: Graph, tower: dict, inputs: dict) -> str:
@@ -390,6 +472,17 @@ class PolicyNet:
             return self.actor_torch(p, obs), self.critic_torch(p, obs)
         x = self._torch_tower(self.actor, p, obs)
         return self._masked(self.policy_head.torch(x, p), obs), self.value_head.torch(x, p).squeeze(-1)
+
+
+    def sequence_torch(self, p: dict, obs: dict, state):
+        """(actor output, values, state after) for ``B`` sequences of ``T`` steps each, with
+        the recurrent core: ``obs`` rows sequence by sequence ([B * T] rows, sequence b's at
+        b * T ...), ``state`` [B, state_size] the state before each one's first step."""
+        x = self._torch_tower(self.actor, p, obs)
+        batch = len(state)
+        y, state = self.core.torch(x.reshape(batch, len(x) // batch, x.shape[-1]), state, p)
+        y = y.reshape(len(x), y.shape[-1])
+        return self._masked(self.policy_head.torch(y, p), obs), self.value_head.torch(y, p).squeeze(-1), state
 
 
 class _LazyIndex:

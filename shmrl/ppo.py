@@ -1,5 +1,19 @@
 """PPO, readable top to bottom: actor-critic, GAE over episode chunks, clipped update.
 
+With a recurrent policy (``PolicyNet(memory=...)``) PPO trains on sequences instead of
+single steps, and that is the whole difference, all in ``make_batch`` (``_replay``) and
+``update``:
+
+- before the update, every chunk is run through the network from the state it carries
+  (``state_in``, what the simulator's policy had before the chunk's first step) to get
+  the values for GAE and the state at every ``max_seq_len``-th step;
+- the chunks' steps are cut into sequences of at most ``max_seq_len`` steps (a chunk never
+  spans two episodes, so neither does a sequence), each with its starting state, and laid
+  out padded to ``max_seq_len`` rows with a mask;
+- minibatches are whole sequences (``minibatch_size // max_seq_len`` of them); the
+  network runs each one from its starting state (truncated back-propagation through
+  time), and every loss term is a mean over the real steps only.
+
 The only module of shmrl besides the learner that imports torch.
 """
 from __future__ import annotations
@@ -10,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shmrl.episode import EpisodeBatch
+from shmrl.episode import EpisodeBatch, obs_rows
 from shmrl.net import OBS_CLIP, PolicyNet
 from shmrl.stats import RunningMeanStd, discounted_sums
 
@@ -30,6 +44,7 @@ class PPOConfig:
     max_grad_norm: float = 0.5
     reward_scale: float = 1.0  # rewards are multiplied by this for training (returns stay as they are)
     lr_anneal: bool = False    # the learning rate falls linearly to 0 over the run's env-step budget
+    max_seq_len: int = 32      # a recurrent policy trains on sequences of at most this many steps
 
 
 class FlatAdam:
@@ -79,12 +94,17 @@ class FlatAdam:
 
 @dataclass
 class Batch:
-    """One training batch, flat over all steps of all chunks (numpy)."""
+    """One training batch, flat over all steps of all chunks (numpy); for a recurrent
+    policy, over sequences of ``seq_len`` rows each (padded; ``mask`` 1 for a real step, 0
+    for padding), ``state`` the one before each sequence's first step."""
     obs: dict               # {leaf: rows}, as the networks take them (normalized where asked)
     actions: np.ndarray
     logp: np.ndarray        # behaviour log-probabilities the clients reported
     advantages: np.ndarray
     returns: np.ndarray
+    mask: np.ndarray | None = None     # float32 [rows]
+    state: np.ndarray | None = None    # float32 [sequences, state_size]
+    seq_len: int = 1
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -236,7 +256,8 @@ class PPO:
         cfg = self.config
         lengths, n = chunks.lengths, chunks.num_chunks
         obs = self.normalize(chunks.obs)
-        v_all = self.values(obs)                                      # one value per obs row
+        replay = self._replay(chunks, obs) if self.net.core else None
+        v_all = self.values(obs) if replay is None else replay[0]    # one value per obs row
         chunk_of_step = np.repeat(np.arange(n), lengths)
         step_idx = np.arange(chunks.num_steps) + chunk_of_step        # each step's obs row
         v = v_all[step_idx]
@@ -256,13 +277,48 @@ class PPO:
         padded[chunk_of_step, col] = deltas
         advantages = discounted_sums(padded, cfg.gamma * cfg.gae_lambda, reverse=True)[chunk_of_step, col]
 
-        return Batch(
+        batch = Batch(
             obs={k: v[step_idx] for k, v in obs.items()},
             actions=np.array(chunks.actions),  # copies: decoded arrays may be read-only views
             logp=np.array(chunks.action_logp),
             advantages=advantages.astype(np.float32),
             returns=(advantages + v).astype(np.float32),
         )
+        if replay is None:
+            return batch
+        _, rows, mask, state = replay          # the steps laid out as padded sequences
+        idx = rows.ravel()
+        return Batch(obs={k: v[idx] for k, v in batch.obs.items()}, actions=batch.actions[idx],
+                     logp=batch.logp[idx], advantages=batch.advantages[idx], returns=batch.returns[idx],
+                     mask=mask.ravel().astype(np.float32), state=state, seq_len=rows.shape[1])
+
+    @torch.inference_mode()
+    def _replay(self, chunks: EpisodeBatch, obs: dict):
+        """Every chunk run through the recurrent network from its ``state_in``, in blocks of
+        ``max_seq_len`` steps. Returns (the value of every obs row, then the sequences: their
+        steps [sequences, max_seq_len] (padding repeats a sequence's first step), the mask of
+        real steps, and the state before each one's first step). Sequence k of a chunk holds
+        its steps k * max_seq_len ...; its state is the one the block pass reached there."""
+        L, n, lengths = self.config.max_seq_len, chunks.num_chunks, chunks.lengths
+        blocks = -(-(int(lengths.max()) + 1) // L) if n else 0     # a chunk has one obs row more than steps
+        t = np.arange(blocks * L)
+        obs_row = chunks.obs_first[:, None] + np.minimum(t, lengths[:, None])   # past its end: its last obs
+        state = tensor(chunks.state_in)
+        states = np.empty((blocks, n, state.shape[1]), np.float32)
+        values = np.empty((n, blocks * L), np.float32)
+        for b in range(blocks):
+            states[b] = state.numpy()
+            idx = obs_row[:, b * L:(b + 1) * L].ravel()
+            _, v, state = self.net.sequence_torch(self.params, {k: tensor(x[idx]) for k, x in obs.items()}, state)
+            values[:, b * L:(b + 1) * L] = v.numpy().reshape(n, L)
+        v_all = np.zeros(obs_rows(obs), np.float32)
+        real = t <= lengths[:, None]
+        v_all[obs_row[real]] = values[real]
+        seq_chunk, seq_block = np.nonzero(np.arange(blocks) * L < lengths[:, None])   # blocks with steps
+        start = chunks.offsets[seq_chunk] + seq_block * L
+        mask = np.arange(L) < np.minimum(L, lengths[seq_chunk] - seq_block * L)[:, None]
+        rows = np.where(mask, start[:, None] + np.arange(L), start[:, None])
+        return v_all, rows, mask, states[seq_block, seq_chunk]
 
     def update_obs_stats(self, chunks: EpisodeBatch) -> None:
         """Take a batch's observations into the running statistics (after training on it:
@@ -273,48 +329,73 @@ class PPO:
     def update(self, batch: Batch, progress: float = 0.0) -> dict:
         """``epochs`` passes of clipped-surrogate minibatch steps over ``batch``. Returns the
         losses and diagnostics averaged over the last epoch's minibatches. ``progress``: the
-        fraction of the run's env-step budget trained so far (for ``lr_anneal``)."""
+        fraction of the run's env-step budget trained so far (for ``lr_anneal``). The units
+        shuffled into minibatches are steps, or a recurrent policy's whole sequences."""
         cfg = self.config
         self.optimizer.lr = cfg.lr * max(1.0 - progress, 0.0) if cfg.lr_anneal else cfg.lr
-        n = len(batch)
-        mb = min(cfg.minibatch_size, n)
+        L = batch.seq_len
+        units = len(batch) // L
+        mb = max(1, min(cfg.minibatch_size // L, units))   # units per minibatch
         actions = batch.actions.astype(self.layout.action_dtype, copy=False)
         obs = {k: tensor(v) for k, v in batch.obs.items()}
         actions, logp_behaviour, returns = (torch.from_numpy(x) for x in (actions, batch.logp, batch.returns))
         advantages = torch.from_numpy(batch.advantages)
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        mask = None if batch.mask is None else torch.from_numpy(batch.mask)
+        state = None if batch.state is None else torch.from_numpy(batch.state)
+        real = advantages if mask is None else advantages[mask > 0]
+        advantages = (advantages - real.mean()) / (real.std() + 1e-8)
         stats = torch.zeros(5)  # pi_loss, v_loss, entropy, approx_kl, clip_frac
         for epoch in range(cfg.epochs):
             # One gather per epoch: each minibatch below is a slice (a view), not a copy.
-            perm = torch.from_numpy(self.rng.permutation(n))
-            e_obs = {k: v[perm] for k, v in obs.items()}
-            e_actions, e_logp_b, e_adv, e_returns = (x[perm] for x in (actions, logp_behaviour, advantages, returns))
+            perm = self.rng.permutation(units)
+            rows = torch.from_numpy(perm if L == 1 else (perm[:, None] * L + np.arange(L)).ravel())
+            e_obs = {k: v[rows] for k, v in obs.items()}
+            e_actions, e_logp_b, e_adv, e_returns = (x[rows] for x in (actions, logp_behaviour, advantages, returns))
+            e_mask = None if mask is None else mask[rows]
+            e_state = None if state is None else state[torch.from_numpy(perm)]
             last_epoch = epoch == cfg.epochs - 1
-            for start in range(0, n - mb + 1, mb):
-                s = slice(start, start + mb)
-                out, values = self.net.both_torch(self.params, {k: v[s] for k, v in e_obs.items()})
-                # The entropy costs a few ops per step: only where the loss or the stats use it.
-                logp, entropy = self.log_prob(out, e_actions[s], entropy=bool(cfg.ent_coef) or last_epoch)
-                # Ratio against the behaviour policy the client sampled with; the clamp
-                # keeps a client's absurd log-probability from producing inf.
-                log_ratio = torch.clamp(logp - e_logp_b[s], -20.0, 20.0)
-                ratio = log_ratio.exp()
-                adv = e_adv[s]
-                pi_loss = -torch.min(adv * ratio, adv * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)).mean()
-                v_loss = 0.5 * (values - e_returns[s]).pow(2).mean()
-                loss = pi_loss + cfg.vf_coef * v_loss
-                if cfg.ent_coef:
-                    loss = loss - cfg.ent_coef * entropy.mean()
+            for start in range(0, units - mb + 1, mb):
+                s = slice(start * L, (start + mb) * L)
+                loss, terms = self.loss({k: v[s] for k, v in e_obs.items()}, e_actions[s], e_logp_b[s], e_adv[s],
+                                        e_returns[s], None if state is None else e_state[start:start + mb],
+                                        None if mask is None else e_mask[s], entropy=bool(cfg.ent_coef) or last_epoch)
                 self.optimizer.zero_grad()
                 loss.backward()
                 self.optimizer.step(cfg.max_grad_norm)
                 if last_epoch:
                     with torch.no_grad():
-                        stats += torch.stack([pi_loss, v_loss, entropy.mean(), ((ratio - 1) - log_ratio).mean(),
-                                              ((ratio - 1).abs() > cfg.clip).float().mean()])
-        stats /= max(n // mb, 1)
+                        stats += torch.stack(terms)
+        stats /= max(units // mb, 1)
         return {**dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac"), stats.tolist())),
                 "lr": self.optimizer.lr}
+
+    def loss(self, obs: dict, actions, logp_behaviour, advantages, returns, state=None, mask=None,
+             entropy: bool = True):
+        """(the loss of a minibatch, its terms: pi_loss, v_loss, entropy, approx_kl,
+        clip_frac). Its rows are steps, or with ``state`` whole sequences of equal length
+        (the network runs them from ``state``); ``mask`` (1: a real step, 0: padding)
+        leaves padding out of every term. Without ``entropy`` that term is 0 (and cheaper)."""
+        cfg = self.config
+        if state is None:
+            out, values = self.net.both_torch(self.params, obs)
+        else:
+            out, values, _ = self.net.sequence_torch(self.params, obs, state)
+
+        def mean(x):
+            return x.mean() if mask is None else (x * mask).sum() / mask.sum()
+
+        # The entropy costs a few ops per step: only where the loss or the stats use it.
+        logp, ent = self.log_prob(out, actions, entropy=entropy)
+        # Ratio against the behaviour policy the client sampled with; the clamp
+        # keeps a client's absurd log-probability from producing inf.
+        log_ratio = torch.clamp(logp - logp_behaviour, -20.0, 20.0)
+        ratio = log_ratio.exp()
+        pi_loss = -mean(torch.min(advantages * ratio, advantages * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)))
+        v_loss = 0.5 * mean((values - returns).pow(2))
+        ent = mean(ent) if entropy else torch.zeros(())
+        loss = pi_loss + cfg.vf_coef * v_loss - cfg.ent_coef * ent
+        return loss, [pi_loss, v_loss, ent, mean((ratio - 1) - log_ratio),
+                      mean(((ratio - 1).abs() > cfg.clip).float())]
 
     def get_state(self) -> tuple[dict[str, np.ndarray], dict]:
         """Everything training needs to go on, as arrays and JSON-able values (no pickle):

@@ -32,7 +32,7 @@ import numpy as np
 
 # The episode fields (RLlink's, and shmrl's optional ones) are defined with the episodes.
 from shmrl.episode import (ACTION_DIST_INPUTS, ACTION_LOGP, ACTIONS, AGENT_ID, EPISODE_ID, FLAG_ALIASES,
-                           MODULE_ID, OBS, REWARDS, STEP_FIELDS, TERMINATED, TRUNCATED, WEIGHTS_SEQ_NO,
+                           MODULE_ID, OBS, REWARDS, STATE_IN, STEP_FIELDS, TERMINATED, TRUNCATED, WEIGHTS_SEQ_NO,
                            EpisodeBatch, MultiAgentBatch, obs_rows)
 
 
@@ -53,21 +53,31 @@ class MessageType(str, enum.Enum):
     SET_STATE = "SET_STATE"
     EPISODES = "EPISODES"
     EPISODES_AND_GET_STATE = "EPISODES_AND_GET_STATE"
+    # shmrl's extension: a client that offered codecs in its PING sends this (no reply) at
+    # least every PONG["heartbeat_s"] seconds while it samples, with the env steps it has
+    # stepped so far; the server closes a connection that falls silent (RLlib's client never
+    # offers codecs, so it is never asked for one).
+    HEARTBEAT = "HEARTBEAT"
 
 
 _T = MessageType
-REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE})
+REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE,
+                           _T.HEARTBEAT})
+# What a PING may offer in "codecs" (shmrl's extension); the PONG names the one chosen.
+CODECS = ("binary", "json")
+_MAX_CODECS = 16
 REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE})
 
 _EPISODE_KEYS = frozenset({OBS, ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP, TERMINATED,
-                           TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO, AGENT_ID, MODULE_ID, *FLAG_ALIASES})
+                           TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO, STATE_IN, AGENT_ID, MODULE_ID, *FLAG_ALIASES})
 _MAX_ID_LEN = 200      # of an agent or module id
 _REQUEST_FIELDS = {
-    _T.PING: frozenset({"type", "auth_token"}),
+    _T.PING: frozenset({"type", "auth_token", "codecs", "client_name"}),
     _T.GET_CONFIG: frozenset({"type"}),
     _T.GET_STATE: frozenset({"type"}),
     _T.EPISODES: frozenset({"type", "episodes", "timesteps", "env_steps"}),
     _T.EPISODES_AND_GET_STATE: frozenset({"type", "episodes", "timesteps", "env_steps"}),
+    _T.HEARTBEAT: frozenset({"type", "env_steps"}),
 }
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -250,13 +260,15 @@ class _MultiColumns(dict):
     """Multi-agent columnar episodes of a binary head: module_id -> columns, not yet validated."""
 
 
-def episodes_body_bytes(steps: int, obs_bytes: int, action_size: int, dist_size: int, leaves: int = 1) -> int:
+def episodes_body_bytes(steps: int, obs_bytes: int, action_size: int, dist_size: int, leaves: int = 1,
+                        state_size: int = 0) -> int:
     """An upper bound on the binary body of an EPISODES message of ``steps`` env steps
     (what a request ring must take): ``obs_bytes`` per observation row (all its leaves),
     actions as int64 or float32, and as if every step began a chunk of its own (an
-    observation row, flags, version and id more); a descriptor per observation leaf."""
+    observation row, flags, version, id and recurrent state more); a descriptor per
+    observation leaf."""
     per_step = obs_bytes + 8 * action_size + 4 * (2 + dist_size)
-    per_chunk = obs_bytes + 8 + 2 + 8 + 64
+    per_chunk = obs_bytes + 8 + 2 + 8 + 64 + 4 * state_size
     return 4096 + 128 * leaves + steps * (per_step + per_chunk)
 
 
@@ -502,6 +514,10 @@ def _episode(ep, i: int) -> dict:
         out[EPISODE_ID] = eid if isinstance(eid, str) else int(eid)
     if WEIGHTS_SEQ_NO in ep:
         out[WEIGHTS_SEQ_NO] = _count(ep, WEIGHTS_SEQ_NO, where)
+    if STATE_IN in ep:
+        out[STATE_IN] = state = _array(ep, STATE_IN, where)
+        if state.ndim != 1:
+            raise ProtocolError(f"{where}: 'state_in' has shape {state.shape}, expected one list of numbers")
     if (AGENT_ID in ep) != (MODULE_ID in ep):
         raise ProtocolError(f"{where}: a multi-agent chunk has both 'agent_id' and 'module_id'")
     if AGENT_ID in ep:
@@ -549,6 +565,9 @@ def _batch(episodes: list[dict], where: str) -> EpisodeBatch:
         if _obs_form(ep[OBS]) != _obs_form(first[OBS]):
             raise ProtocolError(f"{where}: episode {i} has observations of shape {_obs_form(ep[OBS])}, "
                                 f"episode 0 of {_obs_form(first[OBS])}: one message, one environment")
+    sizes = {len(ep[STATE_IN]) for ep in episodes if STATE_IN in ep}
+    if len(sizes) > 1:
+        raise ProtocolError(f"{where}: the episodes' 'state_in' differ in size ({sorted(sizes)})")
     for ep in stepped[1:]:
         for key in (ACTIONS, ACTION_DIST_INPUTS):
             a, b = ep[key], stepped[0][key]
@@ -559,7 +578,7 @@ def _batch(episodes: list[dict], where: str) -> EpisodeBatch:
 
 
 _COLUMN_KEYS = frozenset({"lengths", OBS, *STEP_FIELDS, TERMINATED, TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO,
-                          AGENT_ID})
+                          STATE_IN, AGENT_ID})
 _REQUIRED_COLUMNS = ("lengths", OBS, *STEP_FIELDS, TERMINATED, TRUNCATED)
 
 
@@ -604,6 +623,11 @@ def _columns(cols: dict, where: str, multi: bool = False) -> EpisodeBatch:
     if ids is not None and not (type(ids) is list and len(ids) == n and all(
             i is None or isinstance(i, str) or _is_int(i) for i in ids)):
         raise ProtocolError(f"{where}: 'episode_id' must be a list of {n} strings, ints or nulls")
+    state = None
+    if STATE_IN in cols:
+        state = _array(cols, STATE_IN, where) if n else np.zeros((0, 0), np.float32)
+        if state.ndim != 2 or len(state) != n:
+            raise ProtocolError(f"{where}: 'state_in' has shape {state.shape}, expected {n} rows of numbers")
     agents = cols.get(AGENT_ID)
     if agents is not None:
         if not (type(agents) is list and len(agents) == n):
@@ -612,7 +636,8 @@ def _columns(cols: dict, where: str, multi: bool = False) -> EpisodeBatch:
     if multi != (agents is not None):
         raise ProtocolError(f"{where}: 'agent_id' is a column of multi-agent episodes, and only of them")
     return EpisodeBatch(obs=obs, actions=actions, lengths=lengths, **rows, is_terminated=flags[TERMINATED],
-                        is_truncated=flags[TRUNCATED], weights_seq_no=seq, episode_ids=ids, agent_ids=agents)
+                        is_truncated=flags[TRUNCATED], weights_seq_no=seq, episode_ids=ids, state_in=state,
+                        agent_ids=agents)
 
 
 def _count(msg: dict, key: str, where: str, minimum: int = 0) -> int:
@@ -637,6 +662,22 @@ def _request(msg: dict, t: MessageType) -> dict:
         if not isinstance(msg["auth_token"], str):
             raise ProtocolError(f"PING: 'auth_token' must be a string, got {type(msg['auth_token']).__name__}")
         out["auth_token"] = msg["auth_token"]
+    if t is _T.PING and "codecs" in msg:
+        codecs = msg["codecs"]
+        if (type(codecs) is not list or len(codecs) > _MAX_CODECS
+                or not all(isinstance(c, str) and len(c) <= 32 for c in codecs)):
+            raise ProtocolError(f"PING: 'codecs' must be a list of at most {_MAX_CODECS} short strings, "
+                                f"got {_show(codecs)}")
+        out["codecs"] = codecs  # unknown ones are not an error: the server picks one it knows
+    if t is _T.PING and "client_name" in msg:
+        name = msg["client_name"]
+        if not (isinstance(name, str) and 0 < len(name) <= 64 and name.isprintable()):
+            raise ProtocolError(f"PING: 'client_name' must be a printable string of 1 to 64 characters, "
+                                f"got {_show(name)}")
+        out["client_name"] = name
+    if t is _T.HEARTBEAT:
+        out["env_steps"] = _count(msg, "env_steps", t.value) if "env_steps" in msg else None
+        return out
     if t not in (_T.EPISODES, _T.EPISODES_AND_GET_STATE):
         return out
     episodes = _require(msg, "episodes", t.value)

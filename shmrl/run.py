@@ -3,6 +3,7 @@
     python -m shmrl.run --sims 8                  # CartPole-v1 until the 100-episode mean is >= 475
     python -m shmrl.run --sims 8 --logdir runs/a  # metrics.jsonl, summary.json, policy.onnx, checkpoints
     python -m shmrl.run --resume runs/a           # go on from the last checkpoint in runs/a
+    python -m shmrl.run --ray auto --sims 24      # the simulators as Ray actors across a cluster
 
 Simulators that die or hang are restarted (and the env steps they lose are counted); a
 simulator that keeps failing fails the run. Ctrl-C and SIGTERM stop everything within
@@ -70,6 +71,9 @@ class RunConfig:
     activation: str | None = None
     cnn: str | None = None
     log_std_init: float | None = None
+    memory: str | None = None             # "none", "lstm" or "gru"; None: the env's preset
+    memory_size: int | None = None
+    max_seq_len: int | None = None
     torch_threads: int | None = None
     transport: str = "shm"
     tcp_host: str = "127.0.0.1"
@@ -88,6 +92,8 @@ class RunConfig:
     league: int | None = None             # multi-agent self-play: frozen snapshots kept (0: none)
     league_every: int | None = None       # updates between snapshots
     league_prob: float | None = None      # chance an episode has one agent play a snapshot
+    ray: str | None = None                # a Ray cluster's address ("auto", "HOST:6379"): simulators as actors
+    sim_cpus: float = 1.0                 # CPUs Ray reserves for each simulator actor
 
 
 def env_defaults(env, spec=None) -> dict:
@@ -132,20 +138,25 @@ def process_start_time() -> float:
         return time.time()
 
 
-def open_transports(config: RunConfig, spec, net) -> tuple[list, list[str], object]:
+def open_transports(config: RunConfig, spec, net, launcher=None) -> tuple[list, list[str], object]:
     """The learner's servers, the address each local simulator connects to, and the
-    shared-memory server (None if the simulators use TCP or there are none)."""
+    shared-memory server (None if the simulators use TCP or there are none). With a remote
+    ``launcher`` (Ray) the TCP server also listens, on the address this node has in the
+    cluster unless --tcp-host names another: the simulators on other nodes connect there."""
     servers, addresses, shm = [], [], None
+    remote = launcher is not None and launcher.remote
     if config.sims and config.transport == "shm":
         from shmrl.transport.shm import ShmServer
         shm = ShmServer(config.sims, **ring_bytes(config, spec, net))
         servers.append(shm)
         addresses = [f"shm:{shm.address(i)}" for i in range(config.sims)]
-    if config.tcp_port is not None or (config.sims and config.transport == "tcp"):
+    if config.tcp_port is not None or (config.sims and config.transport == "tcp") or remote:
         from shmrl.transport.tcp import TcpServer
+        host = launcher.node_ip if remote and config.tcp_host == RunConfig.tcp_host else config.tcp_host
         try:
-            tcp = TcpServer(config.tcp_host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
-                            first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None)
+            tcp = TcpServer(host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
+                            first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None,
+                            heartbeat_s=heartbeat_period(config.hang_timeout), heartbeat_timeout=config.hang_timeout)
         except BaseException as e:
             for server in servers:
                 server.close()
@@ -154,11 +165,19 @@ def open_transports(config: RunConfig, spec, net) -> tuple[list, list[str], obje
             raise
         servers.append(tcp)
         host, port = tcp.address
-        if config.tcp_port is not None:
+        if config.tcp_port is not None or remote:
             print(f"listening for RLlink clients on {host}:{port}", flush=True)
+        if remote:
+            launcher.tcp_address = f"tcp:{host}:{port}"
         if config.transport == "tcp":
             addresses = [f"tcp:{host}:{port}"] * config.sims
     return servers, addresses, shm
+
+
+def heartbeat_period(hang_timeout: float) -> float:
+    """How often shmrl's TCP clients are asked to send a HEARTBEAT: several per
+    ``--hang-timeout``, so that one late frame is not taken for a hang; at most 1 s."""
+    return min(1.0, hang_timeout / 5)
 
 
 # With --auth-token a connection's first frame must be its PING: a few hundred bytes.
@@ -224,7 +243,8 @@ def policy_net(config: RunConfig, spec):
     from shmrl.net import PolicyNet
 
     return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
-                     log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn)
+                     log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn,
+                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size)
 
 
 def ring_bytes(config: RunConfig, spec, net) -> dict:
@@ -237,17 +257,18 @@ def ring_bytes(config: RunConfig, spec, net) -> dict:
     from shmrl.transport.shm import ShmServer, ring_bytes_for
 
     steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
-    specs, nets = [spec], [net]
+    specs, nets, extra = [spec], [net], 0
     if isinstance(net, dict):   # multi-agent: each step may be any agent's; every policy and snapshot in a reply
         specs = list(spec.agent_specs.values())
         steps += config.envs_per_sim * len(spec.agents)   # a turn may end past the sample size
         nets = list(net.values()) * (1 + config.league)
+        extra = 256                                       # agent and module ids
     request = 0
     for s in specs:
         leaves = s.obs.leaves
         obs_bytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
-        request = max(request, rllink.episodes_body_bytes(steps, obs_bytes + 256, s.actions.action_size,
-                                                          s.policy_outputs, len(leaves)))
+        request = max(request, rllink.episodes_body_bytes(steps, obs_bytes + extra, s.actions.action_size,
+                                                          s.policy_outputs, len(leaves), nets[0].state_size))
     params = sum(math.prod(shape) for n in nets for shape in n.template.shapes.values())
     reply = rllink.set_state_body_bytes(4 * params + 4096 * len(nets))   # float32 weights and the graphs around them
     return {"request_ring_bytes": ring_bytes_for(8 + request, ShmServer.REQUEST_RING_BYTES),
@@ -296,6 +317,8 @@ def counts(learner, supervisor) -> dict:
             "env_steps_dropped": dict(store.steps_dropped),
             "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),
             "bad_frames": sum(getattr(server, "frames_rejected", 0) for server in learner.servers),
+            "clients_timed_out": sum(getattr(server, "clients_timed_out", 0) for server in learner.servers),
+            "short_batches": learner.short_batches,
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
 
@@ -332,6 +355,30 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     SIGTERM included) every process it started is stopped, every segment it made is
     unlinked, and the summary and a checkpoint are written."""
     t_start = t_start if t_start is not None else time.time()
+    launcher = None
+    if config.ray:
+        from shmrl.ray_launcher import RayLauncher
+
+        if not config.auth_token:  # the port is open to the cluster's network: never without a secret
+            import secrets
+
+            config = dataclasses.replace(config, auth_token=secrets.token_urlsafe(24))
+            log.info("--ray: the simulators' TCP connections use a generated auth token; give --auth-token "
+                     "(or $SHMRL_AUTH_TOKEN) to let other clients in too")
+        try:
+            launcher = RayLauncher(config.ray, sim_cpus=config.sim_cpus)
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
+        except (ConnectionError, RuntimeError, ValueError) as e:  # what ray.init raises for no cluster there
+            raise ConfigError(f"--ray {config.ray}: cannot connect to the Ray cluster: {e}") from None
+    try:
+        return _train(config, t_start, launcher)
+    finally:
+        if launcher is not None and launcher.owns_ray:
+            launcher.ray.shutdown()
+
+
+def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
     from shmrl import checkpoint
     from shmrl.envs import env_spec
     from shmrl.learner import Learner
@@ -374,7 +421,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     elif config.tensorboard and not tensorboard_available():
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
     try:
-        servers, addresses, shm = open_transports(config, spec, net)
+        servers, addresses, shm = open_transports(config, spec, net, launcher)
     except ShmSpaceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED, {}
@@ -391,7 +438,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
         if addresses:
             supervisor = Supervisor(addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim,
                                     auth_token=config.auth_token, shm_server=shm, hang_timeout=config.hang_timeout,
-                                    nice=config.sim_nice)
+                                    nice=config.sim_nice, launcher=launcher)
         learner = Learner(spec, servers, initial_weights=first_policy,
                           policy=net.template if policy_specs is None else {p: n.template for p, n in net.items()},
                           policy_specs=policy_specs, league_size=config.league, league_every=config.league_every,
@@ -402,7 +449,9 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                           on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
                           auth_token=config.auth_token, first_weights_seq_no=first_seq,
                           housekeeping=supervisor.check if supervisor else None,
-                          reward_gamma=config.gamma if config.normalize_reward else None)
+                          reward_gamma=config.gamma if config.normalize_reward else None,
+                          batch_wait_timeout=config.hang_timeout,
+                          state_size=0 if policy_specs else net.state_size)
         store = learner.store
         if resumed:
             store.restore(state["counters"], arrays)
@@ -431,7 +480,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                                epochs=config.epochs, minibatch_size=config.minibatch_size,
                                ent_coef=config.ent_coef, vf_coef=config.vf_coef,
                                max_grad_norm=config.max_grad_norm, reward_scale=config.reward_scale,
-                               lr_anneal=config.lr_anneal)
+                               lr_anneal=config.lr_anneal, max_seq_len=config.max_seq_len)
         if policy_specs is None:
             ppo = PPO(net, ppo_config, seed=config.seed, initial_weights=first_policy)
             if resumed:
@@ -503,6 +552,7 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
                            "first_sample_s": (learner.store.first_steps_at - t_start
                                               if learner.store.first_steps_at else None),
                            "updates": learner.updates, "weights_seq_no": learner.weights_seq_no,
+                           "simulator_recovery_s": supervisor.recovery_s if supervisor else [],
                            "resumed_from": str(resumed[0]) if resumed else None, "config": saved_config(config),
                            **policy_returns(learner)}
                 if isinstance(learner.model_bytes, dict):   # multi-agent: policy-<id>.onnx each
@@ -585,9 +635,19 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
     t.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes, metavar="N",
                    help="largest TCP frame body accepted; a bigger header closes that connection "
                         "before its body is read (default: %(default)s)")
+    t.add_argument("--ray", default=d.ray, metavar="ADDRESS",
+                   help="place the simulators as Ray actors across the nodes of the Ray cluster at ADDRESS "
+                        "(auto: the one this machine belongs to; HOST:6379); those on this node use shared "
+                        "memory, the others connect back over TCP on this node's cluster address (or "
+                        "--tcp-host) with the binary codec and an auth token (one is generated unless "
+                        "--auth-token gives it). pip install 'shmrl[ray]'")
+    t.add_argument("--sim-cpus", type=float, default=d.sim_cpus, metavar="C",
+                   help="with --ray, CPUs reserved for each simulator actor (default: %(default)s)")
     t.add_argument("--hang-timeout", type=float, default=d.hang_timeout, metavar="S",
-                   help="restart a local simulator whose env has not stepped for S seconds while the "
-                        "learner was not holding it back (default: %(default)s)")
+                   help="restart a simulator whose env has not stepped for S seconds while the learner was "
+                        "not holding it back; close a TCP client of shmrl's that sent no heartbeat for S "
+                        "seconds; let a strict on-policy batch wait at most S seconds for a client still "
+                        "sampling (default: %(default)s)")
     m = p.add_argument_group("multi-agent envs (PettingZoo: --env pz:NAME)")
     m.add_argument("--policy-map", default=d.policy_map, metavar="MAP",
                    help="which policy each agent plays: shared (one for all), per-agent (one each), or "
@@ -657,6 +717,16 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
                    help="activation of the hidden layers (default: %(default)s)")
     g.add_argument("--log-std-init", type=float, default=d.log_std_init,
                    help="initial log standard deviation of a Gaussian policy (Box actions) (default: %(default)s)")
+    g.add_argument("--memory", choices=("none", "lstm", "gru"), default=d.memory,
+                   help="a recurrent core (LSTM or GRU) between the hidden layers and the heads, shared by "
+                        "actor and critic: the policy keeps a state across the steps of an episode, for envs "
+                        "whose observation does not show everything (the ONNX policy takes state_in.<i> and "
+                        "gives state_out.<i>; README, 'Memory') (default: %(default)s)")
+    g.add_argument("--memory-size", type=int, default=d.memory_size, metavar="N",
+                   help="units of the recurrent core (default: %(default)s)")
+    g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, metavar="T",
+                   help="with --memory, PPO back-propagates through sequences of at most T steps "
+                        "(default: %(default)s)")
     g.add_argument("--torch-threads", type=int, default=d.torch_threads,
                    help="torch threads of the learner; the simulators need the other cores (default: %(default)s)")
     return p
@@ -711,6 +781,10 @@ def parse_args(argv=None) -> RunConfig:
         p.error(f"--tcp-port {config.tcp_port}: a port is a number from 0 to 65535 (0: any free port)")
     if config.sims == 0 and config.tcp_port is None:
         p.error("--sims 0 runs no local simulator: give --tcp-port for external clients")
+    if config.sim_cpus <= 0:
+        p.error("--sim-cpus must be > 0")
+    if config.ray is not None and config.sims == 0:
+        p.error("--ray places simulators: give --sims N (N >= 1)")
     if config.max_frame_bytes < 1024:
         p.error("--max-frame-bytes must be >= 1024 (a PING alone takes 16)")
     if not (config.lr > 0 and 0 < config.gamma <= 1 and 0 <= config.gae_lambda <= 1 and config.clip > 0
@@ -721,6 +795,8 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--epochs, --minibatch-size, --hidden and --torch-threads must be >= 1, --max-policy-lag >= 0")
     if config.layers < 0:
         p.error("--layers must be >= 0")
+    if config.memory_size < 1 or config.max_seq_len < 1:
+        p.error("--memory-size and --max-seq-len must be >= 1")
     if config.log_every is not None and config.log_every < 0:
         p.error("--log-every must be >= 0")
     if config.league < 0 or config.league_every < 1 or not 0 <= config.league_prob <= 1:
@@ -732,6 +808,8 @@ def parse_args(argv=None) -> RunConfig:
             spec.policy_specs(policy_mapper(config.policy_map))
         except ValueError as e:
             p.error(str(e))
+        if config.memory != "none":
+            p.error("--memory: recurrent policies are single-agent for now; a multi-agent env takes --memory none")
     if config.vf_coef < 0 or config.max_grad_norm <= 0:
         p.error("--vf-coef must be >= 0 and --max-grad-norm > 0")
     return config

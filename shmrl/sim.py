@@ -5,7 +5,7 @@ It is written only against the client side of a transport (``request``, ``send``
 Simulator processes never import torch: they need numpy and onnxruntime only, like an
 external client in a game engine would.
 
-    python -m shmrl.sim --connect localhost:5556   # an RLlink JSON server (shmrl's or RLlib's)
+    python -m shmrl.sim --connect localhost:5556   # an RLlink server (shmrl's: binary codec; RLlib's: JSON)
     python -m shmrl.sim --attach shmrl_1234_s0c0   # a slot of a running learner's shared memory
 
 Exit status: 0 when the server ends the session, 1 when the connection fails or is lost,
@@ -67,6 +67,9 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     ``log_every_s`` logs progress (steps sent, recent returns) that often. A server that
     trains several policies (SET_STATE ``policies``: a multi-agent env) gets
     ``shmrl.multiagent``'s loop.
+
+    A recurrent policy (its graph takes ``state_in.<i>``) gets each env's state, zeroed
+    where an episode starts; every chunk carries the state before its first step.
     """
     config, state = handshake(client, auth_token)
     if "policies" in state:
@@ -82,17 +85,23 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     sampler = make_sampler(envs.spec, np.random.default_rng(seed))
     rollout = Rollout(envs_per_sim, steps_per_env)
     obs = envs.reset()
+    state = policy.initial_state(envs_per_sim) if policy.state_size else None
     sent = messages = stepped = 0
     recent: deque = deque(maxlen=100)             # returns of the episodes completed lately
     next_log = time.monotonic() + (log_every_s or 0.0)
 
     while max_messages is None or messages < max_messages:
-        rollout.start(obs)
+        rollout.start(obs, state)
         for _ in range(steps_per_env):
-            logits = policy.logits(obs)
+            if state is None:
+                logits = policy.logits(obs)
+            else:
+                logits, state = policy.step(obs, state)
             actions, logp = sampler.sample(logits)
             obs, rewards, terminated, truncated, final_obs = envs.step(actions)
             rollout.record(actions, logits, logp, obs, rewards, terminated, truncated, final_obs)
+            if state is not None and final_obs is not None:   # an episode starts from zeros
+                state[np.asarray(terminated) | np.asarray(truncated)] = 0.0
             stepped += envs_per_sim
             client.heartbeat(stepped)  # a simulator whose env hangs stops counting
         n_steps = steps_per_env * envs_per_sim
@@ -163,7 +172,7 @@ def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1
         os.nice(nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    client = connect(address)
+    client = connect(address, name=name)
     try:
         run_simulator(client, env_id, seed, envs_per_sim, auth_token=auth_token)
     except ConnectionError:
@@ -186,6 +195,11 @@ def main(argv=None) -> int:
                    help="environments stepped together with one batched ONNX call (default: %(default)s)")
     p.add_argument("--auth-token", default=os.environ.get("SHMRL_AUTH_TOKEN"), metavar="SECRET",
                    help="shared secret the server requires in PING (default: $SHMRL_AUTH_TOKEN)")
+    p.add_argument("--codec", choices=("binary", "json"), default="binary",
+                   help="over TCP, offer the binary codec in PING (shmrl's server takes it and asks for "
+                        "heartbeats; RLlib's ignores it and speaks JSON); json: offer nothing, as RLlib's "
+                        "own client (default: %(default)s)")
+    p.add_argument("--name", default=None, help="a name for this client in the server's logs")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for any one reply; RLlib's server answers only after its "
                         "training step (default: %(default)s)")
@@ -209,7 +223,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     address = f"tcp:{args.connect}" if args.connect else f"shm:{args.attach}"
     try:
-        client = connect(address, timeout=args.timeout)
+        client = connect(address, timeout=args.timeout, codec=args.codec, name=args.name)
     except (OSError, ValueError) as e:
         print(f"error: cannot connect to {address}: {e}", file=sys.stderr)
         return 1

@@ -1,4 +1,9 @@
-"""The simulator processes of a run: started from a fork server, watched, restarted.
+"""The simulator processes of a run: started by a launcher, watched, restarted.
+
+A launcher places the processes: ``ForkLauncher`` forks them on this machine (the
+default), ``shmrl.ray_launcher.RayLauncher`` makes them Ray actors across a cluster. Both
+have the same small interface (``start``, ``exit_reason``, ``kill``, ``stop``); the
+restart policy and the accounting of lost steps stay here, whichever places them.
 
 ``check`` runs in the learner's serving thread (``Learner(housekeeping=...)``), the thread
 that owns the Hub and the transports, so a dead simulator's connection is closed, its
@@ -7,9 +12,12 @@ slot reset and a replacement started without a lock around any of them.
 A simulator is replaced when its process exits (a SIGKILL included: seen within one
 serving round, about 50 ms) or when it hangs: the env-step count it writes into its
 shared-memory slot (its heartbeat) has not grown for ``hang_timeout`` seconds while the
-learner was not itself holding it back. What it stepped but never sent is counted as
-lost. A simulator that keeps failing (``max_restarts`` within ``restart_window`` s) fails
-the run instead: its environment is broken, and restarting it forever would hide that.
+learner was not itself holding it back; over TCP, its connection (found by the name it
+gives in its PING) has been gone that long, closed for missing HEARTBEATs, while its
+process lives on. What it stepped but never sent is counted as lost (over TCP by the Hub,
+from its last HEARTBEAT). A simulator that keeps failing (``max_restarts`` within
+``restart_window`` s) fails the run instead: its environment is broken, and restarting it
+forever would hide that.
 """
 from __future__ import annotations
 
@@ -31,49 +39,18 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class _Sim:
-    """One simulator slot and the process that currently fills it."""
+class ForkLauncher:
+    """Simulator processes on this machine, forked from a server that has imported only the
+    simulator's modules (numpy, onnxruntime): never torch, and a fork costs ms, not the
+    hundreds of ms a fresh interpreter would."""
 
-    def __init__(self, index: int, address: str):
-        self.index, self.address = index, address
-        # The shared-memory server names slot i's connection "shm:i"; over TCP the name is
-        # the client's port, unknown here (its connection closes when it dies anyway).
-        self.conn_id = f"shm:{index}" if address.startswith("shm:") else None
-        self.proc = None
-        self.started = 0.0            # time.monotonic() of this process's start
-        self.steps_received_before = 0  # steps its connection had delivered before this process
-        self.steps_seen = 0           # its heartbeat when last looked at
-        self.progress_at = 0.0        # when the heartbeat last grew (or the learner held it back)
-        self.failed_at: deque = deque()  # recent failures, for the restart budget
+    remote = False  # every process it starts is on this machine: its shm slot is its only way
 
-
-class Supervisor:
-    def __init__(self, addresses: list[str], *, env: str, seed: int, envs_per_sim: int = 1,
-                 auth_token: str | None = None, shm_server=None, hang_timeout: float = 10.0,
-                 max_restarts: int = 5, restart_window: float = 60.0, nice: int = 0):
-        self.env, self.seed, self.envs_per_sim, self.auth_token = env, seed, envs_per_sim, auth_token
-        self.nice = nice  # simulators run this much below the learner's CPU priority
-        self.shm = shm_server  # heartbeats and slot resets; None: processes are only watched
-        self.hang_timeout, self.max_restarts, self.restart_window = hang_timeout, max_restarts, restart_window
-        self.sims = [_Sim(i, a) for i, a in enumerate(addresses)]
-        self.restarts = 0
-        self.failure: str | None = None  # set when a simulator has failed too often
-        self._lock = threading.Lock()    # the launcher, serving and main threads all start or stop
-        self._stopping = False
+    def __init__(self):
         self._ctx = None
 
-    # ------------------------------------------------------------ starting and stopping
-    def start_all(self) -> None:
-        """One process per simulator, forked from a server that has imported only the
-        simulator's modules (numpy, onnxruntime): never torch, and a fork costs ms, not the
-        hundreds of ms a fresh interpreter would."""
-        for sim in self.sims:
-            with self._lock:
-                if self._stopping:
-                    return
-                self._start(sim, steps_received_before=0)
-
-    def _start(self, sim: _Sim, steps_received_before: int) -> None:
+    def start(self, sim: "_Sim", args: tuple):
+        """Start ``sim``'s process with ``sim_process_main(*args)``; returns its handle."""
         if self._ctx is None:
             import multiprocess
 
@@ -82,20 +59,30 @@ class Supervisor:
             self._ctx.set_forkserver_preload(["shmrl.sim", f"shmrl.transport.{transport}"])
         from shmrl.sim import sim_process_main
 
-        name = f"shmrl-sim{sim.index}"
-        proc = self._ctx.Process(target=sim_process_main, name=name, daemon=True,
-                                 args=(sim.address, self.env, self.seed * 1000 + sim.index,
-                                       self.envs_per_sim, name, self.auth_token, self.nice))
+        proc = self._ctx.Process(target=sim_process_main, name=sim.name, daemon=True, args=args)
         proc.start()
-        sim.proc = proc  # only once started: stop() joins every sim.proc
-        sim.started = sim.progress_at = time.monotonic()
-        sim.steps_received_before, sim.steps_seen = steps_received_before, 0
+        return proc
 
-    def stop(self, timeout: float = 2.0) -> None:
-        """Stop every simulator (SIGTERM, then SIGKILL after ``timeout`` s) and start no more."""
-        with self._lock:
-            self._stopping = True
-            procs = [sim.proc for sim in self.sims if sim.proc is not None]
+    def exit_reason(self, proc) -> str | None:
+        """Why the process ended, or None while it runs."""
+        return None if proc.is_alive() else describe_exit(proc.exitcode)
+
+    def starting(self, proc) -> bool:
+        """Whether the process is still being brought up (not yet its own fault if silent)."""
+        return False
+
+    def describe(self, proc) -> str:
+        return f"simulator {proc.name} (pid {proc.pid})"
+
+    def kill(self, proc) -> None:
+        """End a hung process for good."""
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
+        proc.join(0)
+
+    def stop(self, procs: list, timeout: float) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` s."""
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -106,8 +93,67 @@ class Supervisor:
                 p.kill()
                 p.join(1.0)
 
+
+class _Sim:
+    """One simulator slot and the process that currently fills it."""
+
+    def __init__(self, index: int, address: str, name: str):
+        self.index, self.address, self.name = index, address, name
+        # The shared-memory server names slot i's connection "shm:i"; over TCP the name is
+        # the client's port, unknown here (its connection closes when it dies anyway).
+        self.conn_id = f"shm:{index}" if address.startswith("shm:") else None
+        self.proc = None
+        self.started = 0.0            # time.monotonic() of this process's start
+        self.steps_received_before = 0  # steps its connection had delivered before this process
+        self.steps_seen = 0           # its heartbeat when last looked at
+        self.progress_at = 0.0        # when the heartbeat last grew (or the learner held it back)
+        self.tcp_conn: str | None = None  # its TCP connection, when it has one
+        self.failed_time: float | None = None  # when its last process failed, until the next one samples
+        self.failed_at: deque = deque()  # recent failures, for the restart budget
+
+
+class Supervisor:
+    def __init__(self, addresses: list[str], *, env: str, seed: int, envs_per_sim: int = 1,
+                 auth_token: str | None = None, shm_server=None, hang_timeout: float = 10.0,
+                 max_restarts: int = 5, restart_window: float = 60.0, nice: int = 0, launcher=None):
+        self.env, self.seed, self.envs_per_sim, self.auth_token = env, seed, envs_per_sim, auth_token
+        self.nice = nice  # simulators run this much below the learner's CPU priority
+        self.shm = shm_server  # heartbeats and slot resets; None: processes are only watched
+        self.hang_timeout, self.max_restarts, self.restart_window = hang_timeout, max_restarts, restart_window
+        self.launcher = launcher if launcher is not None else ForkLauncher()
+        prefix = "shmrl-ray-sim" if self.launcher.remote else "shmrl-sim"
+        self.sims = [_Sim(i, a, f"{prefix}{i}") for i, a in enumerate(addresses)]
+        self.restarts = 0
+        self.recovery_s: list[float] = []  # from each failure to its replacement's first sign of work
+        self.failure: str | None = None  # set when a simulator has failed too often
+        self._lock = threading.Lock()    # the launcher, serving and main threads all start or stop
+        self._stopping = False
+
+    # ------------------------------------------------------------ starting and stopping
+    def start_all(self) -> None:
+        """One process per simulator, placed by the launcher."""
+        for sim in self.sims:
+            with self._lock:
+                if self._stopping:
+                    return
+                self._start(sim, steps_received_before=0)
+
+    def _start(self, sim: _Sim, steps_received_before: int) -> None:
+        proc = self.launcher.start(sim, (sim.address, self.env, self.seed * 1000 + sim.index, self.envs_per_sim,
+                                         sim.name, self.auth_token, self.nice))
+        sim.proc = proc  # only once started: stop() stops every sim.proc
+        sim.started = sim.progress_at = time.monotonic()
+        sim.steps_received_before, sim.steps_seen = steps_received_before, 0
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop every simulator (SIGTERM, then SIGKILL after ``timeout`` s) and start no more."""
+        with self._lock:
+            self._stopping = True
+            procs = [sim.proc for sim in self.sims if sim.proc is not None]
+        self.launcher.stop(procs, timeout)
+
     def pids(self) -> list[int]:
-        return [sim.proc.pid for sim in self.sims if sim.proc is not None]
+        return [sim.proc.pid for sim in self.sims if sim.proc is not None and sim.proc.pid is not None]
 
     # ------------------------------------------------------------ watching (serving thread)
     def check(self, learner) -> None:
@@ -123,27 +169,59 @@ class Supervisor:
                 if reason:
                     self._replace(sim, reason, learner, now)
 
+    def _on_shm(self, sim: _Sim) -> bool:
+        """Whether ``sim`` uses its shared-memory slot (a remote launcher's may use TCP)."""
+        return (self.shm is not None and sim.conn_id is not None
+                and (not self.launcher.remote or self.shm.client_pid(sim.index) is not None))
+
     def _trouble(self, sim: _Sim, learner, now: float) -> str | None:
-        if not sim.proc.is_alive():
-            return describe_exit(sim.proc.exitcode)
-        if self.shm is None or sim.conn_id is None:
-            return None
+        reason = self.launcher.exit_reason(sim.proc)
+        if reason is not None:
+            return reason
+        if not self._on_shm(sim):
+            return self._tcp_trouble(sim, learner, now)
         steps = self.shm.env_steps(sim.index)
+        if steps != sim.steps_seen:
+            self._back(sim, now)
         if steps != sim.steps_seen or sim.conn_id in learner.hub.waiting:
             sim.steps_seen, sim.progress_at = steps, now  # progress, or held back by the learner
         elif now - sim.progress_at > self.hang_timeout:
             return f"hung: no env step for {now - sim.progress_at:.1f} s (--hang-timeout {self.hang_timeout:g})"
         return None
 
+    def _tcp_trouble(self, sim: _Sim, learner, now: float) -> str | None:
+        """A TCP simulator's connection closed (the server closes one whose HEARTBEATs stop)
+        while its process lives on, or none came within ``hang_timeout`` of its start."""
+        names = learner.hub.names
+        if sim.tcp_conn is not None and names.get(sim.tcp_conn) != sim.name:
+            closed, sim.tcp_conn = sim.tcp_conn, None   # closed: its time starts now
+            sim.progress_at = now
+            if any(hasattr(server, "timed_out") and server.timed_out(closed) for server in learner.servers):
+                return f"hung: its HEARTBEATs stopped, so the server closed {closed}"
+        if sim.tcp_conn is None:
+            sim.tcp_conn = next((c for c, n in names.items() if n == sim.name), None)
+            if sim.tcp_conn is not None:
+                self._back(sim, now)
+        if sim.tcp_conn is not None or self.launcher.starting(sim.proc):
+            sim.progress_at = now
+        elif now - sim.progress_at > self.hang_timeout:
+            return (f"hung: not connected for {now - sim.progress_at:.1f} s while its process lives "
+                    f"(--hang-timeout {self.hang_timeout:g})")
+        return None
+
+    def _back(self, sim: _Sim, now: float) -> None:
+        """A replacement shows its first sign of work (an env step, or its TCP connection)."""
+        if sim.failed_time is not None:
+            self.recovery_s.append(now - sim.failed_time)
+            log.info("simulator %s is back, %.1f s after it failed", sim.name, now - sim.failed_time)
+            sim.failed_time = None
+
     def _replace(self, sim: _Sim, reason: str, learner, now: float) -> None:
         proc = sim.proc
-        if proc.is_alive():  # hung: it goes for good
-            proc.kill()
-            proc.join(2.0)
-        proc.join(0)
-        what = f"simulator {proc.name} (pid {proc.pid}) {reason}"
-        lost = 0
-        if self.shm is not None and sim.conn_id is not None:
+        self.launcher.kill(proc)  # a hung one goes for good
+        what = f"{self.launcher.describe(proc)} {reason}"
+        lost, on_shm = 0, self._on_shm(sim)
+        if on_shm:
             learner.serve_requests()  # whatever it published whole before it died still counts
             received = learner.store.steps_by_conn.get(sim.conn_id, 0) - sim.steps_received_before
             lost = max(0, self.shm.env_steps(sim.index) - received)
@@ -159,5 +237,9 @@ class Supervisor:
             sim.proc = None
             return
         self.restarts += 1
-        log.warning("%s; %d env steps it had stepped but not sent are lost; restarting it", what, lost)
+        if on_shm:
+            log.warning("%s; %d env steps it had stepped but not sent are lost; restarting it", what, lost)
+        else:  # over TCP the Hub counts them, from its HEARTBEATs, when its connection closes
+            log.warning("%s; restarting it", what)
+        sim.tcp_conn, sim.failed_time = None, now
         self._start(sim, learner.store.steps_by_conn.get(sim.conn_id, 0) if sim.conn_id else 0)

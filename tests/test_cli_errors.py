@@ -153,3 +153,17 @@ def test_bad_command_lines_of_eval(trained, tmp_path):
     assert_one_line_error(command("shmrl.eval", policy, "--env", "Pendulum-v1"), "Pendulum-v1's observation 'obs' is (3,)")
     assert_one_line_error(command("shmrl.eval", policy, "--episodes", 0), "--episodes")
     assert_one_line_error(command("shmrl.eval", policy, "--env", "gym:Nope-v0"), "doesn't exist")
+
+
+def test_ray_flags_without_ray_installed_or_without_simulators(tmp_path):
+    """Without Ray, --ray is a one-line error (nothing started); nothing else imports Ray."""
+    code = ("import sys; sys.modules['ray'] = None\n"   # as if Ray were not installed
+            "from shmrl import run\n"
+            "status = run.main(['--ray', 'auto', '--sims', '2', '--logdir', 'x'])\n"
+            "assert 'ray' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
+            "sys.exit(status)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert_one_line_error(proc, "--ray needs Ray: pip install 'shmrl[ray]'")
+    assert not (tmp_path / "x").exists()
+    assert_one_line_error(command("shmrl.run", "--ray", "auto", "--sims", 0, "--tcp-port", 0), "--ray places simulators")
+    assert_one_line_error(command("shmrl.run", "--sim-cpus", 0), "--sim-cpus must be > 0")

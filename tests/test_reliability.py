@@ -279,7 +279,7 @@ def test_a_simulator_that_cannot_be_started_leaves_stop_working():
         Process = Refused
 
     supervisor = Supervisor(["shm:nowhere0", "shm:nowhere1"], env="CartPole-v1", seed=0)
-    supervisor._ctx = RefusingContext()
+    supervisor.launcher._ctx = RefusingContext()
     with pytest.raises(OSError):
         supervisor.start_all()
     assert [sim.proc for sim in supervisor.sims] == [None, None]

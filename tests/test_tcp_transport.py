@@ -182,6 +182,7 @@ class Net:
         return s
 
     def client(self, server, **kw) -> TcpClient:
+        kw.setdefault("codec", "json")  # RLlib's JSON variant; test_tcp_binary.py tests the binary codec
         self.socks.append(TcpClient(*server.address, **kw))
         return self.socks[-1]
 
@@ -642,7 +643,7 @@ def test_fuzzed_connections_only_ever_get_closed(net):
 
     exchange()
     wait_until(lambda: len(hub.closed()) == connections, what="every connection reported closed")
-    with TcpClient(*server.address, timeout=5) as client:
+    with TcpClient(*server.address, timeout=5, codec="json") as client:
         assert client.request({"type": "PING"}) == {"type": "PONG"}
     assert hub.error is None and len(io_threads(server)) == 1
 

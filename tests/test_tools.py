@@ -129,12 +129,18 @@ def test_bench_throughput_quick(tool):
     assert limit["processes"] == r["host_before"]["cpus"] == len(limit["per_process"])
     assert positive(limit["steps_per_s"]) and positive(limit["steps_per_cpu_s"])
     assert len(limit["windows"]) == p["repeat"] and all(positive(w) for w in limit["windows"])
-    (row,) = r["pipeline"]
-    assert row["sims"] == 2 and len(row["windows"]) == p["repeat"]
-    assert positive(row["steps_per_s"]) and all(positive(w) for w in row["windows"])
-    assert row["ratio_to_limit"] == pytest.approx(row["steps_per_s"] / limit["steps_per_s"])
-    assert positive(row["ready_s"]) and positive(row["sims_cpu_cores"])
-    assert r["best"] == {"sims": 2, "steps_per_s": row["steps_per_s"], "ratio_to_limit": row["ratio_to_limit"]}
+    assert p["transport"] == ["shm", "tcp-binary"]                     # side by side
+    assert [(row["sims"], row["transport"]) for row in r["pipeline"]] == [(2, "shm"), (2, "tcp-binary")]
+    for row in r["pipeline"]:
+        assert row["sims"] == 2 and len(row["windows"]) == p["repeat"]
+        assert positive(row["steps_per_s"]) and all(positive(w) for w in row["windows"])
+        assert row["ratio_to_limit"] == pytest.approx(row["steps_per_s"] / limit["steps_per_s"])
+        assert positive(row["ready_s"]) and positive(row["sims_cpu_cores"])
+    best = max(r["pipeline"], key=lambda row: row["steps_per_s"])
+    assert r["best"] == {"sims": 2, "transport": best["transport"], "steps_per_s": best["steps_per_s"],
+                         "ratio_to_limit": best["ratio_to_limit"]}
+    shm, tcp = r["pipeline"]
+    assert r["tcp_binary_to_shm"] == {"2": pytest.approx(tcp["steps_per_s"] / shm["steps_per_s"])}
 
 
 def test_bench_transport_quick(tool):
@@ -143,17 +149,45 @@ def test_bench_transport_quick(tool):
     r = last_json(out)
     check_common(r, "transport")
     p = r["params"]
-    assert set(r["variants"]) == {"shm-binary", "shm-json", "tcp-json"}
+    assert set(r["variants"]) == {"shm-binary", "shm-json", "tcp-binary", "tcp-json"}
     for v in r["variants"].values():
         assert positive(v["us_per_step"]) and positive(v["rtt_ms"]) and positive(v["client_encode_us_per_step"])
         assert v["us_per_step"] == pytest.approx(v["rtt_ms"] * 1e3 / p["steps"])
         assert len(v["repeats_us_per_step"]) == p["repeat"]
     # The same message in both codecs: JSON is the bigger body, and both JSON variants carry it.
     assert r["variants"]["shm-json"]["body_bytes"] == r["variants"]["tcp-json"]["body_bytes"] \
-        > r["variants"]["shm-binary"]["body_bytes"] > 0
-    assert r["messages_served"] == 3 * p["repeat"] * (p["warmup"] + p["messages"])   # every request answered
-    assert r["ratios"]["tcp-json/shm-binary"] == pytest.approx(
-        r["variants"]["tcp-json"]["us_per_step"] / r["variants"]["shm-binary"]["us_per_step"])
+        > r["variants"]["shm-binary"]["body_bytes"] == r["variants"]["tcp-binary"]["body_bytes"] > 0
+    # Every request answered (and each TCP client's PING, where the codec is agreed).
+    assert r["messages_served"] == 4 * p["repeat"] * (p["warmup"] + p["messages"])
+    us = {v: x["us_per_step"] for v, x in r["variants"].items()}
+    for ratio, (a, b) in {"tcp-json/shm-binary": ("tcp-json", "shm-binary"),
+                          "tcp-json/tcp-binary": ("tcp-json", "tcp-binary"),
+                          "tcp-binary/shm-binary": ("tcp-binary", "shm-binary")}.items():
+        assert r["ratios"][ratio] == pytest.approx(us[a] / us[b])
+
+
+def test_bench_on_image_observations_keeps_them_uint8(tool):
+    """transport and throughput take --env: MinAtar's 10x10x4 boolean planes travel as one
+    byte per value in the binary codec, and the pipeline samples that env."""
+    pytest.importorskip("minatar", reason="the minatar extra is not installed (the test extra has it)")
+    env = "gym:MinAtar/Breakout-v1"
+    rc, out, err = tool("bench.py", "transport", "--quick", "--json", "--env", env, timeout=120)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "transport")
+    steps = r["params"]["steps"]
+    assert r["params"]["env"] == env
+    binary = r["variants"]["shm-binary"]["body_bytes"]
+    image_bytes = (steps + 1) * 10 * 10 * 4                              # uint8: a byte per value
+    assert image_bytes < binary < image_bytes + 64 * steps + 4096         # not 4 bytes per value
+    assert r["variants"]["tcp-json"]["body_bytes"] > 2 * binary
+    assert positive(r["variants"]["shm-binary"]["ns_per_body_byte"])
+    rc, out, err = tool("bench.py", "throughput", "--quick", "--json", "--env", env, timeout=120)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "throughput")
+    assert r["params"]["env"] == env and env in r["method"] and "CNN" in r["method"]
+    assert positive(r["limit"]["steps_per_s"]) and positive(r["pipeline"][0]["steps_per_s"])
 
 
 def test_bench_solve_quick(tool):

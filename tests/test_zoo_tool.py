@@ -31,3 +31,30 @@ def test_the_mujoco_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm
     assert run["shmrl"]["final"]["return_mean"] > run["shmrl"]["curve"][0]["return_mean"]   # it learns
     assert run["comparison"]["sb3_return"] is not None and env["shmrl_final"] is not None
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.skipif(not ZOO_PYTHON.exists(), reason="no rl-zoo3 virtualenv: `python tools/zoo.py --setup` "
+                                                    "makes it (.ci/run does, before the tests)")
+def test_the_recurrent_baseline_runs_recurrent_ppo_and_shmrl_and_plots_them(tmp_path, no_shm_leftovers):
+    """tools/recurrent_baseline.py --quick: sb3-contrib's RecurrentPPO (rl-zoo3's ppo_lstm
+    settings) and shmrl's LSTM on CartPoleNoVel-v1, in turns, compared at the same return."""
+    out = tmp_path / "curves.png"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "recurrent_baseline.py"), "--quick", "--json",
+                           "--plot", str(out)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    env = result["envs"]["CartPoleNoVel-v1"]
+    assert env["target"] == 475.0
+    run = env["runs"][0]
+    for who in ("shmrl", "sb3"):
+        curve = run[who]["curve"]
+        assert curve and all(p["wall_s"] <= result["seconds"] + 5 for p in curve), who
+        steps = [p["env_steps"] for p in curve]
+        assert steps == sorted(steps) and steps[-1] > 0, who
+    assert "ppo_lstm" in run["sb3"]["command"] and "CartPoleNoVel-v1" in run["shmrl"]["command"]
+    assert run["shmrl"]["final"]["return_mean"] > run["shmrl"]["curve"][0]["return_mean"]   # it learns
+    c = run["comparison"]
+    assert c["target"] == 475.0 and c["sb3_final_return"] == run["sb3"]["curve"][-1]["return_mean"]
+    assert c["sb3_reached_target"] is False and c["speedup"] is None   # not in 10 s
+    assert c["shmrl_wall_s_to_sb3_final"] is not None
+    assert out.read_bytes().startswith(b"\x89PNG")

@@ -1,8 +1,8 @@
 """Benchmarks of shmrl: sampling throughput, transport cost, time to solve, weight
 synchronization latency, and memory.
 
-    python tools/bench.py throughput [--sims 1 2 4 8 16 32] [--seconds 5] [--envs-per-sim 1] [--repeat 3]
-    python tools/bench.py transport  [--steps 500] [--messages 200] [--repeat 3]
+    python tools/bench.py throughput [--sims 1 2 4 8 16 32] [--seconds 5] [--envs-per-sim 1] [--repeat 3] [--env ID]
+    python tools/bench.py transport  [--steps 500] [--messages 200] [--repeat 3] [--env ID]
     python tools/bench.py solve      [--seeds 0 1 2 3 4] [--sims 8] [-- extra shmrl.run args]
     python tools/bench.py sync       [--sims 8] [--updates 50]
     python tools/bench.py memory     [--sims 8] [--repeat 1]
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-ENV_ID = "CartPole-v1"
+ENV_ID = "CartPole-v1"         # the default --env of throughput and transport; the one of sync and memory
 WAIT_S = 60.0                 # the longest any single wait may take before the bench gives up
 HERE = Path(__file__).resolve()
 
@@ -77,23 +77,26 @@ def finished(result: dict) -> dict:
     return result
 
 
-def run_policy(envs_per_sim: int = 1, env_steps_per_sample: int = 256):
+def run_policy(env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: int = 256):
     """The env's spec, shmrl.run's configuration of it (its preset) and the policy network
     that shmrl.run publishes for it (numpy and the ONNX template only: no torch)."""
     from shmrl.envs import env_spec
     from shmrl.run import RunConfig, policy_net, resolve_config
 
-    spec = env_spec(ENV_ID)
-    config = resolve_config(RunConfig(env=ENV_ID, envs_per_sim=envs_per_sim,
+    spec = env_spec(env)
+    config = resolve_config(RunConfig(env=env, envs_per_sim=envs_per_sim,
                                       env_steps_per_sample=env_steps_per_sample), spec)
     return spec, config, policy_net(config, spec)
 
 
-def policy_text() -> str:
+def policy_text(env: str = ENV_ID) -> str:
     """What the bench's simulators run, for the method texts."""
-    _, config, net = run_policy()
+    spec, config, net = run_policy(env)
     params = sum(math.prod(shape) for shape in net.template.shapes.values())
-    return (f"shmrl.run's own {ENV_ID} policy network ({config.layers} x {config.hidden} {config.activation}, "
+    images = [leaf.name for leaf in spec.obs.inputs if leaf.encoding == "image"]
+    body = (f"{config.layers} x {config.hidden} {config.activation}" +
+            (f" after a CNN (--cnn {config.cnn}) on {', '.join(images)}" if images else ""))
+    return (f"shmrl.run's own {env} policy network ({body}, "
             f"{params:,} weights; PolicyNet.initial_weights, new seeds for new weights)")
 
 
@@ -135,24 +138,34 @@ class Pipeline:
     with its EpisodeStore in this process. The learner here only drains: chunks are
     taken from the store and thrown away, nothing is trained."""
 
-    def __init__(self, sims: int, *, envs_per_sim: int = 1, env_steps_per_sample: int = 256,
-                 on_policy: bool, seed: int = 0, weights: dict[str, np.ndarray] | None = None):
+    def __init__(self, sims: int, *, env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: int = 256,
+                 on_policy: bool, seed: int = 0, weights: dict[str, np.ndarray] | None = None,
+                 transport: str = "shm"):
+        """``transport``: "shm" (rings) or "tcp-binary" (loopback TCP, the simulators
+        agreeing on the binary codec as shmrl.run's do with --transport tcp)."""
         from shmrl.learner import EpisodeStore, Hub
-        from shmrl.run import ring_bytes
+        from shmrl.run import heartbeat_period, ring_bytes
         from shmrl.supervisor import Supervisor
         from shmrl.transport.shm import ShmServer
+        from shmrl.transport.tcp import TcpServer
 
         self.sims, self.seq, self.supervisor = sims, 0, None
         self.rng = np.random.default_rng(seed)
-        spec, config, self.net = run_policy(envs_per_sim, env_steps_per_sample)
-        self.server = ShmServer(sims, **ring_bytes(config, spec, self.net))  # as shmrl.run sizes them
+        spec, config, self.net = run_policy(env, envs_per_sim, env_steps_per_sample)
+        if transport == "shm":
+            self.server = ShmServer(sims, **ring_bytes(config, spec, self.net))  # as shmrl.run sizes them
+            addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
+        else:
+            self.server = TcpServer("127.0.0.1", 0, heartbeat_s=heartbeat_period(config.hang_timeout),
+                                    heartbeat_timeout=config.hang_timeout)
+            addresses = [f"tcp:127.0.0.1:{self.server.address[1]}"] * sims
         try:
             self.store = EpisodeStore()
             self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy)
             self.publish(weights)  # before any simulator asks: GET_STATE needs a state
-            addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
-            self.supervisor = Supervisor(addresses, env=ENV_ID, seed=seed, envs_per_sim=envs_per_sim,
+            self.supervisor = Supervisor(addresses, env=env, seed=seed, envs_per_sim=envs_per_sim,
                                          nice=config.sim_nice)
+            self.transport = transport
             self.supervisor.start_all()
             self.procs = [sim.proc for sim in self.supervisor.sims]
         except BaseException:
@@ -252,8 +265,9 @@ def stop_fork_server(timeout: float = 5.0) -> None:
 def throughput(args) -> dict:
     result = started(
         "throughput",
-        f"Pipeline: ShmServer(n) + n simulators started by shmrl.supervisor.Supervisor (forkserver), "
-        f"{ENV_ID} with {policy_text()} as ONNX; in this process a Hub with "
+        f"Pipeline: ShmServer(n) (--transport shm) or a loopback TcpServer whose clients agree on "
+        f"the binary codec (tcp-binary) + n simulators started by shmrl.supervisor.Supervisor (forkserver), "
+        f"{args.env} with {policy_text(args.env)} as ONNX; in this process a Hub with "
         f"on_policy=False answers each EPISODES_AND_GET_STATE at once and the chunks are "
         f"drained (no training). Env steps received per second: after every simulator has sent "
         f"episodes and a {args.warmup:g} s warm-up, --seconds {args.seconds:g} of measurement split "
@@ -264,29 +278,35 @@ def throughput(args) -> dict:
         f"is measured in the same windows: steps per cpu-second discounts the time the bench's "
         f"processes lost to other processes (not contention on the host or in caches).",
         sims=args.sims, seconds=args.seconds, warmup=args.warmup, repeat=args.repeat,
-        envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample)
-    weights = run_policy()[2].initial_weights(0)
+        envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample, env=args.env,
+        transport=args.transport)
+    weights = run_policy(args.env)[2].initial_weights(0)
     result["limit"] = in_process_limit(weights, args)
     limit = result["limit"]["steps_per_s"]
     rows = []
     for n in args.sims:
-        row = pipeline_throughput(n, weights, args)
-        row["ratio_to_limit"] = row["steps_per_s"] / limit
-        row["cpu_efficiency"] = row["steps_per_cpu_s"] / result["limit"]["steps_per_cpu_s"]
-        rows.append(row)
-        if not args.json:
-            print(f"  measured {n} sims: {row['steps_per_s']:,.0f} steps/s", file=sys.stderr, flush=True)
+        for transport in args.transport:  # side by side, per sims count
+            row = pipeline_throughput(n, weights, args, transport)
+            row["ratio_to_limit"] = row["steps_per_s"] / limit
+            row["cpu_efficiency"] = row["steps_per_cpu_s"] / result["limit"]["steps_per_cpu_s"]
+            rows.append(row)
+            if not args.json:
+                print(f"  measured {n} sims over {transport}: {row['steps_per_s']:,.0f} steps/s",
+                      file=sys.stderr, flush=True)
     result["pipeline"] = rows
     best = max(rows, key=lambda r: r["steps_per_s"])
-    result["best"] = {"sims": best["sims"], "steps_per_s": best["steps_per_s"],
+    result["best"] = {"sims": best["sims"], "transport": best["transport"], "steps_per_s": best["steps_per_s"],
                       "ratio_to_limit": best["ratio_to_limit"]}
+    if set(args.transport) >= {"shm", "tcp-binary"}:  # TCP against shared memory, per sims count
+        rate = {(r["sims"], r["transport"]): r["steps_per_s"] for r in rows}
+        result["tcp_binary_to_shm"] = {n: rate[n, "tcp-binary"] / rate[n, "shm"] for n in args.sims}
     return finished(result)
 
 
-def pipeline_throughput(n: int, weights, args) -> dict:
+def pipeline_throughput(n: int, weights, args, transport: str = "shm") -> dict:
     t0 = time.monotonic()
-    with Pipeline(n, envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample,
-                  on_policy=False, weights=weights) as p:
+    with Pipeline(n, env=args.env, envs_per_sim=args.envs_per_sim, env_steps_per_sample=args.env_steps_per_sample,
+                  on_policy=False, weights=weights, transport=transport) as p:
         p.run_until(lambda: len(p.store.steps_by_conn) == n, WAIT_S, f"{n} simulators sending episodes")
         ready_s = time.monotonic() - t0
         p.run_for(args.warmup)
@@ -301,7 +321,7 @@ def pipeline_throughput(n: int, weights, args) -> dict:
             learner_cpu.append((time.process_time() - l0) / wall)
             sims_cpu.append((cpu_s(pids) - c0) / wall)
     # Where the cores went: the learner's share, and what the simulators make of theirs.
-    return {"sims": n, "steps_per_s": median(rates), "windows": rates, "ready_s": ready_s,
+    return {"sims": n, "transport": transport, "steps_per_s": median(rates), "windows": rates, "ready_s": ready_s,
             "learner_cpu_cores": median(learner_cpu), "sims_cpu_cores": median(sims_cpu),
             "steps_per_sim_cpu_s": median(r / c for r, c in zip(rates, sims_cpu) if c > 0),
             "steps_per_cpu_s": median(r / (c + l) for r, c, l in zip(rates, sims_cpu, learner_cpu))}
@@ -325,11 +345,11 @@ def in_process_limit(weights, args) -> dict:
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="shmrl-bench-") as tmp:
         model = Path(tmp) / "policy.onnx"
-        model.write_bytes(run_policy()[2].template.publish(weights))
+        model.write_bytes(run_policy(args.env)[2].template.publish(weights))
         start_at = time.time() + 2.0  # time for every worker to import numpy and onnxruntime
         common = ["--model", str(model), "--start-at", repr(start_at), "--warmup", str(args.warmup),
                   "--seconds", str(args.seconds), "--windows", str(args.repeat),
-                  "--envs-per-sim", str(args.envs_per_sim)]
+                  "--envs-per-sim", str(args.envs_per_sim), "--env", args.env]
         timeout = 2.0 + args.warmup + args.seconds + WAIT_S
         workers = [run_worker(["_limit-worker", "--seed", str(i), *common]) for i in range(cores)]
         try:
@@ -359,8 +379,8 @@ def limit_worker(args) -> int:
 
     k = args.envs_per_sim
     policy = OnnxPolicy(Path(args.model).read_bytes())
-    sampler = make_sampler(env_spec(ENV_ID), np.random.default_rng(args.seed))
-    envs = make_vec_env(ENV_ID, k, args.seed * 1_000_003)
+    sampler = make_sampler(env_spec(args.env), np.random.default_rng(args.seed))
+    envs = make_vec_env(args.env, k, args.seed * 1_000_003)
     obs = envs.reset()
     late = time.time() > args.start_at
     window = args.seconds / args.windows
@@ -385,17 +405,18 @@ def limit_worker(args) -> int:
 def print_throughput(r: dict) -> None:
     p = r["params"]
     lim = r["limit"]
-    print(f"throughput: env steps/s received by a draining learner, {ENV_ID}, "
+    print(f"throughput: env steps/s received by a draining learner, {p['env']}, "
           f"envs/sim {p['envs_per_sim']}, {p['env_steps_per_sample']} steps/message")
     print(f"  windows: {p['seconds']:g} s after a {p['warmup']:g} s warm-up, split in {p['repeat']}; "
           f"figure = median window")
     print(f"  in-process limit ({lim['processes']} plain loops, no transport): "
           f"{lim['steps_per_s']:,.0f} steps/s  (windows {_ints(lim['windows'])}; "
           f"per process {_ints(lim['per_process'])}); {lim['steps_per_cpu_s']:,.0f} steps per cpu-s")
-    print(f"  {'sims':>5} | {'steps/s':>9} | {'pipeline/limit':>14} | {'learner cpu':>11} | "
+    print(f"  {'sims':>5} | {'transport':>10} | {'steps/s':>9} | {'pipeline/limit':>14} | {'learner cpu':>11} | "
           f"{'sims cpu':>8} | {'steps/sim-cpu-s':>15} | {'cpu efficiency':>14} | {'ready s':>7} | windows")
     for row in r["pipeline"]:
-        print(f"  {row['sims']:>5} | {row['steps_per_s']:>9,.0f} | {row['ratio_to_limit']:>14.2f} | "
+        print(f"  {row['sims']:>5} | {row['transport']:>10} | {row['steps_per_s']:>9,.0f} | "
+              f"{row['ratio_to_limit']:>14.2f} | "
               f"{row['learner_cpu_cores']:>11.2f} | {row['sims_cpu_cores']:>8.2f} | "
               f"{row['steps_per_sim_cpu_s']:>15,.0f} | {row['cpu_efficiency']:>14.2f} | "
               f"{row['ready_s']:>7.2f} | {_ints(row['windows'])}")
@@ -403,7 +424,10 @@ def print_throughput(r: dict) -> None:
           "+ learner over the limit's steps per cpu-s, blind to time lost to other processes; "
           "ready s: from creating the rings to every simulator's first episodes)")
     b = r["best"]
-    print(f"  best: {b['sims']} sims, {b['steps_per_s']:,.0f} steps/s = {b['ratio_to_limit']:.2f} of the limit")
+    print(f"  best: {b['sims']} sims over {b['transport']}, {b['steps_per_s']:,.0f} steps/s = "
+          f"{b['ratio_to_limit']:.2f} of the limit")
+    for n, ratio in r.get("tcp_binary_to_shm", {}).items():
+        print(f"  {n} sims: tcp-binary / shm = {ratio:.2f}")
 
 
 def _ints(xs) -> str:
@@ -412,7 +436,7 @@ def _ints(xs) -> str:
 
 # ---------------------------------------------------------------- transport
 
-VARIANTS = ("shm-binary", "shm-json", "tcp-json")
+VARIANTS = ("shm-binary", "shm-json", "tcp-binary", "tcp-json")
 
 
 def transport(args) -> dict:
@@ -423,26 +447,30 @@ def transport(args) -> dict:
     result = started(
         "transport",
         f"One client process (a fresh interpreter) sends EPISODES_AND_GET_STATE messages, each "
-        f"one {args.steps}-step CartPole-shaped episode of pre-built numpy arrays, and times "
+        f"one {args.steps}-step " + (f"chunk of {args.env}'s own observations (recorded with random actions, "
+                                     f"stored dtypes: uint8 images stay uint8)" if args.env else
+                                     "CartPole-shaped episode of pre-built numpy arrays") + ", and times "
         f"client.request() (encode, transfer, server poll: decode + validate, a small SET_STATE "
         f"reply, client decode). The servers (ShmServer with a binary and a JSON client slot, "
-        f"TcpServer) run in this process. Per repetition and variant: {args.warmup} untimed "
+        f"TcpServer with a client that negotiated the binary codec in its PING and one that "
+        f"did not, as RLlib's) run in this process. Per repetition and variant: {args.warmup} untimed "
         f"messages, then --messages {args.messages} timed; us/step = median round trip / steps; "
         f"the figure is the median over --repeat {args.repeat} repetitions (variants interleaved).",
-        steps=args.steps, messages=args.messages, repeat=args.repeat, warmup=args.warmup)
-    sizes = {"binary": len(rllink.encode_binary(transport_message(args.steps))),
-             "json": len(rllink.encode_json(transport_message(args.steps)))}
+        steps=args.steps, messages=args.messages, repeat=args.repeat, warmup=args.warmup, env=args.env)
+    msg = transport_message(args.steps, env=args.env)
+    sizes = {"binary": len(rllink.encode_binary(msg)), "json": len(rllink.encode_json(msg))}
     # The request ring must hold a whole frame (at most about half the ring): size it to fit.
     ring = 1 << max(20, (4 * (sizes["json"] + 64)).bit_length())
     shm = ShmServer(2, request_ring_bytes=ring)
     tcp = client = None
     try:
-        tcp = TcpServer("127.0.0.1", 0, max_frame_bytes=ring)
+        # No heartbeats are sent: a client idles while the other variants run.
+        tcp = TcpServer("127.0.0.1", 0, max_frame_bytes=ring, heartbeat_s=3600, heartbeat_timeout=7200)
         host, port = tcp.address
         client = run_worker(["_transport-client", "--shm-binary", shm.address(0), "--shm-json",
                              shm.address(1), "--tcp", f"{host}:{port}", "--steps", str(args.steps),
                              "--messages", str(args.messages), "--repeat", str(args.repeat),
-                             "--warmup", str(args.warmup)])
+                             "--warmup", str(args.warmup), *(["--env", args.env] if args.env else [])])
         served = serve_transport(client, [shm, tcp], args.steps)
         out = worker_result(client, WAIT_S)
     finally:
@@ -456,10 +484,14 @@ def transport(args) -> dict:
         v: {"us_per_step": per_step[v], "rtt_ms": median(out["rtt_s"][v]) * 1e3,
             "repeats_us_per_step": [x / args.steps * 1e6 for x in out["rtt_s"][v]],
             "client_encode_us_per_step": out["encode_s"][codec_of(v)] / args.steps * 1e6,
-            "body_bytes": sizes[codec_of(v)]}
+            "body_bytes": sizes[codec_of(v)],
+            # Per byte, so that image frames compare with float columns: round trip / body size.
+            "ns_per_body_byte": median(out["rtt_s"][v]) / sizes[codec_of(v)] * 1e9}
         for v in VARIANTS}
     result["ratios"] = {"tcp-json/shm-binary": per_step["tcp-json"] / per_step["shm-binary"],
-                        "shm-json/shm-binary": per_step["shm-json"] / per_step["shm-binary"]}
+                        "shm-json/shm-binary": per_step["shm-json"] / per_step["shm-binary"],
+                        "tcp-json/tcp-binary": per_step["tcp-json"] / per_step["tcp-binary"],
+                        "tcp-binary/shm-binary": per_step["tcp-binary"] / per_step["shm-binary"]}
     result["messages_served"] = served
     return finished(result)
 
@@ -468,8 +500,11 @@ def codec_of(variant: str) -> str:
     return variant.rsplit("-", 1)[1]
 
 
-def transport_message(steps: int, seq: int = 1) -> dict:
-    """EPISODES_AND_GET_STATE with one CartPole-shaped chunk, as shmrl.sim would send it."""
+def transport_message(steps: int, seq: int = 1, env: str | None = None) -> dict:
+    """EPISODES_AND_GET_STATE with one chunk, as shmrl.sim would send it: CartPole-shaped
+    synthetic arrays, or ``env``'s own observations (recorded with random actions)."""
+    if env is not None:
+        return recorded_message(env, steps, seq)
     rng = np.random.default_rng(0)
     logits = rng.normal(0.0, 0.01, (steps, 2)).astype(np.float32)
     actions = rng.integers(0, 2, steps)
@@ -482,6 +517,36 @@ def transport_message(steps: int, seq: int = 1) -> dict:
                "episode_id": "bench-0", "weights_seq_no": seq}
     from shmrl.episode import EpisodeBatch
 
+    return {"type": "EPISODES_AND_GET_STATE", "episodes": EpisodeBatch.from_episodes([episode]),
+            "timesteps": steps}
+
+
+def recorded_message(env: str, steps: int, seq: int) -> dict:
+    """One ``steps``-step chunk of ``env``'s observations in its stored form (uint8 images stay
+    uint8), actions from shmrl's sampler on flat distribution inputs. Episode ends inside the
+    chunk are ignored: it is the bytes per step that are measured."""
+    from shmrl.envs import env_spec, make_vec_env
+    from shmrl.episode import EpisodeBatch
+    from shmrl.sim import make_sampler
+
+    spec = env_spec(env)
+    envs = make_vec_env(env, 1, 0)
+    sampler = make_sampler(spec, np.random.default_rng(0))
+    dist_inputs = np.zeros((1, spec.policy_outputs), np.float32)
+    obs, actions, logps = [envs.reset()], [], []
+    for _ in range(steps):
+        action, logp = sampler.sample(dist_inputs)
+        obs.append(envs.step(action)[0])
+        actions.append(action)
+        logps.append(logp)
+    if isinstance(obs[0], dict):
+        obs = {name: np.concatenate([o[name] for o in obs]) for name in obs[0]}
+    else:
+        obs = np.concatenate(obs)
+    episode = {"obs": obs, "actions": np.concatenate(actions), "rewards": np.zeros(steps, np.float32),
+               "action_dist_inputs": np.repeat(dist_inputs, steps, axis=0),
+               "action_logp": np.concatenate(logps).astype(np.float32),
+               "is_terminated": True, "is_truncated": False, "episode_id": "bench-0", "weights_seq_no": seq}
     return {"type": "EPISODES_AND_GET_STATE", "episodes": EpisodeBatch.from_episodes([episode]),
             "timesteps": steps}
 
@@ -502,6 +567,9 @@ def serve_transport(client: subprocess.Popen, servers: list, steps: int) -> int:
                 for conn_id, msg in server.poll(0.0):
                     if msg is None:
                         continue  # a client left (the end of a variant)
+                    if msg["type"] == "PING":  # a TCP client's handshake: the codec is agreed here
+                        server.reply(conn_id, {"type": "PONG"})
+                        continue
                     if msg["timesteps"] != steps:
                         raise RuntimeError(f"{conn_id}: {msg['timesteps']} steps, expected {steps}")
                     server.reply(conn_id, reply)
@@ -517,15 +585,21 @@ def transport_client(args) -> int:
     from shmrl.transport.shm import ShmClient
     from shmrl.transport.tcp import TcpClient, parse_address
 
-    msg = transport_message(args.steps)
+    msg = transport_message(args.steps, env=args.env)
     clients = {"shm-binary": ShmClient(args.shm_binary, codec="binary", timeout=WAIT_S),
                "shm-json": ShmClient(args.shm_json, codec="json", timeout=WAIT_S),
-               "tcp-json": TcpClient(*parse_address(args.tcp), timeout=WAIT_S)}
+               "tcp-binary": TcpClient(*parse_address(args.tcp), timeout=WAIT_S, codec="binary"),
+               "tcp-json": TcpClient(*parse_address(args.tcp), timeout=WAIT_S, codec="json")}
     rtt = {v: [] for v in VARIANTS}
     try:
+        for v in ("tcp-binary", "tcp-json"):
+            clients[v].request({"type": "PING"})
+        if clients["tcp-binary"].codec != "binary":
+            raise RuntimeError("the TCP server did not agree to the binary codec")
         for r in range(args.repeat):
             # Rotate the order so that no variant always runs first (or right after another).
-            for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+            k = r % len(VARIANTS)
+            for v in VARIANTS[k:] + VARIANTS[:k]:
                 times = []
                 for i in range(args.warmup + args.messages):
                     t0 = time.perf_counter()
@@ -552,12 +626,13 @@ def transport_client(args) -> int:
 def print_transport(r: dict) -> None:
     p = r["params"]
     print(f"transport: cost per env step of one EPISODES_AND_GET_STATE round trip "
-          f"({p['steps']}-step episode per message, {p['messages']} messages x {p['repeat']} repetitions)")
+          f"({p['steps']}-step episode of {p.get('env') or 'CartPole-shaped arrays'} per message, "
+          f"{p['messages']} messages x {p['repeat']} repetitions)")
     print(f"  {'variant':<11} | {'us/step':>8} | {'RTT ms':>7} | {'client encode us/step':>21} | "
-          f"{'body bytes':>10} | repetitions (us/step)")
+          f"{'body bytes':>10} | {'ns/byte':>7} | repetitions (us/step)")
     for v, x in r["variants"].items():
         print(f"  {v:<11} | {x['us_per_step']:>8.2f} | {x['rtt_ms']:>7.3f} | "
-              f"{x['client_encode_us_per_step']:>21.2f} | {x['body_bytes']:>10,} | "
+              f"{x['client_encode_us_per_step']:>21.2f} | {x['body_bytes']:>10,} | {x['ns_per_body_byte']:>7.3f} | "
               f"{' '.join(f'{y:.2f}' for y in x['repeats_us_per_step'])}")
     for k, v in r["ratios"].items():
         print(f"  {k}: {v:.1f}x")
@@ -947,7 +1022,7 @@ def print_memory(r: dict) -> None:
 
 # --quick: the defaults of each subcommand that make it take seconds (CI runs every one).
 QUICK = {
-    "throughput": {"sims": [2], "seconds": 1.0, "warmup": 0.5, "repeat": 2},
+    "throughput": {"sims": [2], "seconds": 1.0, "warmup": 0.5, "repeat": 2, "transport": ["shm", "tcp-binary"]},
     "transport": {"steps": 100, "messages": 20, "repeat": 1, "warmup": 2},
     "solve": {"seeds": [0], "sims": 2, "timeout": 120.0},   # and --stop-return 100 for shmrl.run
     "sync": {"sims": 2, "updates": 5, "warmup": 1},
@@ -979,12 +1054,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     s.add_argument("--repeat", type=int, default=3, help="windows; the figure is their median")
     s.add_argument("--envs-per-sim", type=int, default=1)
     s.add_argument("--env-steps-per-sample", type=int, default=256)
+    s.add_argument("--transport", nargs="+", choices=("shm", "tcp-binary"), default=["shm"],
+                   help="how the simulators reach the learner; several are measured side by side")
+    s.add_argument("--env", default=ENV_ID, help="environment, as shmrl.run's --env (default: %(default)s)")
 
-    s = sub.add_parser("transport", parents=[common], help="per-env-step cost of shm-binary, shm-json, tcp-json")
+    s = sub.add_parser("transport", parents=[common],
+                       help="per-env-step cost of shm-binary, shm-json, tcp-binary, tcp-json")
     s.add_argument("--steps", type=int, default=500, help="env steps per message")
     s.add_argument("--messages", type=int, default=200, help="timed messages per variant and repetition")
     s.add_argument("--repeat", type=int, default=3)
     s.add_argument("--warmup", type=int, default=10, help="untimed messages before each timed series")
+    s.add_argument("--env", default=None, help="messages of this environment's observations and actions, "
+                   "recorded from it with random actions, as shmrl.run's --env (default: CartPole-shaped "
+                   "synthetic episodes)")
 
     s = sub.add_parser("solve", parents=[common], help="time to solve CartPole over seeds (tools/solve.py)")
     s.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -1008,11 +1090,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         s.add_argument(name, type=float, required=True)
     for name in ("--windows", "--envs-per-sim", "--seed"):
         s.add_argument(name, type=int, required=True)
+    s.add_argument("--env", required=True)
     s = sub.add_parser("_transport-client")
     for name in ("--shm-binary", "--shm-json", "--tcp"):
         s.add_argument(name, required=True)
     for name in ("--steps", "--messages", "--repeat", "--warmup"):
         s.add_argument(name, type=int, required=True)
+    s.add_argument("--env")
 
     if "--quick" in argv:  # quick defaults; flags given on the command line still win
         for name, defaults in QUICK.items():

@@ -4,6 +4,7 @@ against wall time and env steps, time to targets, throughput, and a plot of both
 
     python tools/zoo.py                                   # HalfCheetah-v5 and Hopper-v5, 3 seeds, 300 s each
     python tools/zoo.py --envs Walker2d-v5 Ant-v5 --no-sb3 --seeds 0   # shmrl's presets alone
+    python tools/zoo.py --no-shmrl --json                 # SB3 alone (its figures to set beside shmrl's)
     python tools/zoo.py --envs ALE/Breakout-v5 --seeds 0 --seconds 300 # Atari: frames/s of both
     python tools/zoo.py --quick --json                    # seconds: InvertedPendulum-v5, one seed, both
     python tools/zoo.py --setup                           # only create the SB3 virtualenv
@@ -120,22 +121,30 @@ def window_means(episodes: list[tuple[float, int, float]]) -> list[dict]:
     return out
 
 
-def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path) -> dict:
+def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path, algo: str = "ppo",
+            extra: tuple = ()) -> dict:
+    """rl-zoo3's training script for ``seconds``: its PPO with the entry ``zoo_config``
+    finds, or another ``algo`` (``ppo_lstm``: sb3-contrib's RecurrentPPO) with zoo's own
+    file for it; ``extra``: more of its arguments."""
     env = zoo_env(env)
-    conf = zoo_config(py, env, folder)
-    t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", "ppo", "--env", env, "--seed", str(seed),
-                     "-conf", str(conf), "--log-folder", str(folder / "zoo"), "--vec-env", "dummy",
-                     "--eval-freq", "-1", "--save-freq", "-1"],
+    conf = ["-conf", str(zoo_config(py, env, folder))] if algo == "ppo" else []
+    t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", algo, "--env", env, "--seed", str(seed),
+                     *conf, "--log-folder", str(folder / "zoo"), "--vec-env", "dummy",
+                     "--eval-freq", "-1", "--save-freq", "-1", *extra],
                     seconds, folder, folder / "sb3.log")
     monitors = sorted((folder / "zoo").rglob("*.monitor.csv"))
     if not monitors:
         raise RuntimeError(f"SB3 wrote no Monitor file; its log:\n{(folder / 'sb3.log').read_text()[-3000:]}")
+    # One Monitor file per env (n_envs > 1): every env's episodes, in the order they ended.
+    ended = []
+    for monitor in monitors:
+        with open(monitor) as f:
+            t_start = json.loads(f.readline().lstrip("#"))["t_start"]
+            ended += [(t_start + float(row["t"]) - t0, int(row["l"]), float(row["r"])) for row in csv.DictReader(f)]
     episodes, steps = [], 0
-    with open(monitors[0]) as f:
-        t_start = json.loads(f.readline().lstrip("#"))["t_start"]
-        for row in csv.DictReader(f):
-            steps += int(row["l"])
-            episodes.append((t_start + float(row["t"]) - t0, steps, float(row["r"])))
+    for wall, length, ret in sorted(ended):
+        steps += length
+        episodes.append((wall, steps, ret))
     # Throughput from SB3's own log: its last total_timesteps and time_elapsed (Monitor's
     # episode lengths count raw frames under AtariWrapper, and only finished episodes).
     log = (folder / "sb3.log").read_text()
@@ -143,7 +152,7 @@ def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path) -> dict
     elapsed = [float(x) for x in _log_values(log, "time_elapsed")]
     steps_per_s = totals[-1] / elapsed[-1] if totals and elapsed and elapsed[-1] else None
     return {"curve": window_means(episodes), "env_steps_per_s": steps_per_s, "env_steps": totals[-1] if totals else None,
-            "command": f"python -m rl_zoo3.train --algo ppo --env {env}"}
+            "command": " ".join(["python -m rl_zoo3.train --algo", algo, "--env", env, *extra])}
 
 
 def _log_values(log: str, key: str) -> list[str]:
@@ -198,7 +207,7 @@ def compare(sb3: dict, shmrl: dict, seconds: float) -> dict:
             "speedup": seconds / reached["wall_s"] if reached else None}
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, title: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,7 +233,7 @@ def plot(results: dict, path: Path) -> None:
             ax.set_title(env)
             ax.grid(alpha=0.3)
         axes[row][0].legend(fontsize=7)
-    who = "shmrl (presets) and SB3 + rl-zoo3's tuned PPO" if results["sb3"] else "shmrl (presets)"
+    who = title or ("shmrl (presets) and SB3 + rl-zoo3's tuned PPO" if results["sb3"] else "shmrl (presets)")
     fig.suptitle(f"{who}, on a {os.cpu_count()}-core machine", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -237,6 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=300.0, help="wall time of each run (default: %(default)s)")
     p.add_argument("--sb3", action=argparse.BooleanOptionalAction, default=True,
                    help="also run SB3 with rl-zoo3's settings, in turns (default: %(default)s)")
+    p.add_argument("--shmrl", action=argparse.BooleanOptionalAction, default=True,
+                   help="run shmrl (default: %(default)s); --no-shmrl runs SB3 alone")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="rl-zoo3 virtualenv (default: %(default)s)")
     p.add_argument("--python", type=Path, help="a python that has rl_zoo3 and mujoco, instead of --venv")
     p.add_argument("--plot", type=Path, help="write both curves of every run to this PNG")
@@ -246,6 +257,8 @@ def main(argv=None) -> int:
     p.add_argument("--setup", action="store_true", help="only create the rl-zoo3 virtualenv, then exit")
     p.add_argument("extra", nargs="*", help="after --: extra arguments for shmrl.run")
     a = p.parse_args(argv)
+    if not (a.sb3 or a.shmrl or a.setup):
+        p.error("--no-sb3 and --no-shmrl: nothing to run")
     if a.quick:
         a.envs, a.seeds, a.seconds = ["InvertedPendulum-v5"], [0], 12.0
     py = None
@@ -255,6 +268,7 @@ def main(argv=None) -> int:
             print(f"rl-zoo3 virtualenv ready: {py}")
             return 0
     results = {"method": __doc__.split("\n\n")[2].replace("\n", " "), "seconds": a.seconds, "sb3": a.sb3,
+               "shmrl": a.shmrl,
                "load_before": os.getloadavg(), "envs": {}}
     for env in a.envs:
         runs = []
@@ -265,17 +279,18 @@ def main(argv=None) -> int:
                 if a.sb3:
                     (tmp / "sb3").mkdir()
                     entry["sb3"] = run_sb3(py, env, seed, a.seconds, tmp / "sb3")
-                (tmp / "shmrl").mkdir()
-                entry["shmrl"] = run_shmrl(env, seed, a.seconds, tmp / "shmrl", a.extra)
+                if a.shmrl:
+                    (tmp / "shmrl").mkdir()
+                    entry["shmrl"] = run_shmrl(env, seed, a.seconds, tmp / "shmrl", a.extra)
             for who in ("sb3", "shmrl"):
                 if who in entry:
                     entry[who].update(summarize(entry[who], a.seconds))
-            if a.sb3:
+            if a.sb3 and a.shmrl:
                 entry["comparison"] = compare(entry["sb3"], entry["shmrl"], a.seconds)
             runs.append(entry)
             if not a.json:
                 print_run(env, entry, a.seconds)
-        results["envs"][env] = {"runs": runs, **medians(runs, a.sb3)}
+        results["envs"][env] = {"runs": runs, **medians(runs, a.seconds, a.sb3, a.shmrl)}
     results["load_after"] = os.getloadavg()
     if a.plot:
         plot(results, a.plot)
@@ -283,26 +298,32 @@ def main(argv=None) -> int:
         print(json.dumps(results))
     else:
         for env, r in results["envs"].items():
-            print(f"{env}: median return after {a.seconds:.0f} s: shmrl {fmt(r['shmrl_final'])}"
-                  + (f", SB3 {fmt(r['sb3_final'])}; shmrl reached SB3's in a median {fmt(r['shmrl_wall_s'])} s"
-                     f" (speedup {fmt(r['speedup'], '.1f')}x)" if a.sb3 else "")
-                  + f"; env steps per s: shmrl {fmt(r['shmrl_env_steps_per_s'])}"
-                  + (f", SB3 {fmt(r['sb3_env_steps_per_s'])}" if a.sb3 else ""))
+            parts = [f"shmrl {fmt(r['shmrl_final'])}"] if a.shmrl else []
+            parts += [f"SB3 {fmt(r['sb3_final'])}"] if a.sb3 else []
+            line = f"{env}: median return after {a.seconds:.0f} s: {', '.join(parts)}"
+            if a.sb3 and a.shmrl:
+                line += f"; shmrl reached SB3's in a median {fmt(r['shmrl_wall_s'])} s (speedup {fmt(r['speedup'], '.1f')}x)"
+            rates = ([f"shmrl {fmt(r['shmrl_env_steps_per_s'])}"] if a.shmrl else []) + \
+                    ([f"SB3 {fmt(r['sb3_env_steps_per_s'])}"] if a.sb3 else [])
+            print(f"{line}; env steps per s: {', '.join(rates)}")
         if a.plot:
             print(f"wrote {a.plot}")
     return 0
 
 
-def medians(runs: list[dict], sb3: bool) -> dict:
+def medians(runs: list[dict], seconds: float, sb3: bool, shmrl: bool = True) -> dict:
     def med(values):
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
-    out = {"shmrl_final": med(r["shmrl"]["final"]["return_mean"] for r in runs if r["shmrl"]["final"]),
-           "shmrl_env_steps_per_s": med(r["shmrl"]["env_steps_per_s"] for r in runs)}
+    out = {}
+    if shmrl:
+        out["shmrl_final"] = med(r["shmrl"]["final"]["return_mean"] for r in runs if r["shmrl"]["final"])
+        out["shmrl_env_steps_per_s"] = med(r["shmrl"]["env_steps_per_s"] for r in runs)
     if sb3:
         out["sb3_env_steps_per_s"] = med(r["sb3"]["env_steps_per_s"] for r in runs)
-        out["sb3_final"] = med(r["comparison"]["sb3_return"] for r in runs)
+        out["sb3_final"] = med(at(r["sb3"]["curve"], "wall_s", seconds) for r in runs)
+    if sb3 and shmrl:
         out["shmrl_wall_s"] = med(r["comparison"]["shmrl_wall_s"] for r in runs)
         out["speedup"] = med(r["comparison"]["speedup"] for r in runs)
     return out

@@ -18,18 +18,20 @@ server (the learner)::
     server.close()                 # release everything (segments, sockets)
 
 Implementations: ``shm`` (shared-memory rings, the default), ``tcp`` (RLlink's JSON
-variant over TCP, for external clients), ``inproc`` (threads, for tests).
+variant over TCP, for external clients; shmrl's own clients agree on the binary codec and
+send heartbeats), ``inproc`` (threads, for tests).
 """
 
 
-def connect(address: str, timeout: float = 30.0):
+def connect(address: str, timeout: float = 30.0, *, codec: str = "binary", name: str | None = None):
     """A client for ``address``: ``shm:SEGMENT`` (a learner's simulator slot) or
-    ``tcp:HOST:PORT`` (an RLlink JSON server)."""
+    ``tcp:HOST:PORT`` (an RLlink server: shmrl's agrees on ``codec`` and takes heartbeats,
+    RLlib's speaks JSON; ``name`` goes into the PING, for the server's logs)."""
     kind, _, rest = address.partition(":")
     if kind == "shm":
         from shmrl.transport.shm import ShmClient
-        return ShmClient(rest, timeout=timeout)
+        return ShmClient(rest, timeout=timeout, codec=codec)
     if kind == "tcp":
         from shmrl.transport.tcp import TcpClient, parse_address
-        return TcpClient(*parse_address(rest), timeout=timeout)
+        return TcpClient(*parse_address(rest), timeout=timeout, codec=codec, client_name=name)
     raise ValueError(f"unknown address {address!r}: expected shm:SEGMENT or tcp:HOST:PORT")

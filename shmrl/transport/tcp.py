@@ -3,6 +3,15 @@
 A frame is 8 ASCII digits (the body's length) + a JSON body, byte-compatible with RLlib
 2.46-2.48 (see RLLINK.md).
 
+Two shmrl extensions, which a client gets only when it asks (RLlib's never does, so it
+keeps getting JSON byte for byte): a PING with ``"codecs": ["binary"]`` is answered with a
+PONG carrying ``"codec": "binary"`` and ``"heartbeat_s"``; from then on both sides may
+send the rings' binary codec (the server decodes either codec from anyone, and answers
+that client in binary), and the client owes a HEARTBEAT at least every ``heartbeat_s``
+while it samples. Such a client silent for ``heartbeat_timeout`` while no reply is owed
+to it is hung (or its machine is gone): its connection is closed and counted in
+``clients_timed_out``.
+
 ``TcpServer`` (the learner's side) has ``ShmServer``'s interface. One background IO thread
 owns every socket: it accepts, reads without blocking, refuses a frame from its header
 when it is too large, decodes and validates requests, and writes queued replies as fast
@@ -34,6 +43,7 @@ log = logging.getLogger("shmrl.transport")
 
 _T = rllink.MessageType
 _ANSWERED = frozenset(t.value for t in (_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES_AND_GET_STATE))
+_PONG = _T.PONG.value
 _HEADER = rllink.HEADER_LEN
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 _LISTENER, _WAKE = object(), object()  # selector tags besides connections
@@ -79,7 +89,8 @@ class _Conn:
     ``events``; the rest are shared with the learner's thread, under the server's lock."""
 
     __slots__ = ("sock", "conn_id", "inbuf", "body_len", "frame_start", "last_traffic", "sendq", "frames",
-                 "events", "out", "out_bytes", "owed", "unpolled", "paused", "closed", "reason")
+                 "events", "out", "out_bytes", "owed", "unpolled", "paused", "closed", "reason", "offered",
+                 "codec", "heartbeat")
 
     def __init__(self, sock: socket.socket, conn_id: str, now: float):
         self.sock, self.conn_id = sock, conn_id
@@ -97,6 +108,9 @@ class _Conn:
         self.paused = False               # not read until poll() takes its requests
         self.closed = False               # no more requests delivered, replies ignored
         self.reason: str | None = None    # set when the learner's side closes it: why
+        self.offered = False              # its last PING offered the binary codec
+        self.codec = "json"               # of the replies it gets (set by reply(), learner's thread)
+        self.heartbeat = False            # it was told to send heartbeats: silence means hung
 
     def frame_progress(self) -> str:
         total = f"{_HEADER + self.body_len}" if self.body_len is not None else f"{_HEADER} header"
@@ -115,9 +129,16 @@ class TcpServer:
                  frame_timeout: float = 10.0, idle_timeout: float | None = None,
                  max_out_bytes: int = 64 << 20, max_connections: int = 1024,
                  max_buffered_bytes: int = 256 << 20, first_frame_max_bytes: int | None = None,
-                 hello_timeout: float = 30.0):
+                 hello_timeout: float = 30.0, heartbeat_s: float = 1.0, heartbeat_timeout: float = 10.0):
         if frame_timeout <= 0 or hello_timeout <= 0 or (idle_timeout is not None and idle_timeout <= 0):
             raise ValueError("frame_timeout, hello_timeout and idle_timeout must be > 0 (idle_timeout None: off)")
+        if not 0 < heartbeat_s < heartbeat_timeout:
+            raise ValueError("heartbeat_s must be > 0 and below heartbeat_timeout")
+        # What a client that asked for the binary codec is told to keep, and how long its
+        # silence is borne while it owes the next request (a hung env, a dead machine).
+        self.heartbeat_s, self.heartbeat_timeout = heartbeat_s, heartbeat_timeout
+        self.clients_timed_out = 0       # connections closed for missing heartbeats
+        self._timed_out: collections.deque = collections.deque(maxlen=1024)  # their conn_ids, latest last
         # A connection that has sent no byte this long after connecting is closed: every RLlink
         # client starts with a PING, and silent sockets must not fill max_connections. (Once a
         # client has spoken, silence may just be sampling: only idle_timeout ends that.)
@@ -132,7 +153,7 @@ class TcpServer:
         # Incomplete frames of all connections together: many clients each sending a large
         # frame must not take the machine's memory (the largest one is closed instead).
         self.max_buffered_bytes = max_buffered_bytes
-        self._encoded: tuple[dict | None, bytes] = (None, b"")  # the last reply encoded, by identity
+        self._encoded: dict[str, tuple[dict | None, bytes]] = {}  # codec -> the last reply encoded, by identity
         self.frame_timeout, self.idle_timeout = frame_timeout, idle_timeout
         self.max_connections = max_connections
         self._lock = threading.Lock()
@@ -144,7 +165,8 @@ class TcpServer:
         self._refused = 0                    # connections refused since the last one accepted
         self.frames_rejected = 0             # bad frames, each of which closed its connection
         self._accept_paused_until: float | None = None
-        self._tick = max(0.01, min(1.0, frame_timeout / 4, hello_timeout / 4, (idle_timeout or math.inf) / 4))
+        self._tick = max(0.01, min(1.0, frame_timeout / 4, hello_timeout / 4, (idle_timeout or math.inf) / 4,
+                                   heartbeat_timeout / 8))
         self._next_check = 0.0
         self._recv_buf = memoryview(bytearray(self.RECV_BYTES))
         self._listener = self._selector = self._thread = None
@@ -205,17 +227,28 @@ class TcpServer:
         return out
 
     def reply(self, conn_id: str, msg: dict) -> None:
-        """Queue ``msg`` as JSON for ``conn_id``; never blocks. Unknown or closed: ignored. A
-        client with more than ``max_out_bytes`` of replies unread is disconnected. ``msg`` is
-        not copied (the same SET_STATE goes to many clients): do not change it afterwards."""
-        last, data = self._encoded
-        if msg is not last:  # SET_STATE goes to every waiting client: encode it once
-            data = rllink.frame(rllink.encode_json(msg))
-            self._encoded = (msg, data)
-        with self._lock:
+        """Queue ``msg`` for ``conn_id`` in its codec (JSON unless it asked for binary); never
+        blocks. Unknown or closed: ignored. A client with more than ``max_out_bytes`` of
+        replies unread is disconnected. ``msg`` is not copied (the same SET_STATE goes to
+        many clients): do not change it afterwards."""
+        with self._lock:  # conn.codec changes only here, in this thread
             conn = self._conns.get(conn_id)
             if conn is None or conn.closed:
                 return
+            codec, negotiate = conn.codec, conn.offered and msg["type"] == _PONG
+        if negotiate:  # the answer to a PING that offered the binary codec: still JSON
+            data = rllink.frame(rllink.encode_json({**msg, "codec": "binary", "heartbeat_s": self.heartbeat_s}))
+        else:
+            last, data = self._encoded.get(codec, (None, b""))
+            if msg is not last:  # SET_STATE goes to every waiting client: encode it once
+                body = rllink.encode_binary(msg) if codec == "binary" else rllink.encode_json(msg)
+                data = rllink.frame(body)
+                self._encoded[codec] = (msg, data)
+        with self._lock:
+            if conn.closed:
+                return
+            if negotiate:
+                conn.codec, conn.heartbeat, conn.offered = "binary", True, False
             conn.owed = max(0, conn.owed - 1)
             conn.out.append(data)
             conn.out_bytes += len(data)
@@ -224,6 +257,11 @@ class TcpServer:
                                                f"(max_out_bytes {self.max_out_bytes})")
             self._todo.add(conn)
             self._wake_io_locked()
+
+    def timed_out(self, conn_id: str) -> bool:
+        """Whether ``conn_id`` was closed for missing HEARTBEATs (one of the last 1024)."""
+        with self._lock:
+            return conn_id in self._timed_out
 
     def drop(self, conn_id: str, reason: str) -> None:
         """Close one connection, logging ``reason``; poll() reports it closed (msg None)."""
@@ -411,6 +449,8 @@ class TcpServer:
             conn.unpolled += 1
             if msg["type"] in _ANSWERED:
                 conn.owed += 1
+            if msg["type"] == _T.PING.value:
+                conn.offered = "binary" in msg.get("codecs", ())
             if conn.unpolled >= self.MAX_UNPOLLED:
                 conn.paused = True
             self._queue_locked(conn, msg)
@@ -494,8 +534,16 @@ class TcpServer:
                                   f"client (got {conn.frame_progress()})")
         elif not conn.frames and now - conn.last_traffic > self.hello_timeout:
             self._close(conn, f"sent nothing in the {self.hello_timeout:g} s after connecting")
-        elif (self.idle_timeout is not None and now - conn.last_traffic > self.idle_timeout
-              and not (conn.owed or conn.unpolled or conn.out_bytes)):
+        elif conn.owed or conn.unpolled or conn.out_bytes:
+            return  # the learner holds it up, not the client
+        elif conn.heartbeat and now - conn.last_traffic > self.heartbeat_timeout:
+            with self._lock:
+                self.clients_timed_out += 1
+                self._timed_out.append(conn.conn_id)
+            self._close(conn, f"no heartbeat for {now - conn.last_traffic:.1f} s (heartbeat_timeout "
+                              f"{self.heartbeat_timeout:g} s, one due every {self.heartbeat_s:g} s): the client "
+                              f"hung or its machine is gone")
+        elif self.idle_timeout is not None and now - conn.last_traffic > self.idle_timeout:
             self._close(conn, f"idle for {self.idle_timeout:g} s with no reply owed")
 
     def _disconnected(self, conn: _Conn, error: OSError | None = None) -> None:
@@ -549,12 +597,23 @@ class TcpServer:
 
 
 class TcpClient:
-    """A simulator's side: one blocking socket; one reply frame read per request."""
+    """A simulator's side: one blocking socket; one reply frame read per request.
+
+    ``codec="binary"``: its PING offers the binary codec (and ``client_name``, a name for
+    the server's logs); a server that takes it (shmrl's) gets binary frames and
+    HEARTBEATs from then on, one that ignores it (RLlib's) JSON as before. ``"json"``:
+    offers nothing, like RLlib's own client."""
 
     def __init__(self, host: str, port: int, *, timeout: float = 30.0, max_frame_bytes: int = 256 << 20,
-                 connect_timeout: float = 10.0):
+                 connect_timeout: float = 10.0, codec: str = "binary", client_name: str | None = None):
+        if codec not in rllink.CODECS:
+            raise ValueError(f"codec must be one of {rllink.CODECS}, not {codec!r}")
         self.address = f"{host}:{port}"
         self.timeout, self.max_frame_bytes = timeout, max_frame_bytes
+        self.offer, self.client_name = codec, client_name
+        self.codec = "json"                    # what it sends: binary once the server agreed
+        self.heartbeat_s: float | None = None  # set by a server that wants heartbeats
+        self._last_sent = time.monotonic()
         self._broken: str | None = None  # once set, the stream is out of step: every call says so
         self._sock: socket.socket | None = socket.create_connection((host, port), timeout=connect_timeout)
         try:
@@ -566,8 +625,9 @@ class TcpClient:
 
     def send(self, msg: dict) -> None:
         """Send a request that gets no reply (EPISODES)."""
-        data = rllink.frame(rllink.encode_json(msg))
+        data = rllink.frame(rllink.encode_binary(msg) if self.codec == "binary" else rllink.encode_json(msg))
         sock = self._usable()
+        self._last_sent = time.monotonic()
         try:
             sock.settimeout(self.timeout)  # for all of sendall, not per chunk
             sock.sendall(data)
@@ -580,16 +640,39 @@ class TcpClient:
         """Send a request and return its reply (validated). ConnectionClosed (a ConnectionError)
         when the server closes the connection, TimeoutError after ``timeout`` s,
         rllink.ProtocolError for a bad reply; after any of them the connection is unusable."""
+        ping = msg.get("type") == _T.PING.value
+        if ping and self.offer == "binary":
+            msg = {**msg, "codecs": ["binary"]}
+        if ping and self.client_name is not None:
+            msg = {**msg, "client_name": self.client_name}
         self.send(msg)
         deadline = time.monotonic() + self.timeout
         try:
             n = rllink.parse_header(self._recv_exactly(_HEADER, deadline, "header"), self.max_frame_bytes)
-            return rllink.decode_reply(self._recv_exactly(n, deadline, "body"))
+            reply = rllink.decode_reply(self._recv_exactly(n, deadline, "body"))
+            self._last_sent = time.monotonic()  # the server's silence clock starts at its reply too
+            if ping and reply["type"] == _PONG:
+                self._agree(reply)
+            return reply
         except rllink.ProtocolError as e:
             raise self._fail(e) from None
 
+    def _agree(self, pong: dict) -> None:
+        """Take the codec and heartbeat a PONG names (none: JSON, no heartbeat)."""
+        codec, period = pong.get("codec"), pong.get("heartbeat_s")
+        if codec is None:
+            return
+        if codec != "binary" or self.offer != "binary":
+            raise rllink.ProtocolError(f"PONG chose the codec {codec!r}, which this client did not offer")
+        if period is not None and not (type(period) in (int, float) and 0 < period < math.inf):
+            raise rllink.ProtocolError(f"PONG: 'heartbeat_s' must be a number > 0, got {period!r}")
+        self.codec, self.heartbeat_s = codec, period
+
     def heartbeat(self, env_steps: int) -> None:
-        """Nothing to do: over TCP the server judges a client by its traffic and timeouts."""
+        """Called once per env step: a HEARTBEAT goes out when the server asked for them and
+        nothing was sent for ``heartbeat_s``; so a simulator whose env hangs falls silent."""
+        if self.heartbeat_s is not None and time.monotonic() - self._last_sent >= self.heartbeat_s:
+            self.send({"type": _T.HEARTBEAT.value, "env_steps": env_steps})
 
     def _recv_exactly(self, n: int, deadline: float, what: str) -> bytearray:
         buf = bytearray(n)
