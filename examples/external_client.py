@@ -10,6 +10,13 @@ speaks RLlink's JSON variant over TCP, so it trains against `python -m shmrl.run
     python examples/external_client.py --port 5556 --game forager  # a Dict observation,
         # an action mask and a two-part action; the learner runs with
         # --env examples.external_client:forager_spaces (spaces only: the game is here)
+    python examples/external_client.py --port 5556 --game pair     # two agents, one of
+        # which leaves mid-episode; the learner runs with
+        # --env examples.external_client:pair_spaces [--policy-map per-agent]
+
+Multi-agent (README, "Multi-agent training"): every chunk also carries `agent_id` and
+`module_id` (the policy that chose its actions, by the server's SET_CONFIG `policy_map`),
+and SET_STATE carries `policies`: module_id -> {onnx_file, weights_seq_no}.
 
 The loop, which is all an integration has to reproduce:
 1. connect; PING -> PONG; GET_CONFIG -> SET_CONFIG (env_steps_per_sample,
@@ -224,7 +231,46 @@ def forager_spaces():
     return Spaces()
 
 
-GAMES = {"cartpole": (CartPole, act), "cartpole-novel": (CartPoleNoVel, act), "forager": (Forager, act_forager)}
+class Pair:
+    """Two agents, each shown a side (one-hot) to pick: reward 1 when right. "right" leaves
+    after 5 steps, "left" plays all 10: agents of one episode may end at different times."""
+    agents = ("left", "right")
+
+    def reset(self) -> dict:
+        self.steps = 0
+        return self._observe(self.agents)
+
+    def _observe(self, agents) -> dict:
+        self.sides = {a: random.randrange(2) for a in agents}
+        return {a: [1.0, 0.0] if side == 0 else [0.0, 1.0] for a, side in self.sides.items()}
+
+    def step(self, actions: dict):
+        """(obs, rewards, terminated, truncated) by agent, for the agents that acted."""
+        self.steps += 1
+        rewards = {a: 1.0 if actions[a] == self.sides[a] else 0.0 for a in actions}
+        done = {a: self.steps >= (5 if a == "right" else 10) for a in actions}
+        return self._observe(list(actions)), rewards, done, {a: False for a in actions}
+
+
+def pair_spaces():
+    """The pair's spaces, for the learner: `--env examples.external_client:pair_spaces`.
+    A PettingZoo-style object: possible_agents, and spaces as functions of the agent."""
+    from gymnasium import spaces
+
+    class Spaces:
+        possible_agents = list(Pair.agents)
+
+        def observation_space(self, agent):
+            return spaces.Box(0.0, 1.0, (2,), np.float32)
+
+        def action_space(self, agent):
+            return spaces.Discrete(2)
+
+    return Spaces()
+
+
+GAMES = {"cartpole": (CartPole, act), "cartpole-novel": (CartPoleNoVel, act), "forager": (Forager, act_forager),
+         "pair": (Pair, act)}
 
 
 # ---------------------------------------------------------------- the client loop
@@ -243,6 +289,8 @@ def run_session(host: str, port: int, on_connected, game: str = "cartpole") -> N
         request(sock, {"type": "PING"}, "PONG")
         on_connected()
         config = request(sock, {"type": "GET_CONFIG"}, "SET_CONFIG")
+        if game == "pair":
+            return run_multiagent(sock, config, make_env(), act)
         policy = Policy(request(sock, {"type": "GET_STATE"}, "SET_STATE"))
         steps_per_sample = config["env_steps_per_sample"]
         env = make_env()
@@ -275,6 +323,47 @@ def run_session(host: str, port: int, on_connected, game: str = "cartpole") -> N
                 print(f"mean return of the last {len(returns[-20:])} episodes: "
                       f"{sum(returns[-20:]) / len(returns[-20:]):.1f}", flush=True)
                 returns = returns[-20:]
+
+
+def run_multiagent(sock: socket.socket, config: dict, env, act) -> None:
+    """The same loop with several agents: a chunk per agent, under the policy (module) it
+    plays; an agent's chunk ends when the agent is done, whatever the others do."""
+    state = request(sock, {"type": "GET_STATE"}, "SET_STATE")
+    policies = {m: Policy(p) for m, p in state["policies"].items()}
+    module_of = {a: "shared" if config.get("policy_map", "shared") == "shared" else a for a in env.agents}
+    steps_per_sample = config["env_steps_per_sample"]
+    obs = env.reset()
+    chunks = {a: new_chunk(o, policies[module_of[a]]) for a, o in obs.items()}
+    returns = []
+    while True:
+        done_chunks, steps = [], 0
+        while steps < steps_per_sample:
+            acted = {a: act(policies[module_of[a]], chunks[a]["obs"][-1]) for a in chunks}
+            obs, rewards, terminated, truncated = env.step({a: x[0] for a, x in acted.items()})
+            for a, (action, logits, logp) in acted.items():
+                chunk = chunks[a]
+                for key, value in (("actions", action), ("rewards", rewards[a]), ("obs", obs[a]),
+                                   ("action_dist_inputs", logits), ("action_logp", logp)):
+                    chunk[key].append(value)
+                steps += 1
+                if terminated[a] or truncated[a]:
+                    chunk["is_terminated"], chunk["is_truncated"] = terminated[a], truncated[a]
+                    done_chunks.append({**chunk, "agent_id": a, "module_id": module_of[a]})
+                    returns.append(sum(chunk["rewards"]))
+                    del chunks[a]
+            if not chunks:                      # every agent is done: a new episode
+                chunks = {a: new_chunk(o, policies[module_of[a]]) for a, o in env.reset().items()}
+        for a, chunk in list(chunks.items()):   # still running: sent, continued after
+            if chunk["actions"]:
+                done_chunks.append({**chunk, "agent_id": a, "module_id": module_of[a]})
+                chunks[a] = new_chunk(chunk["obs"][-1], policies[module_of[a]])
+        msg = {"type": "EPISODES_AND_GET_STATE", "episodes": done_chunks, "timesteps": steps}
+        state = request(sock, msg, "SET_STATE")
+        policies = {m: Policy(p) for m, p in state["policies"].items()}
+        if returns:
+            print(f"mean agent return of the last {len(returns[-20:])} agent episodes: "
+                  f"{sum(returns[-20:]) / len(returns[-20:]):.2f}", flush=True)
+            returns = returns[-20:]
 
 
 def main() -> None:

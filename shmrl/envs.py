@@ -336,15 +336,25 @@ def _log_mujoco_warnings() -> None:
     mujoco.set_mju_user_warning(warn)
 
 
-def spec_of(env, env_id: str) -> EnvSpec:
-    """The spec of a live env object: its spaces, and gymnasium's reward threshold if any."""
+def spec_of(env, env_id: str):
+    """The spec of a live env object: its spaces, and gymnasium's reward threshold if any;
+    a MultiAgentSpec for a PettingZoo env (``shmrl.multiagent``)."""
     if isinstance(getattr(env, "spec", None), EnvSpec):
         return env.spec
+    from shmrl import multiagent
+
+    if multiagent.is_multiagent(env):
+        return multiagent.multiagent_spec(env, env_id)
     if not (hasattr(env, "observation_space") and hasattr(env, "action_space")):
         raise ValueError(f"{env_id}: made {type(env).__name__!r}, not an env: it has no observation_space "
                          f"and action_space")
     threshold = getattr(getattr(env, "spec", None), "reward_threshold", None)
-    spec = EnvSpec(env_id, spaces.from_gym(env.observation_space), spaces.from_gym(env.action_space),
+    return space_spec(env_id, env.observation_space, env.action_space, threshold)
+
+
+def space_spec(env_id: str, observation_space, action_space, threshold: float | None = None) -> EnvSpec:
+    """The EnvSpec of these spaces, checked (an action mask must fit the actions)."""
+    spec = EnvSpec(env_id, spaces.from_gym(observation_space), spaces.from_gym(action_space),
                    None if threshold is None else float(threshold))
     try:
         layout, actions = spec.obs, spec.actions
@@ -390,6 +400,10 @@ def resolve_env(env) -> tuple[Callable[[], object], EnvSpec]:
         return ENVS[env], ENVS[env].spec
     if env.startswith("gym:"):
         factory = functools.partial(_gym_make, env[4:])
+    elif env.startswith("pz:"):
+        from shmrl.multiagent import pz_make
+
+        factory = functools.partial(pz_make, env[3:])
     elif ":" in env:
         module, _, name = env.partition(":")
         try:
@@ -428,4 +442,7 @@ def make_vec_env(env, num_envs: int, seed: int | None = None):
     if isinstance(env, str) and env in VECTORIZED and num_envs >= MIN_VECTORIZED_ENVS:
         return VECTORIZED[env](num_envs, seed)
     factory, spec = resolve_env(env)
+    if getattr(spec, "multiagent", False):
+        raise ValueError(f"{spec.env_id} is a multi-agent env, which a single-agent policy cannot play "
+                         f"(train it with python -m shmrl.run --env {spec.env_id})")
     return LoopVecEnv(factory, num_envs, seed, spec)

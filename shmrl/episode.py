@@ -29,6 +29,10 @@ FLAG_ALIASES = {"terminateds": TERMINATED, "truncateds": TRUNCATED}
 # Optional shmrl extensions, never required from a client.
 EPISODE_ID = "episode_id"
 WEIGHTS_SEQ_NO = "weights_seq_no"
+# Multi-agent chunks (RLlib's vocabulary): the agent that took the steps and the policy
+# (module) that chose them. A chunk has both or neither.
+AGENT_ID = "agent_id"
+MODULE_ID = "module_id"
 # A recurrent policy's state before the chunk's first step (float32, the graph's state_in.<i>
 # side by side): what lets the learner replay a chunk cut in mid-episode. Absent: zeros,
 # the state an episode starts from.
@@ -84,10 +88,12 @@ def new_episode_id() -> str:
 
 class Episode:
     __slots__ = ("id", "obs", "actions", "rewards", "action_dist_inputs", "action_logp",
-                 "is_terminated", "is_truncated", "weights_seq_no", "state_in")
+                 "is_terminated", "is_truncated", "weights_seq_no", "state_in", "agent_id")
 
-    def __init__(self, first_obs, id: str | None = None, weights_seq_no: int | None = None, state_in=None):
+    def __init__(self, first_obs, id: str | None = None, weights_seq_no: int | None = None, state_in=None,
+                 agent_id=None):
         self.id = id if id is not None else new_episode_id()
+        self.agent_id = agent_id
         self.obs = [first_obs]
         self.actions = []
         self.rewards = []
@@ -121,7 +127,7 @@ class Episode:
         """The continuation of this still-running episode, starting from its last obs."""
         if self.is_done:
             raise ValueError(f"episode {self.id} is done; a done episode has no continuation")
-        return Episode(self.obs[-1], id=self.id, weights_seq_no=self.weights_seq_no)
+        return Episode(self.obs[-1], id=self.id, weights_seq_no=self.weights_seq_no, agent_id=self.agent_id)
 
     def get_return(self) -> float:
         return float(np.sum(self.rewards, dtype=np.float64))
@@ -156,6 +162,8 @@ class Episode:
         }
         if self.weights_seq_no is not None:
             d[WEIGHTS_SEQ_NO] = self.weights_seq_no
+        if self.agent_id is not None:
+            d[AGENT_ID] = self.agent_id
         if self.state_in is not None:
             d[STATE_IN] = self.state_in
         return d
@@ -173,6 +181,7 @@ class Episode:
         ep.is_terminated = bool(d[TERMINATED])
         ep.is_truncated = bool(d[TRUNCATED])
         ep.weights_seq_no = d.get(WEIGHTS_SEQ_NO)
+        ep.agent_id = d.get(AGENT_ID)
         ep.state_in = d.get(STATE_IN)
         return ep
 
@@ -187,19 +196,22 @@ class EpisodeBatch:
     observation more, rows ``obs_first[i]..obs_last[i]`` of ``obs``. Per chunk also:
     ``is_terminated``, ``is_truncated``, ``weights_seq_no`` (int64, -1 where the client
     did not say), ``episode_ids`` (a list, None entries where the client sent none; or
-    None for all) and ``state_in`` (float32 [chunks, state_size]: a recurrent policy's
-    state before each chunk's first step; or None).
+    None for all), ``state_in`` (float32 [chunks, state_size]: a recurrent policy's
+    state before each chunk's first step; or None) and ``agent_ids`` (a list in a
+    multi-agent batch, else None).
 
     The constructor takes arrays as they are; ``rllink.validate`` is what checks a
     client's (``shmrl.rllink`` builds every batch that comes off a wire).
     """
 
     __slots__ = ("obs", "actions", "rewards", "action_dist_inputs", "action_logp", "lengths",
-                 "is_terminated", "is_truncated", "episode_ids", "weights_seq_no", "state_in",
+                 "is_terminated", "is_truncated", "episode_ids", "weights_seq_no", "state_in", "agent_ids",
                  "num_steps", "offsets", "obs_first", "obs_last")
 
     def __init__(self, *, obs, actions, rewards, action_dist_inputs, action_logp, lengths,
-                 is_terminated, is_truncated, episode_ids=None, weights_seq_no=None, state_in=None):
+                 is_terminated, is_truncated, episode_ids=None, weights_seq_no=None, state_in=None,
+                 agent_ids=None):
+        self.agent_ids = agent_ids
         self.obs, self.actions, self.rewards = obs, actions, rewards
         self.action_dist_inputs, self.action_logp = action_dist_inputs, action_logp
         self.lengths = np.asarray(lengths, np.int64)
@@ -242,6 +254,7 @@ class EpisodeBatch:
         ep.id = self.episode_ids[i] if self.episode_ids is not None else None
         seq = int(self.weights_seq_no[i])
         ep.weights_seq_no = seq if seq >= 0 else None
+        ep.agent_id = self.agent_ids[i] if self.agent_ids is not None else None
         ep.state_in = self.state_in[i] if self.state_in is not None else None
         return ep
 
@@ -260,6 +273,8 @@ class EpisodeBatch:
                 WEIGHTS_SEQ_NO: self.weights_seq_no}
         if self.episode_ids is not None:
             cols[EPISODE_ID] = self.episode_ids
+        if self.agent_ids is not None:
+            cols[AGENT_ID] = self.agent_ids
         if self.state_in is not None:
             cols[STATE_IN] = self.state_in
         return cols
@@ -276,7 +291,9 @@ class EpisodeBatch:
             is_truncated=self.is_truncated[keep], weights_seq_no=self.weights_seq_no[keep],
             episode_ids=(None if self.episode_ids is None
                          else [e for e, k in zip(self.episode_ids, keep.tolist()) if k]),
-            state_in=None if self.state_in is None else self.state_in[keep])
+            state_in=None if self.state_in is None else self.state_in[keep],
+            agent_ids=(None if self.agent_ids is None
+                       else [a for a, k in zip(self.agent_ids, keep.tolist()) if k]))
 
     @classmethod
     def concat(cls, batches: list["EpisodeBatch"]) -> "EpisodeBatch":
@@ -286,10 +303,13 @@ class EpisodeBatch:
         ids = None
         if any(b.episode_ids is not None for b in batches):
             ids = [e for b in batches for e in (b.episode_ids or [None] * b.num_chunks)]
+        agents = None
+        if any(b.agent_ids is not None for b in batches):
+            agents = [a for b in batches for a in (b.agent_ids or [None] * b.num_chunks)]
         states = [b.state_in for b in batches]
         if any(s is None for s in states) and not all(s is None for s in states):
             raise ValueError("some batches carry state_in and some do not")
-        return cls(**{k: np.concatenate([getattr(b, k) for b in batches])
+        return cls(agent_ids=agents, **{k: np.concatenate([getattr(b, k) for b in batches])
                       for k in ("actions", "rewards", "action_dist_inputs", "action_logp", "lengths",
                                 "is_terminated", "is_truncated", "weights_seq_no")},
                    obs=obs_concat([b.obs for b in batches]), episode_ids=ids,
@@ -311,6 +331,7 @@ class EpisodeBatch:
             return np.concatenate([getattr(e, field) for e in stepped])
 
         ids = [e.id for e in eps]
+        agents = [getattr(e, "agent_id", None) for e in eps]
         states = None
         sizes = {len(e.state_in) for e in eps if e.state_in is not None}
         if len(sizes) > 1:
@@ -325,7 +346,31 @@ class EpisodeBatch:
                    lengths=[len(e) for e in eps], is_terminated=[e.is_terminated for e in eps],
                    is_truncated=[e.is_truncated for e in eps],
                    weights_seq_no=[-1 if e.weights_seq_no is None else e.weights_seq_no for e in eps],
-                   episode_ids=None if all(i is None for i in ids) else ids, state_in=states)
+                   episode_ids=None if all(i is None for i in ids) else ids, state_in=states,
+                   agent_ids=None if all(a is None for a in agents) else agents)
+
+
+class MultiAgentBatch:
+    """The chunks of a multi-agent message: ``policies`` maps a module_id (policy) to an
+    EpisodeBatch of the chunks its agents stepped, with their ``agent_ids``. JSON writes it
+    as RLlib's list of episode objects, each with ``agent_id`` and ``module_id``; the binary
+    codec as one set of columns per policy."""
+
+    __slots__ = ("policies",)
+
+    def __init__(self, policies: dict):
+        self.policies = policies
+
+    @property
+    def num_steps(self) -> int:
+        return sum(b.num_steps for b in self.policies.values())
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(b.num_chunks for b in self.policies.values())
+
+    def to_dicts(self) -> list[dict]:
+        return [{**d, MODULE_ID: module} for module, batch in self.policies.items() for d in batch.to_dicts()]
 
 
 class Rollout:

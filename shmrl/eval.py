@@ -2,6 +2,14 @@
 
     python -m shmrl.eval runs/a/policy.onnx --env CartPole-v1 --episodes 20
     python -m shmrl.eval runs/a/policy.onnx --env Pendulum-v1 --stochastic --json
+    python -m shmrl.eval runs/c4/policy-shared.onnx --env pz:connect_four_v3 --opponent random
+    python -m shmrl.eval runs/c4/policy-shared.onnx --env pz:connect_four_v3 --opponent runs/old/policy-shared.onnx
+
+A multi-agent env (PettingZoo) is played against ``--opponent``: ``random`` (a uniformly
+random legal player: its action mask's allowed actions), ``self`` (the policy itself) or
+another policy file (or a run's log folder: its policy-shared.onnx); the policy takes the
+seats in turn, and the win, draw and loss rates are reported (a win: the policy's agent
+ends with a higher return than every other; against ``self``, the first seat's).
 
 The policy acts greedily by default (the most likely action; the mean of a Gaussian), as
 evaluations usually do; ``--stochastic`` samples as training did. Like the simulators,
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 import statistics
 import sys
 
@@ -72,12 +81,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the envs and of sampling (default: %(default)s)")
     p.add_argument("--stochastic", action="store_true", help="sample actions as in training, not greedily")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--opponent", default="random", metavar="WHO",
+                   help="multi-agent envs: random, self, or an ONNX policy file (default: %(default)s)")
     a = p.parse_args(argv)
     if a.episodes < 1:
         p.error("--episodes must be >= 1")
     try:
         with open(a.policy, "rb") as f:
             model = f.read()
+        from shmrl.envs import env_spec
+
+        if getattr(env_spec(a.env), "multiagent", False):
+            return _multiagent(a, model)
         returns = evaluate(model, a.env, a.episodes, a.seed, a.stochastic)
     except OSError as e:
         print(f"error: {a.policy}: {e.strerror or e}", file=sys.stderr)
@@ -93,6 +108,32 @@ def main(argv=None) -> int:
         mode = "sampled" if a.stochastic else "greedy"
         print(f"{a.env}: return {mean:.1f} ± {std:.1f} over {len(returns)} episodes ({mode}); "
               f"min {min(returns):.1f}, max {max(returns):.1f}")
+    return 0
+
+
+def _multiagent(a, model: bytes) -> int:
+    from shmrl.multiagent import play
+
+    opponent = a.opponent
+    if opponent not in ("random", "self"):
+        path = Path(opponent)
+        if path.is_dir():   # a run's log folder: its shared policy, or its only one
+            found = sorted(path.glob("policy-*.onnx"))
+            shared = path / "policy-shared.onnx"
+            if not shared.exists() and len(found) != 1:
+                raise ValueError(f"--opponent {opponent}: no policy-shared.onnx and not exactly one policy-*.onnx")
+            path = shared if shared.exists() else found[0]
+        opponent = path.read_bytes()
+    result = play(a.env, model, opponent, a.episodes, a.seed, greedy=not a.stochastic)
+    result["stochastic"] = a.stochastic
+    if a.opponent not in ("random", "self"):
+        result["opponent"] = a.opponent
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(f"{a.env}: against {a.opponent}: win rate {result['win_rate']:.3f}, draws {result['draw_rate']:.3f}, "
+              f"losses {result['loss_rate']:.3f} over {result['episodes']} games "
+              f"({'sampled' if a.stochastic else 'greedy'})")
     return 0
 
 

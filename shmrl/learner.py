@@ -19,7 +19,7 @@ import numpy as np
 
 from shmrl import rllink
 from shmrl.envs import EnvSpec
-from shmrl.episode import EpisodeBatch, obs_row_bytes
+from shmrl.episode import EpisodeBatch, MultiAgentBatch, obs_row_bytes
 from shmrl.onnx_graph import ModelTemplate
 from shmrl.spaces import MASK_KEY
 from shmrl.onnx_policy import encode_onnx_file
@@ -59,6 +59,8 @@ class EpisodeStore:
         self._open: dict[tuple, tuple[float, int, float]] = {}
         self.reward_gamma = reward_gamma
         self.reward_stats = RunningMeanStd() if reward_gamma is not None else None
+        self.window = window
+        self.returns_by_agent: dict = {}   # multi-agent chunks: agent id -> its recent returns
 
     def add(self, conn_id: str, batch: EpisodeBatch) -> None:
         """Take a message's chunks: their steps wait for training, their returns complete
@@ -73,6 +75,8 @@ class EpisodeStore:
                                                      batch.is_done.tolist())):
             ret, length = ret + before[i][0], length + before[i][1]
             if done:
+                if batch.agent_ids is not None:
+                    self.returns_by_agent.setdefault(batch.agent_ids[i], deque(maxlen=self.window)).append(ret)
                 self.returns.append(ret)
                 self.lengths.append(length)
                 self.episodes_completed += 1
@@ -178,6 +182,72 @@ class EpisodeStore:
         returns = list(self.returns)   # one C-level copy: the serving thread may append
         return float(np.mean(returns)) if returns else float("nan")
 
+    def agent_return_means(self) -> dict:
+        return {str(a): float(np.mean(list(r))) for a, r in list(self.returns_by_agent.items()) if r}
+
+
+class MultiStore(EpisodeStore):
+    """The episode stores of a multi-agent run: one per policy (its pending chunks, glue,
+    return window and reward statistics), with the run's counts and one return window of
+    every agent's episodes here. ``take`` hands over every policy's pending chunks as one
+    MultiAgentBatch."""
+
+    def __init__(self, policies, window: int = 100, reward_gamma: float | None = None):
+        super().__init__(window)
+        self.policies = {pid: EpisodeStore(window, reward_gamma) for pid in policies}
+
+    def add(self, conn_id: str, batch: MultiAgentBatch) -> None:
+        for pid, sub in batch.policies.items():
+            store = self.policies[pid]
+            done_before = store.episodes_completed
+            store.add(conn_id, sub)
+            new = store.episodes_completed - done_before
+            if new:
+                self.returns.extend(list(store.returns)[-new:])
+                self.episodes_completed += new
+        steps = batch.num_steps
+        if steps:
+            if self.first_steps_at is None:
+                self.first_steps_at = time.time()
+            self.pending_steps += steps
+            self.steps_received += steps
+            self.steps_by_conn[conn_id] = self.steps_by_conn.get(conn_id, 0) + steps
+
+    def forget(self, conn_id: str) -> None:
+        for store in self.policies.values():
+            store.forget(conn_id)
+
+    def take(self, version: int = 0, max_lag: int | None = None, max_steps: int | None = None) -> list:
+        taken = {}
+        for pid, store in self.policies.items():
+            batches = store.take(version, max_lag)
+            if batches:
+                taken[pid] = EpisodeBatch.concat(batches)
+        steps = sum(b.num_steps for b in taken.values())
+        stale = sum(store.steps_dropped.pop("stale", 0) for store in self.policies.values())
+        if stale:
+            self.steps_dropped["stale"] = self.steps_dropped.get("stale", 0) + stale
+        self.pending_steps = sum(store.pending_steps for store in self.policies.values())
+        self.steps_taken += steps
+        return [MultiAgentBatch(taken)] if taken else []
+
+    def counters(self) -> dict:
+        return {**super().counters(), "policies": {pid: store.counters() for pid, store in self.policies.items()}}
+
+    def restore(self, counters: dict, arrays: dict | None = None) -> None:
+        super().restore(counters)
+        for pid, store in self.policies.items():
+            saved = counters.get("policies", {}).get(pid)
+            if saved is not None:
+                store.restore(saved, None if arrays is None else
+                              {k.split("/", 2)[2]: v for k, v in arrays.items() if k.startswith(f"policies/{pid}/")})
+
+    def agent_return_means(self) -> dict:
+        return {a: r for store in self.policies.values() for a, r in store.agent_return_means().items()}
+
+    def policy_return_means(self) -> dict:
+        return {pid: store.return_mean() for pid, store in self.policies.items()}
+
 
 def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
     """Why validated chunks do not fit the environment (and the policy's recurrent state of
@@ -210,6 +280,24 @@ def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> s
     return layout.check(actions, mask)
 
 
+def check_multiagent(batch, policy_specs: dict | None) -> str | None:
+    """Why a message's chunks do not fit the run (single- or multi-agent, its policies and
+    their envs), or None."""
+    multi = isinstance(batch, MultiAgentBatch)
+    if policy_specs is None:
+        return "multi-agent episodes (module_id) sent to a single-agent run" if multi else None
+    if not multi:
+        return None if not batch.num_chunks else \
+            "single-agent episodes sent to a multi-agent run: every chunk needs agent_id and module_id"
+    for pid, sub in batch.policies.items():
+        if pid not in policy_specs:
+            return f"chunks for policy {pid!r}, which this run does not train (its policies: {sorted(policy_specs)})"
+        why = check_episodes(sub, policy_specs[pid])
+        if why:
+            return f"policy {pid!r}: {why}"
+    return None
+
+
 class Hub:
     """Answers RLlink requests from any transport alike.
 
@@ -223,13 +311,17 @@ class Hub:
 
     def __init__(self, spec: EnvSpec, store: EpisodeStore, env_steps_per_sample: int,
                  on_policy: bool = True, max_pending_steps: int | None = None,
-                 auth_token: str | None = None, state_size: int = 0):
+                 auth_token: str | None = None, state_size: int = 0, policy_specs: dict | None = None,
+                 extra_config: dict | None = None):
+        """``policy_specs``: a multi-agent run's policies (policy id -> EnvSpec of its agents);
+        ``extra_config``: more fields for SET_CONFIG (a multi-agent run's policy map)."""
         self.spec, self.store, self.state_size = spec, store, state_size
+        self.policy_specs = policy_specs
         self.auth_token = auth_token
         self.authenticated: set[str] = set()     # with an auth token: connections that showed it
         self.max_pending_steps = max_pending_steps
         self.config_msg = {"type": T.SET_CONFIG.value, "env_steps_per_sample": env_steps_per_sample,
-                           "force_on_policy": True}
+                           "force_on_policy": True, **(extra_config or {})}
         self.on_policy = on_policy
         self.state_msg: dict | None = None
         self.servers: dict[str, object] = {}     # conn_id -> the server that owns it
@@ -239,9 +331,12 @@ class Hub:
         self.names: dict[str, str] = {}          # conn_id -> the client_name its PING gave
         self.stepped: dict[str, int] = {}        # conn_id -> env steps its last HEARTBEAT reported
 
-    def set_state(self, weights_seq_no: int, onnx_file: str) -> None:
-        """Publish new weights and release every client waiting for them."""
-        self.state_msg = {"type": T.SET_STATE.value, "onnx_file": onnx_file,
+    def set_state(self, weights_seq_no: int, onnx_file) -> None:
+        """Publish new weights and release every client waiting for them. ``onnx_file``: a
+        multi-agent run's is a dict of SET_STATE ``policies`` entries."""
+        # The single-agent message keeps its bytes (key order included): RLlib's JSON.
+        self.state_msg = {"type": T.SET_STATE.value,
+                          ("policies" if isinstance(onnx_file, dict) else "onnx_file"): onnx_file,
                           "weights_seq_no": weights_seq_no}
         waiting, self.waiting, self.waiting_since = self.waiting, [], None
         for conn_id in waiting:
@@ -281,7 +376,9 @@ class Hub:
             self._reply(conn_id, self.state_msg)
         else:  # EPISODES, EPISODES_AND_GET_STATE
             batch = msg["episodes"]
-            reason = check_episodes(batch, self.spec, self.state_size)
+            reason = check_multiagent(batch, self.policy_specs)
+            if reason is None and self.policy_specs is None:
+                reason = check_episodes(batch, self.spec, self.state_size)
             if reason:
                 self._drop(conn_id, reason, batch.num_steps)
                 return
@@ -344,7 +441,8 @@ class Learner:
                  on_policy: bool = True, max_policy_lag: int = 2, auth_token: str | None = None,
                  window: int = 100, first_weights_seq_no: int = 1, housekeeping=None,
                  reward_gamma: float | None = None, batch_wait_timeout: float | None = None,
-                 state_size: int = 0):
+                 state_size: int = 0, policy_specs: dict | None = None,
+                 extra_config: dict | None = None, league_size: int = 0, league_every: int = 10):
         """Publishes ``initial_weights`` (into the graph ``policy``) at once, as version
         ``first_weights_seq_no``: clients can sample before the trainer (torch) is even
         loaded. ``housekeeping(learner)``, if given, runs in the serving thread after every
@@ -353,14 +451,25 @@ class Learner:
         ``EpisodeStore``). ``batch_wait_timeout``: once a client waits for new weights, the
         batch waits at most this long for the clients still sampling (one that went silent,
         heartbeat or not, must not stall everyone), then trains on what it has.
-        ``state_size``: the floats of a recurrent policy's state (0: none)."""
+        ``state_size``: the floats of a recurrent policy's state (0: none).
+
+        A multi-agent run (``shmrl.multiagent``) gives ``policy_specs`` (policy id -> EnvSpec),
+        and ``policy`` and ``initial_weights`` as dicts by policy id: each policy has its own
+        store, PPO and ONNX model, all published together in SET_STATE's ``policies``. With
+        ``league_size``, every ``league_every`` updates a frozen copy of each policy joins
+        the league (``policy@version``), which keeps the last ``league_size`` of them."""
         self.spec, self.servers = spec, servers
         self.train_batch_size = train_batch_size
         self.max_policy_lag = max_policy_lag
-        self.store = EpisodeStore(window, reward_gamma)
+        self.multi = policy_specs is not None
+        self.store = (MultiStore(policy_specs, window, reward_gamma) if self.multi
+                      else EpisodeStore(window, reward_gamma))
         self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy,
                        max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token,
-                       state_size=state_size)
+                       state_size=state_size, policy_specs=policy_specs, extra_config=extra_config)
+        self.league_size, self.league_every = league_size, max(1, league_every)
+        self.league: dict = {}          # "policy@version" -> (version, ONNX file): frozen snapshots
+        self.model_seqs: dict = {}      # policy id -> the version its current model was published at
         self.policy = policy
         self.housekeeping = housekeeping
         self.batch_wait_timeout = batch_wait_timeout
@@ -476,16 +585,38 @@ class Learner:
             return None
 
     def publish(self, weights: dict) -> None:
-        """Export ``weights`` as the next version; the serving thread sends it out."""
-        self.model_bytes = self.policy.publish(weights)
+        """Export ``weights`` as the next version; the serving thread sends it out. A
+        multi-agent run's ``weights`` are by policy id (those not given stay as they were)."""
         self.weights_seq_no += 1
-        self._published.put((self.weights_seq_no, encode_onnx_file(self.model_bytes)))
+        if not self.multi:
+            self.model_bytes = self.policy.publish(weights)
+            self._published.put((self.weights_seq_no, encode_onnx_file(self.model_bytes)))
+            self._wake()
+            return
+        if not isinstance(self.model_bytes, dict):
+            self.model_bytes, self._files = {}, {}
+        for pid, w in weights.items():
+            self.model_bytes[pid] = self.policy[pid].publish(w)
+            self._files[pid] = encode_onnx_file(self.model_bytes[pid])
+            self.model_seqs[pid] = self.weights_seq_no
+        if self.league_size and self.updates and self.updates % self.league_every == 0:
+            for pid in weights:
+                self.league[f"{pid}@{self.weights_seq_no}"] = (self.weights_seq_no, self._files[pid])
+                mine = sorted((k for k in self.league if k.split("@", 1)[0] == pid), key=lambda k: self.league[k][0])
+                for old in mine[:-self.league_size]:
+                    del self.league[old]
+        policies = {pid: {"onnx_file": f, "weights_seq_no": self.model_seqs[pid]} for pid, f in self._files.items()}
+        policies.update({name: {"onnx_file": f, "weights_seq_no": seq, "frozen": True}
+                         for name, (seq, f) in self.league.items()})
+        self._published.put((self.weights_seq_no, policies))
         self._wake()
 
     def train(self, ppo, batches: list[EpisodeBatch], version: int, progress: float = 0.0) -> dict | None:
         """One PPO update on the chunks of ``batches``, then publish the new weights (and
         observation statistics). ``progress``: the fraction of the step budget trained."""
         t0 = time.perf_counter()
+        if self.multi:
+            return self._train_policies(ppo, batches, version, progress, t0)
         if not batches:
             self.publish(ppo.published_weights())   # releases any client held back; nothing to learn from
             return None
@@ -502,4 +633,31 @@ class Learner:
         stats.update(update=self.updates, batch_steps=chunks.num_steps,
                      policy_lag=float(lags.mean()) if len(lags) else 0.0,
                      train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no, reward_scale=scale)
+        return stats
+
+    def _train_policies(self, ppos: dict, batches: list, version: int, progress: float, t0: float) -> dict | None:
+        """A multi-agent update: each policy's PPO on its own chunks, then one publication.
+        The stats are the step-weighted means over the policies trained, and per policy."""
+        if not batches:
+            self.publish({})
+            return None
+        chunks = batches[0].policies
+        per_policy, lags, steps = {}, [], 0
+        for pid, sub in chunks.items():
+            ppo = ppos[pid]
+            seq = sub.weights_seq_no
+            lags.extend((version - seq[seq >= 0]).tolist())
+            scale = ppo.config.reward_scale * self.store.policies[pid].reward_scale()
+            batch = ppo.make_batch(sub, reward_scale=scale)
+            per_policy[pid] = {**ppo.update(batch, progress), "batch_steps": sub.num_steps, "reward_scale": scale}
+            ppo.update_obs_stats(sub)
+            steps += sub.num_steps
+        self.store.steps_trained += steps
+        self.updates += 1
+        self.publish({pid: ppos[pid].published_weights() for pid in chunks})
+        total = sum(p["batch_steps"] for p in per_policy.values())
+        stats = {k: sum(p[k] * p["batch_steps"] for p in per_policy.values()) / total
+                 for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale")}
+        stats.update(update=self.updates, batch_steps=total, policy_lag=float(np.mean(lags)) if lags else 0.0,
+                     train_s=time.perf_counter() - t0, weights_seq_no=self.weights_seq_no, policies=per_policy)
         return stats

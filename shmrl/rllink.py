@@ -31,9 +31,9 @@ import reprlib
 import numpy as np
 
 # The episode fields (RLlink's, and shmrl's optional ones) are defined with the episodes.
-from shmrl.episode import (ACTION_DIST_INPUTS, ACTION_LOGP, ACTIONS, EPISODE_ID, FLAG_ALIASES, OBS,
-                           REWARDS, STATE_IN, STEP_FIELDS, TERMINATED, TRUNCATED, WEIGHTS_SEQ_NO, EpisodeBatch,
-                           obs_rows)
+from shmrl.episode import (ACTION_DIST_INPUTS, ACTION_LOGP, ACTIONS, AGENT_ID, EPISODE_ID, FLAG_ALIASES,
+                           MODULE_ID, OBS, REWARDS, STATE_IN, STEP_FIELDS, TERMINATED, TRUNCATED, WEIGHTS_SEQ_NO,
+                           EpisodeBatch, MultiAgentBatch, obs_rows)
 
 
 class ProtocolError(ValueError):
@@ -69,7 +69,8 @@ _MAX_CODECS = 16
 REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE})
 
 _EPISODE_KEYS = frozenset({OBS, ACTIONS, REWARDS, ACTION_DIST_INPUTS, ACTION_LOGP, TERMINATED,
-                           TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO, STATE_IN, *FLAG_ALIASES})
+                           TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO, STATE_IN, AGENT_ID, MODULE_ID, *FLAG_ALIASES})
+_MAX_ID_LEN = 200      # of an agent or module id
 _REQUEST_FIELDS = {
     _T.PING: frozenset({"type", "auth_token", "codecs", "client_name"}),
     _T.GET_CONFIG: frozenset({"type"}),
@@ -111,7 +112,7 @@ def _json_default(obj):
     # Called only for what json cannot write itself, so plain dicts cost nothing extra.
     if isinstance(obj, np.ndarray):
         return obj.tolist()
-    if isinstance(obj, EpisodeBatch):
+    if isinstance(obj, (EpisodeBatch, MultiAgentBatch)):
         return obj.to_dicts()  # RLlib's list of episode objects
     if isinstance(obj, np.generic):
         return obj.item()
@@ -168,6 +169,8 @@ def encode_binary(msg: dict) -> bytes:
             return {"__b__": [add_block(obj, n), n]}
         if isinstance(obj, EpisodeBatch):
             return {"__cols__": obj.columns()}
+        if isinstance(obj, MultiAgentBatch):
+            return {"__multi__": obj.policies}
         if isinstance(obj, np.generic):
             return obj.item()
         raise TypeError(f"{type(obj).__name__} is not serializable by the binary codec")
@@ -231,6 +234,10 @@ def _decode_binary(mv: memoryview) -> dict:
             if len(d) != 1 or type(d["__cols__"]) is not dict:
                 raise ProtocolError(f"malformed columnar episodes {_show(d)}")
             return _Columns(d["__cols__"])
+        if "__multi__" in d:
+            if len(d) != 1 or type(d["__multi__"]) is not dict:
+                raise ProtocolError(f"malformed multi-agent episodes {_show(d)}")
+            return _MultiColumns(d["__multi__"])
         return d
 
     try:
@@ -247,6 +254,10 @@ def _decode_binary(mv: memoryview) -> dict:
 class _Columns(dict):
     """The columnar episodes of a binary head, as decoded and not yet validated (a type of
     its own, so that no JSON object can pass for one)."""
+
+
+class _MultiColumns(dict):
+    """Multi-agent columnar episodes of a binary head: module_id -> columns, not yet validated."""
 
 
 def episodes_body_bytes(steps: int, obs_bytes: int, action_size: int, dist_size: int, leaves: int = 1,
@@ -507,7 +518,40 @@ def _episode(ep, i: int) -> dict:
         out[STATE_IN] = state = _array(ep, STATE_IN, where)
         if state.ndim != 1:
             raise ProtocolError(f"{where}: 'state_in' has shape {state.shape}, expected one list of numbers")
+    if (AGENT_ID in ep) != (MODULE_ID in ep):
+        raise ProtocolError(f"{where}: a multi-agent chunk has both 'agent_id' and 'module_id'")
+    if AGENT_ID in ep:
+        out[AGENT_ID] = _agent_id(ep[AGENT_ID], where)
+        out[MODULE_ID] = _module_id(ep[MODULE_ID], where)
     return out
+
+
+def _agent_id(value, where: str):
+    """An agent id: a short string or an int (PettingZoo's are strings)."""
+    if not ((isinstance(value, str) and 0 < len(value) <= _MAX_ID_LEN) or _is_int(value)):
+        raise ProtocolError(f"{where}: 'agent_id' must be a short string or an int, got {_show(value)}")
+    return value if isinstance(value, str) else int(value)
+
+
+def _module_id(value, where: str) -> str:
+    if not (isinstance(value, str) and 0 < len(value) <= _MAX_ID_LEN):
+        raise ProtocolError(f"{where}: 'module_id' must be a short string, got {_show(value)}")
+    return value
+
+
+def _multi_batch(episodes: list[dict], where: str) -> EpisodeBatch | MultiAgentBatch:
+    """Validated episode dicts as one EpisodeBatch, or, when they carry module ids (all of
+    them must), a MultiAgentBatch of one EpisodeBatch per module."""
+    multi = [MODULE_ID in ep for ep in episodes]
+    if not any(multi):
+        return _batch(episodes, where)
+    if not all(multi):
+        raise ProtocolError(f"{where}: episode {multi.index(False)} has no 'module_id' but others do: "
+                            f"a message is single-agent or multi-agent")
+    groups: dict[str, list] = {}
+    for ep in episodes:
+        groups.setdefault(ep.pop(MODULE_ID), []).append(ep)
+    return MultiAgentBatch({module: _batch(eps, f"{where} module {module!r}") for module, eps in groups.items()})
 
 
 def _batch(episodes: list[dict], where: str) -> EpisodeBatch:
@@ -534,11 +578,11 @@ def _batch(episodes: list[dict], where: str) -> EpisodeBatch:
 
 
 _COLUMN_KEYS = frozenset({"lengths", OBS, *STEP_FIELDS, TERMINATED, TRUNCATED, EPISODE_ID, WEIGHTS_SEQ_NO,
-                          STATE_IN})
+                          STATE_IN, AGENT_ID})
 _REQUIRED_COLUMNS = ("lengths", OBS, *STEP_FIELDS, TERMINATED, TRUNCATED)
 
 
-def _columns(cols: dict, where: str) -> EpisodeBatch:
+def _columns(cols: dict, where: str, multi: bool = False) -> EpisodeBatch:
     """Columnar episodes (the binary codec's form) checked as thoroughly as the list form."""
     where = f"{where} episodes"
     for key in cols:
@@ -584,8 +628,16 @@ def _columns(cols: dict, where: str) -> EpisodeBatch:
         state = _array(cols, STATE_IN, where) if n else np.zeros((0, 0), np.float32)
         if state.ndim != 2 or len(state) != n:
             raise ProtocolError(f"{where}: 'state_in' has shape {state.shape}, expected {n} rows of numbers")
+    agents = cols.get(AGENT_ID)
+    if agents is not None:
+        if not (type(agents) is list and len(agents) == n):
+            raise ProtocolError(f"{where}: 'agent_id' must be a list of {n} agent ids")
+        agents = [_agent_id(a, where) for a in agents]
+    if multi != (agents is not None):
+        raise ProtocolError(f"{where}: 'agent_id' is a column of multi-agent episodes, and only of them")
     return EpisodeBatch(obs=obs, actions=actions, lengths=lengths, **rows, is_terminated=flags[TERMINATED],
-                        is_truncated=flags[TRUNCATED], weights_seq_no=seq, episode_ids=ids, state_in=state)
+                        is_truncated=flags[TRUNCATED], weights_seq_no=seq, episode_ids=ids, state_in=state,
+                        agent_ids=agents)
 
 
 def _count(msg: dict, key: str, where: str, minimum: int = 0) -> int:
@@ -636,8 +688,18 @@ def _request(msg: dict, t: MessageType) -> dict:
     with np.errstate(all="ignore"):  # overflow in float32 casts is reported as non-finite
         if isinstance(episodes, (_Columns, EpisodeBatch)):
             batch = _columns(episodes if isinstance(episodes, _Columns) else episodes.columns(), t.value)
+        elif isinstance(episodes, (_MultiColumns, MultiAgentBatch)):
+            modules = episodes if isinstance(episodes, _MultiColumns) else episodes.policies
+            batch = MultiAgentBatch({})
+            for module, cols in modules.items():
+                where = f"{t.value} module {_module_id(module, t.value)!r}"
+                if isinstance(cols, EpisodeBatch):
+                    cols = cols.columns()
+                elif not isinstance(cols, _Columns):
+                    raise ProtocolError(f"{where}: episodes must be columns, got {type(cols).__name__}")
+                batch.policies[module] = _columns(cols, where, multi=True)
         elif isinstance(episodes, (list, tuple)):
-            batch = _batch([_episode(ep, i) for i, ep in enumerate(episodes)], t.value)
+            batch = _multi_batch([_episode(ep, i) for i, ep in enumerate(episodes)], t.value)
         else:
             raise ProtocolError(f"{t.value}: 'episodes' must be a list, got {type(episodes).__name__}")
     out["episodes"] = batch
@@ -661,11 +723,31 @@ def _reply(msg: dict, t: MessageType) -> dict:
                                 f"got {_show(msg['force_on_policy'])}")
         out["force_on_policy"] = bool(msg["force_on_policy"])
     elif t is _T.SET_STATE:
-        if not isinstance(_require(msg, "onnx_file", t.value), (str, bytes)):
+        if "policies" in msg:   # multi-agent: one model per policy
+            out["policies"] = _policies(msg["policies"])
+        elif not isinstance(_require(msg, "onnx_file", t.value), (str, bytes)):
             raise ProtocolError(f"SET_STATE: 'onnx_file' must be a string (or bytes), "
                                 f"got {type(msg['onnx_file']).__name__}")
         _require(msg, "weights_seq_no", t.value)
         out["weights_seq_no"] = _count(msg, "weights_seq_no", t.value)
+    return out
+
+
+def _policies(policies) -> dict:
+    """SET_STATE's ``policies``: module_id -> {onnx_file, weights_seq_no[, frozen]}."""
+    if not isinstance(policies, dict) or not policies:
+        raise ProtocolError("SET_STATE: 'policies' must be a non-empty object of module_id -> model")
+    out = {}
+    for module, entry in policies.items():
+        where = f"SET_STATE policy {_module_id(module, 'SET_STATE')!r}"
+        if not isinstance(entry, dict):
+            raise ProtocolError(f"{where}: must be an object, got {type(entry).__name__}")
+        if not isinstance(_require(entry, "onnx_file", where), (str, bytes)):
+            raise ProtocolError(f"{where}: 'onnx_file' must be a string (or bytes)")
+        _require(entry, "weights_seq_no", where)
+        out[module] = {**entry, "weights_seq_no": _count(entry, "weights_seq_no", where)}
+        if "frozen" in entry and not _is_bool(entry["frozen"]):
+            raise ProtocolError(f"{where}: 'frozen' must be true or false")
     return out
 
 

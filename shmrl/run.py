@@ -88,6 +88,10 @@ class RunConfig:
     resume: str | None = None
     log_every: float | None = None        # None: every update on a terminal, else every 10 s
     tensorboard: bool | None = None       # None: when the tensorboard package is installed
+    policy_map: str = "shared"            # multi-agent envs: shared, per-agent or package.module:fn
+    league: int | None = None             # multi-agent self-play: frozen snapshots kept (0: none)
+    league_every: int | None = None       # updates between snapshots
+    league_prob: float | None = None      # chance an episode has one agent play a snapshot
     ray: str | None = None                # a Ray cluster's address ("auto", "HOST:6379"): simulators as actors
     sim_cpus: float = 1.0                 # CPUs Ray reserves for each simulator actor
 
@@ -212,16 +216,26 @@ def load_resume_checkpoint(config: RunConfig, net) -> tuple:
     if saved_env is not None and saved_env != env_name(config.env):
         raise ConfigError(f"--resume {config.resume}: its checkpoint was trained on {saved_env}, not "
                           f"{env_name(config.env)}; a run resumes on the env it was trained on")
-    why = net.check(saved_policy(arrays))
-    if why:
-        raise ConfigError(f"--resume {config.resume}: {path} does not fit a network of --hidden {config.hidden} "
-                          f"for {net.spec.env_id}: {why}; was it saved with other layer sizes?")
+    # A multi-agent run's nets are by policy id: each must fit its saved policy.
+    for pid, one in (net.items() if isinstance(net, dict) else [(None, net)]):
+        why = one.check(saved_policy(arrays, pid))
+        if why:
+            raise ConfigError(f"--resume {config.resume}: {path} does not fit a network of --hidden {config.hidden} "
+                              f"for {one.spec.env_id}: {why}; was it saved with other layer sizes?")
     return path, arrays, state
 
 
-def saved_policy(arrays: dict) -> dict:
-    """The published policy in a checkpoint's arrays (``policy/<name>``)."""
-    return {k.split("/", 1)[1]: v for k, v in arrays.items() if k.startswith("policy/")}
+def saved_policy(arrays: dict, pid: str | None = None) -> dict:
+    """The published policy in a checkpoint's arrays (``policy/<name>``; a multi-agent
+    run's policy ``pid``: ``policies/<pid>/policy/<name>``)."""
+    prefix = "policy/" if pid is None else f"policies/{pid}/policy/"
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def policy_arrays(arrays: dict, pid: str) -> dict:
+    """A multi-agent checkpoint's arrays of policy ``pid``, under the names PPO uses."""
+    prefix = f"policies/{pid}/"
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
 
 
 def policy_net(config: RunConfig, spec):
@@ -243,12 +257,20 @@ def ring_bytes(config: RunConfig, spec, net) -> dict:
     from shmrl.transport.shm import ShmServer, ring_bytes_for
 
     steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
-    leaves = spec.obs.leaves
-    obs_bytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
-    request = rllink.episodes_body_bytes(steps, obs_bytes, spec.actions.action_size, spec.policy_outputs, len(leaves),
-                                         net.state_size)
-    params = sum(math.prod(shape) for shape in net.template.shapes.values())
-    reply = rllink.set_state_body_bytes(4 * params + 4096)   # float32 weights and the graph around them
+    specs, nets, extra = [spec], [net], 0
+    if isinstance(net, dict):   # multi-agent: each step may be any agent's; every policy and snapshot in a reply
+        specs = list(spec.agent_specs.values())
+        steps += config.envs_per_sim * len(spec.agents)   # a turn may end past the sample size
+        nets = list(net.values()) * (1 + config.league)
+        extra = 256                                       # agent and module ids
+    request = 0
+    for s in specs:
+        leaves = s.obs.leaves
+        obs_bytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
+        request = max(request, rllink.episodes_body_bytes(steps, obs_bytes + extra, s.actions.action_size,
+                                                          s.policy_outputs, len(leaves), nets[0].state_size))
+    params = sum(math.prod(shape) for n in nets for shape in n.template.shapes.values())
+    reply = rllink.set_state_body_bytes(4 * params + 4096 * len(nets))   # float32 weights and the graphs around them
     return {"request_ring_bytes": ring_bytes_for(8 + request, ShmServer.REQUEST_RING_BYTES),
             "reply_ring_bytes": ring_bytes_for(8 + reply, ShmServer.REPLY_RING_BYTES)}
 
@@ -263,7 +285,11 @@ def progress_line(row: dict, n_returns: int) -> str:
     return (f"update {row['update']:4d} | steps {row['env_steps']:8d} | {row['env_steps_per_s']:8.0f} steps/s | "
             f"return {row['return_mean']:7.1f} (n={n_returns}) | pi {row['pi_loss']:+.3f} "
             f"v {row['v_loss']:.3f} ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} | "
-            f"lag {row['policy_lag']:.1f} | {row['elapsed_s']:.1f}s | {clients}")
+            f"lag {row['policy_lag']:.1f} | {row['elapsed_s']:.1f}s | {clients}"
+            + ("" if "return_by_agent" not in row else " | " + " ".join(
+                f"{a}={r:.2f}" for a, r in sorted(row["return_by_agent"].items())))
+            + ("" if len(row.get("return_by_policy", {})) < 2 else " | policies " + " ".join(
+                f"{p}={r:.2f}" for p, r in sorted(row["return_by_policy"].items()))))
 
 
 def _k(n: int) -> str:
@@ -296,10 +322,27 @@ def counts(learner, supervisor) -> dict:
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
 
+def policy_returns(learner) -> dict:
+    """A multi-agent run's mean returns per policy and per agent (nothing for a single agent)."""
+    store = learner.store
+    if not hasattr(store, "policies"):
+        return {}
+    return {"return_by_policy": store.policy_return_means(), "return_by_agent": store.agent_return_means()}
+
+
 def save_checkpoint(config: RunConfig, learner, ppo, keep: int) -> Path:
     from shmrl import checkpoint
 
-    arrays, ppo_values = ppo.get_state()
+    if isinstance(ppo, dict):   # multi-agent: every policy's state under policies/<id>/
+        arrays, ppo_values = {}, {}
+        for pid, p in ppo.items():
+            a, ppo_values[pid] = p.get_state()
+            stats = learner.store.policies[pid].reward_stats
+            if stats is not None:
+                a.update(stats.get_state("reward_stats"))
+            arrays.update({f"policies/{pid}/{k}": v for k, v in a.items()})
+    else:
+        arrays, ppo_values = ppo.get_state()
     if learner.store.reward_stats is not None:
         arrays.update(learner.store.reward_stats.get_state("reward_stats"))
     return checkpoint.save(Path(config.logdir), learner.updates, arrays, keep=keep, state={
@@ -345,22 +388,34 @@ def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
 
     spec = env_spec(config.env)
     config = resolve_config(config, spec)
+    policy_specs = None
+    if getattr(spec, "multiagent", False):
+        from shmrl.multiagent import policy_mapper
+
+        try:
+            policy_specs = spec.policy_specs(policy_mapper(config.policy_map))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if config.stop_return is None:  # the env's threshold; without one, train to the step budget
         config.stop_return = spec.reward_threshold if spec.reward_threshold is not None else math.inf
     if config.logdir is None:
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
         config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     logdir = Path(config.logdir)
-    net = policy_net(config, spec)
+    net = (policy_net(config, spec) if policy_specs is None
+           else {pid: policy_net(config, s) for pid, s in policy_specs.items()})
     resumed = load_resume_checkpoint(config, net) if config.resume else None
     # The first policy is published and served before torch is imported (about 2 s):
     # the simulators start (their fork server loads numpy and onnxruntime) and sample
     # on one core while this process loads torch on the other.
     if resumed:
         path, arrays, state = resumed
-        first_policy, first_seq = saved_policy(arrays), state["weights_seq_no"] + 1
+        first_seq = state["weights_seq_no"] + 1
+        first_policy = (saved_policy(arrays) if policy_specs is None
+                        else {pid: saved_policy(arrays, pid) for pid in policy_specs})
     else:
-        first_policy, first_seq = net.initial_weights(config.seed), 1
+        first_policy, first_seq = (net.initial_weights(config.seed) if policy_specs is None else
+                                   {pid: n.initial_weights(config.seed + i) for i, (pid, n) in enumerate(net.items())}), 1
     if config.tensorboard is None:
         config.tensorboard = tensorboard_available()
     elif config.tensorboard and not tensorboard_available():
@@ -384,7 +439,11 @@ def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
             supervisor = Supervisor(addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim,
                                     auth_token=config.auth_token, shm_server=shm, hang_timeout=config.hang_timeout,
                                     nice=config.sim_nice, launcher=launcher)
-        learner = Learner(spec, servers, policy=net.template, initial_weights=first_policy,
+        learner = Learner(spec, servers, initial_weights=first_policy,
+                          policy=net.template if policy_specs is None else {p: n.template for p, n in net.items()},
+                          policy_specs=policy_specs, league_size=config.league, league_every=config.league_every,
+                          extra_config=None if policy_specs is None else {
+                              "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0},
                           env_steps_per_sample=config.env_steps_per_sample,
                           train_batch_size=config.train_batch_size,
                           on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
@@ -392,7 +451,7 @@ def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
                           housekeeping=supervisor.check if supervisor else None,
                           reward_gamma=config.gamma if config.normalize_reward else None,
                           batch_wait_timeout=config.hang_timeout,
-                          state_size=net.state_size)
+                          state_size=0 if policy_specs else net.state_size)
         store = learner.store
         if resumed:
             store.restore(state["counters"], arrays)
@@ -417,14 +476,21 @@ def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
         from shmrl.ppo import PPO, PPOConfig
 
         torch.set_num_threads(config.torch_threads)
-        ppo = PPO(net, PPOConfig(lr=config.lr, gamma=config.gamma, gae_lambda=config.gae_lambda, clip=config.clip,
-                                 epochs=config.epochs, minibatch_size=config.minibatch_size,
-                                 ent_coef=config.ent_coef, vf_coef=config.vf_coef,
-                                 max_grad_norm=config.max_grad_norm, reward_scale=config.reward_scale,
-                                 lr_anneal=config.lr_anneal, max_seq_len=config.max_seq_len),
-                  seed=config.seed, initial_weights=first_policy)
-        if resumed:
-            ppo.set_state(arrays, state["ppo"])
+        ppo_config = PPOConfig(lr=config.lr, gamma=config.gamma, gae_lambda=config.gae_lambda, clip=config.clip,
+                               epochs=config.epochs, minibatch_size=config.minibatch_size,
+                               ent_coef=config.ent_coef, vf_coef=config.vf_coef,
+                               max_grad_norm=config.max_grad_norm, reward_scale=config.reward_scale,
+                               lr_anneal=config.lr_anneal, max_seq_len=config.max_seq_len)
+        if policy_specs is None:
+            ppo = PPO(net, ppo_config, seed=config.seed, initial_weights=first_policy)
+            if resumed:
+                ppo.set_state(arrays, state["ppo"])
+        else:   # one PPO per policy
+            ppo = {pid: PPO(n, ppo_config, seed=config.seed + i, initial_weights=first_policy[pid])
+                   for i, (pid, n) in enumerate(net.items())}
+            if resumed:
+                for pid, p in ppo.items():
+                    p.set_state(policy_arrays(arrays, pid), state["ppo"][pid])
         if supervisor:
             launcher.join()
         if launch_error:
@@ -454,7 +520,9 @@ def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
                        **{k: stats[k] for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac",
                                                "train_s", "batch_steps", "weights_seq_no", "policy_lag",
                                                "lr", "reward_scale")},
-                       **counts(learner, supervisor), "elapsed_s": now - t_start}
+                       **counts(learner, supervisor), "elapsed_s": now - t_start, **policy_returns(learner)}
+                if "policies" in stats:   # a multi-agent update: each policy's losses, "<id>/pi_loss"
+                    row["policies"] = {f"{pid}/{k}": v for pid, st in stats["policies"].items() for k, v in st.items()}
                 if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
                     print(progress_line(row, len(store.returns)), flush=True)
                     last_line = now
@@ -485,8 +553,13 @@ def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
                                               if learner.store.first_steps_at else None),
                            "updates": learner.updates, "weights_seq_no": learner.weights_seq_no,
                            "simulator_recovery_s": supervisor.recovery_s if supervisor else [],
-                           "resumed_from": str(resumed[0]) if resumed else None, "config": saved_config(config)}
-                (logdir / "policy.onnx").write_bytes(learner.model_bytes)
+                           "resumed_from": str(resumed[0]) if resumed else None, "config": saved_config(config),
+                           **policy_returns(learner)}
+                if isinstance(learner.model_bytes, dict):   # multi-agent: policy-<id>.onnx each
+                    for pid, model in learner.model_bytes.items():
+                        (logdir / f"policy-{pid}.onnx").write_bytes(model)
+                else:
+                    (logdir / "policy.onnx").write_bytes(learner.model_bytes)
                 if ppo is not None:
                     summary["checkpoint"] = str(save_checkpoint(config, learner, ppo, config.keep_checkpoints))
                 (logdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -575,6 +648,19 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
                         "not holding it back; close a TCP client of shmrl's that sent no heartbeat for S "
                         "seconds; let a strict on-policy batch wait at most S seconds for a client still "
                         "sampling (default: %(default)s)")
+    m = p.add_argument_group("multi-agent envs (PettingZoo: --env pz:NAME)")
+    m.add_argument("--policy-map", default=d.policy_map, metavar="MAP",
+                   help="which policy each agent plays: shared (one for all), per-agent (one each), or "
+                        "package.module:fn, a function agent_id -> policy_id; each policy is trained by its own "
+                        "PPO (default: %(default)s)")
+    m.add_argument("--league", type=int, default=d.league, metavar="N",
+                   help="self-play league: keep the last N frozen snapshots of each policy; at each episode "
+                        "start, with probability --league-prob, one agent plays a snapshot picked uniformly "
+                        "(default: %(default)s, none: every agent plays the current policy)")
+    m.add_argument("--league-every", type=int, default=d.league_every, metavar="U",
+                   help="add a snapshot every U updates (default: %(default)s)")
+    m.add_argument("--league-prob", type=float, default=d.league_prob, metavar="P",
+                   help="chance that an episode has an agent play a snapshot (default: %(default)s)")
     g = p.add_argument_group("sampling and PPO")
     g.add_argument("--train-batch-size", type=int, default=d.train_batch_size, metavar="N",
                    help="env steps per PPO update; fewer when every client waits for new weights and "
@@ -713,6 +799,17 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--memory-size and --max-seq-len must be >= 1")
     if config.log_every is not None and config.log_every < 0:
         p.error("--log-every must be >= 0")
+    if config.league < 0 or config.league_every < 1 or not 0 <= config.league_prob <= 1:
+        p.error("--league must be >= 0, --league-every >= 1 and --league-prob between 0 and 1")
+    if getattr(spec, "multiagent", False):
+        from shmrl.multiagent import policy_mapper
+
+        try:
+            spec.policy_specs(policy_mapper(config.policy_map))
+        except ValueError as e:
+            p.error(str(e))
+        if config.memory != "none":
+            p.error("--memory: recurrent policies are single-agent for now; a multi-agent env takes --memory none")
     if config.vf_coef < 0 or config.max_grad_norm <= 0:
         p.error("--vf-coef must be >= 0 and --max-grad-norm > 0")
     return config

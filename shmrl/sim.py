@@ -64,12 +64,19 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     ``envs_per_sim`` envs are stepped together (one batched ONNX call per step); every
     message carries ``env_steps_per_sample`` steps of them, cut into per-episode chunks.
     Returns the number of env steps sent. ``max_messages`` bounds the loop (tests);
-    ``log_every_s`` logs progress (steps sent, recent returns) that often.
+    ``log_every_s`` logs progress (steps sent, recent returns) that often. A server that
+    trains several policies (SET_STATE ``policies``: a multi-agent env) gets
+    ``shmrl.multiagent``'s loop.
 
     A recurrent policy (its graph takes ``state_in.<i>``) gets each env's state, zeroed
     where an episode starts; every chunk carries the state before its first step.
     """
     config, state = handshake(client, auth_token)
+    if "policies" in state:
+        from shmrl import multiagent
+
+        return multiagent.run_simulator(client, env_id, seed, envs_per_sim, max_messages, log_every_s,
+                                        handshake=(config, state))
     steps_per_env = -(-int(config["env_steps_per_sample"]) // envs_per_sim)
     seq = state["weights_seq_no"]
     policy = OnnxPolicy(decode_onnx_file(state["onnx_file"]))

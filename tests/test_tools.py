@@ -324,3 +324,23 @@ def test_rllib_client_against_shmrl_quick(tool):
     assert 0 < r["env_steps_trained"] <= r["env_steps"] <= 100_000 + 4096
     assert positive(r["wall_s"]) and positive(r["peak_rss_mb"])
     assert "survivors" not in r and r["scratch"] is None                 # every process stopped, scratch removed
+
+
+def test_multiagent_quick(tool):
+    rc, out, err = tool("multiagent.py", "--quick", "--json", timeout=180)
+    assert rc == 0, err[-2000:]
+    r = json.loads(out)
+    assert r["quick"] is True
+    c4 = r["connect_four"]
+    run = c4["runs"][0]
+    assert run["seed"] == 0 and run["exit"] == 1 and run["env_steps"] >= 4096 and run["games"] == 50
+    assert 0 <= run["win_rate_greedy"] <= 1 and 0 <= run["win_rate_sampled"] <= 1
+    assert run["wall_s"] > run["train_wall_s"] > 0 and c4["target"] == {"win_rate": 0.9, "wall_s": 300.0}
+    assert run["met"] == (run["win_rate_greedy"] >= 0.9 and run["wall_s"] <= 300)
+    spread = r["simple_spread"]
+    run = spread["runs"][0]
+    assert run["exit"] == 1 and run["env_steps"] >= 13000 and run["return_mean"] < 0
+    assert run["return_at_target_s"] < 0   # the last progress row within the 600 s
+    assert sorted(run["return_by_agent"]) == ["agent_0", "agent_1", "agent_2"]
+    assert spread["target"]["wall_s"] == 600.0 and run["met"] == (run["reached_s"] is not None
+                                                                  and run["reached_s"] <= 600)
