@@ -421,3 +421,20 @@ def test_eval_cli_plays_against_random_and_against_a_run_folder(tmp_path):
         assert proc.returncode == 0, proc.stderr
         r = json.loads(proc.stdout)
         assert r["episodes"] == 20 and abs(r["win_rate"] + r["draw_rate"] + r["loss_rate"] - 1) < 1e-9
+
+
+@pytest.mark.parametrize("server_env, sim_env, message", [
+    ("pz:connect_four_v3", "CartPole-v1", "CartPole-v1 is single-agent"),
+    ("CartPole-v1", "pz:connect_four_v3", "a single-agent policy cannot play"),
+])
+def test_a_simulator_whose_env_does_not_fit_the_run_says_so(start_run, tmp_path, server_env, sim_env, message):
+    import re
+    import subprocess
+    import sys
+
+    run = start_run("--sims", 0, "--tcp-port", 0, "--env", server_env, "--logdir", tmp_path / "logs")
+    run.wait_for("listening for RLlink clients on", timeout=30)
+    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    proc = subprocess.run([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", sim_env],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
