@@ -316,18 +316,18 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
     if config.ray:
         from shmrl.ray_launcher import RayLauncher
 
-        if not config.auth_token:  # the port is open to the cluster's network: never without a secret
-            import secrets
-
-            config = dataclasses.replace(config, auth_token=secrets.token_urlsafe(24))
-            log.info("--ray: the simulators' TCP connections use a generated auth token; give --auth-token "
-                     "(or $SHMRL_AUTH_TOKEN) to let other clients in too")
         try:
             launcher = RayLauncher(config.ray, sim_cpus=config.sim_cpus)
         except ImportError as e:
             raise ConfigError(str(e)) from None
         except (ConnectionError, RuntimeError, ValueError) as e:  # what ray.init raises for no cluster there
             raise ConfigError(f"--ray {config.ray}: cannot connect to the Ray cluster: {e}") from None
+        if not config.auth_token:  # the port is open to the cluster's network: never without a secret
+            import secrets
+
+            config = dataclasses.replace(config, auth_token=secrets.token_urlsafe(24))
+            log.info("--ray: the simulators' TCP connections use a generated auth token; give --auth-token "
+                     "(or $SHMRL_AUTH_TOKEN) to let other clients in too")
     try:
         return _train(config, t_start, launcher)
     finally:
