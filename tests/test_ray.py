@@ -142,7 +142,9 @@ def test_a_hung_remote_simulator_is_named_closed_and_its_actor_restarted(
     os.killpg(run.proc.pid, signal.SIGINT)
     assert run.proc.wait(30) == 130, run.output()[-5000:]
     s = summary_of(tmp_path / "run")
-    assert s["clients_timed_out"] == 1 and s["simulator_restarts"] == 1
+    # One hang, closed once; on a loaded machine its replacement may also be slow to connect
+    # within the 4 s and be replaced again (a restart of its own, logged as such).
+    assert s["clients_timed_out"] == 1 and s["simulator_restarts"] >= 1
     check_books(s)
     print(f"hung simulator closed {log_time(closed[0]) - hung_at:.1f} s after it hung (--hang-timeout 4)")
 
