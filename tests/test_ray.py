@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import alive, descendants
+from test_tcp_binary import HANGING_ENV   # the env that hangs once armed
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'shmrl[ray]'")
 pytestmark = pytest.mark.ray
@@ -95,29 +96,6 @@ def test_cartpole_solved_with_simulators_on_both_nodes(cluster, start_run, tmp_p
     assert "listening for RLlink clients on" in run.output()
     print(f"CartPole solved on two nodes in {s['wall_s']:.1f} s, {s['env_steps']} env steps, "
           f"clients {sorted(clients)}")
-
-
-HANGING_ENV = """
-import os, time
-from shmrl.envs import make_env as _make
-
-def make_env():
-    env = _make("CartPole-v1")
-    step = env.step
-
-    def step_or_hang(action):
-        if os.path.exists({armed!r}):
-            try:   # the first env to step once armed hangs, for good
-                os.close(os.open({hung!r}, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                pass
-            else:
-                time.sleep(3600)
-        return step(action)
-
-    env.step = step_or_hang
-    return env
-"""
 
 
 def test_a_hung_remote_simulator_is_named_closed_and_its_actor_restarted(
