@@ -304,3 +304,27 @@ def test_image_and_dict_environments_train_end_to_end(env, inputs, tmp_path, cap
     assert {i.name: i.type for i in policy.session.get_inputs()} == inputs
     if "MiniGrid" in env:   # its Text mission cannot be encoded: said once, never silently
         assert "observation 'mission' is left out" in caplog.text
+
+
+def test_an_atari_game_is_preprocessed_and_trains_end_to_end(tmp_path, no_shm_leftovers, no_sim_leftovers):
+    """gym:ALE/* is built with gymnasium's own Atari preprocessing (84x84 grey, 4 stacked,
+    uint8 throughout) and trains through the rings with the preset's Nature CNN; a short
+    budget: the suite checks that it runs, tools/zoo.py measures how well."""
+    pytest.importorskip("ale_py", reason="the atari extra is not installed (the test extra has it)")
+    import shmrl
+    from shmrl.envs import env_spec, make_env
+
+    env = make_env("gym:ALE/Breakout-v5", seed=0)
+    try:
+        obs, _ = env.reset(seed=0)
+        assert obs.shape == (4, 84, 84) and obs.dtype == np.uint8
+        assert env_spec("gym:ALE/Breakout-v5").action_space.n == 4
+    finally:
+        env.close()
+    summary = shmrl.train(env="gym:ALE/Breakout-v5", sims=1, envs_per_sim=2, max_env_steps=768,
+                          train_batch_size=256, minibatch_size=128, logdir=str(tmp_path), tensorboard=False)
+    assert summary["exit_status"] == 1 and summary["updates"] >= 2, summary
+    assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary
+    policy = OnnxPolicy((tmp_path / "policy.onnx").read_bytes())
+    (obs_input,) = policy.session.get_inputs()
+    assert obs_input.name == "obs" and obs_input.type == "tensor(uint8)" and obs_input.shape[1:] == [4, 84, 84]
