@@ -475,7 +475,9 @@ def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
 
         from shmrl.ppo import PPO, PPOConfig
 
-        torch.set_num_threads(config.torch_threads)
+        # 0: every core, for strict on-policy runs whose update dominates (the simulators
+        # wait through it, so the learner may take their cores).
+        torch.set_num_threads(config.torch_threads or os.cpu_count() or 1)
         ppo_config = PPOConfig(lr=config.lr, gamma=config.gamma, gae_lambda=config.gae_lambda, clip=config.clip,
                                epochs=config.epochs, minibatch_size=config.minibatch_size,
                                ent_coef=config.ent_coef, vf_coef=config.vf_coef,
@@ -728,7 +730,9 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
                    help="with --memory, PPO back-propagates through sequences of at most T steps "
                         "(default: %(default)s)")
     g.add_argument("--torch-threads", type=int, default=d.torch_threads,
-                   help="torch threads of the learner; the simulators need the other cores (default: %(default)s)")
+                   help="torch threads of the learner; the simulators need the other cores. 0: every core, "
+                        "where the update dominates and the simulators wait through it (strict on-policy "
+                        "image presets) (default: %(default)s)")
     return p
 
 
@@ -791,8 +795,9 @@ def parse_args(argv=None) -> RunConfig:
             and config.ent_coef >= 0 and config.reward_scale > 0):
         p.error("--lr, --clip and --reward-scale must be > 0, --gamma in (0, 1], --gae-lambda in [0, 1] and "
                 "--ent-coef >= 0")
-    if min(config.epochs, config.minibatch_size, config.hidden, config.torch_threads) < 1 or config.max_policy_lag < 0:
-        p.error("--epochs, --minibatch-size, --hidden and --torch-threads must be >= 1, --max-policy-lag >= 0")
+    if min(config.epochs, config.minibatch_size, config.hidden) < 1 or config.torch_threads < 0 \
+            or config.max_policy_lag < 0:
+        p.error("--epochs, --minibatch-size and --hidden must be >= 1, --torch-threads and --max-policy-lag >= 0")
     if config.layers < 0:
         p.error("--layers must be >= 0")
     if config.memory_size < 1 or config.max_seq_len < 1:

@@ -73,6 +73,7 @@ def test_a_tcp_port_in_use(tmp_path):
     (["--tcp-port", 0, "--tcp-host", "192.0.2.1"], ["192.0.2.1 is not an address of this machine"]),
     (["--logdir", "/proc/self/no/such/dir"], ["--logdir /proc/self/no/such/dir", "cannot create it"]),
     (["--hidden", 0], ["--hidden"]),
+    (["--torch-threads", -1], ["--torch-threads"]),
     (["--gamma", 1.5], ["--gamma"]),
     (["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
     (["--env", "Nope-v0"], ["unknown environment 'Nope-v0'"]),

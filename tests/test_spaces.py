@@ -1,5 +1,6 @@
 """The space layer: every observation and action space shmrl trains, through both codecs,
 validation, the ONNX graph, the sampler, PPO's log-probabilities and action masks."""
+import os
 import threading
 
 import numpy as np
@@ -321,9 +322,11 @@ def test_an_atari_game_is_preprocessed_and_trains_end_to_end(tmp_path, no_shm_le
         assert env_spec("gym:ALE/Breakout-v5").action_space.n == 4
     finally:
         env.close()
+    torch.set_num_threads(1)
     summary = shmrl.train(env="gym:ALE/Breakout-v5", sims=1, envs_per_sim=2, max_env_steps=768,
                           train_batch_size=256, minibatch_size=128, logdir=str(tmp_path), tensorboard=False)
     assert summary["exit_status"] == 1 and summary["updates"] >= 2, summary
+    assert torch.get_num_threads() == os.cpu_count()     # the preset's torch_threads 0: every core
     assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary
     policy = OnnxPolicy((tmp_path / "policy.onnx").read_bytes())
     (obs_input,) = policy.session.get_inputs()
