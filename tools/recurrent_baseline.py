@@ -36,26 +36,6 @@ TARGETS = {"CartPoleNoVel-v1": 475.0, "PendulumNoVel-v1": -300.0}
 QUICK = {"envs": ["CartPoleNoVel-v1"], "seeds": [0], "seconds": 10.0}
 
 
-def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str]) -> dict:
-    logdir = folder / "shmrl"
-    cmd = [sys.executable, "-m", "shmrl.run", "--env", env, "--seed", str(seed), "--logdir", str(logdir),
-           "--stop-return", str(TARGETS.get(env, float("inf"))), "--log-every", "30", *extra]
-    zoo.stop_after(cmd, seconds, zoo.REPO, folder / "shmrl.log")
-    path = logdir / "metrics.jsonl"
-    if not path.exists():
-        raise RuntimeError(f"shmrl wrote no metrics; its log:\n{(folder / 'shmrl.log').read_text()[-3000:]}")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
-             for r in rows if r["return_mean"] == r["return_mean"]]      # not before the first episode
-    summary = logdir / "summary.json"
-    if summary.exists():   # where it stopped: the return it stopped at comes after the last update's row
-        s = json.loads(summary.read_text())
-        if s["return_mean"] == s["return_mean"]:
-            curve.append({"wall_s": s["wall_s"], "env_steps": s["env_steps"], "return_mean": s["return_mean"]})
-    return {"curve": curve, "env_steps_per_s": rows[-1]["env_steps_per_s"] if rows else None,
-            "env_steps": rows[-1]["env_steps"] if rows else None, "command": " ".join(["python", *cmd[1:6], *extra])}
-
-
 def compare(env: str, sb3: dict, shmrl: dict) -> dict:
     """The ratio of wall times to the env's target: exact where RecurrentPPO reached it,
     else a lower bound (RecurrentPPO had not reached it when its last episode ended). And
@@ -110,7 +90,8 @@ def main(argv=None) -> int:
                 (tmp / "sb3").mkdir()
                 (tmp / "shmrl").mkdir()
                 entry = {"seed": seed, "sb3": zoo.run_sb3(py, env, seed, a.seconds, tmp / "sb3", "ppo_lstm", budget),
-                         "shmrl": run_shmrl(env, seed, a.seconds, tmp / "shmrl", a.extra)}
+                         "shmrl": zoo.run_shmrl(env, seed, a.seconds, tmp / "shmrl", a.extra,
+                                                  stop_return=TARGETS.get(env, float("inf")))}
             for who in ("sb3", "shmrl"):
                 reached = to_target(env, entry[who])
                 entry[who]["target_wall_s"] = reached and reached["wall_s"]

@@ -46,6 +46,9 @@ DEFAULT_VENV = Path("~/.cache/shmrl/zoo-venv").expanduser()
 VENV_PACKAGES = ["torch==2.13.0", "rl_zoo3", "gymnasium[mujoco,atari]", "opencv-python-headless"]
 TIMES = (30, 60, 120, 180, 300)         # seconds at which returns are reported
 STEPS = (100_000, 300_000, 1_000_000)   # env steps at which returns are reported
+# An ALE game's env step is 4 emulator frames on both sides (zoo's AtariWrapper, shmrl's
+# AtariPreprocessing): Monitor counts frames, and the issue's unit for Atari is frames/s.
+ATARI_FRAME_SKIP = 4
 
 
 def ensure_venv(venv: Path) -> Path:
@@ -126,6 +129,7 @@ def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path, algo: s
     """rl-zoo3's training script for ``seconds``: its PPO with the entry ``zoo_config``
     finds, or another ``algo`` (``ppo_lstm``: sb3-contrib's RecurrentPPO) with zoo's own
     file for it; ``extra``: more of its arguments."""
+    frames_per_step = ATARI_FRAME_SKIP if env.startswith("ALE/") else 1
     env = zoo_env(env)
     conf = ["-conf", str(zoo_config(py, env, folder))] if algo == "ppo" else []
     t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", algo, "--env", env, "--seed", str(seed),
@@ -143,10 +147,10 @@ def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path, algo: s
             ended += [(t_start + float(row["t"]) - t0, int(row["l"]), float(row["r"])) for row in csv.DictReader(f)]
     episodes, steps = [], 0
     for wall, length, ret in sorted(ended):
-        steps += length
+        steps += round(length / frames_per_step)   # Monitor's lengths count frames under AtariWrapper
         episodes.append((wall, steps, ret))
-    # Throughput from SB3's own log: its last total_timesteps and time_elapsed (Monitor's
-    # episode lengths count raw frames under AtariWrapper, and only finished episodes).
+    # Throughput from SB3's own log: its last total_timesteps and time_elapsed (Monitor
+    # counts only finished episodes).
     log = (folder / "sb3.log").read_text()
     totals = [int(x) for x in _log_values(log, "total_timesteps")]
     elapsed = [float(x) for x in _log_values(log, "time_elapsed")]
@@ -165,10 +169,13 @@ def _log_values(log: str, key: str) -> list[str]:
     return out
 
 
-def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str]) -> dict:
+def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str],
+              stop_return: float = float("inf")) -> dict:
+    """``python -m shmrl.run --env ENV`` (an --env value: ``gym:HalfCheetah-v5``) for
+    ``seconds``, or until ``stop_return``; its curve from metrics.jsonl."""
     logdir = folder / "shmrl"
-    cmd = [sys.executable, "-m", "shmrl.run", "--env", f"gym:{env}", "--seed", str(seed), "--logdir",
-           str(logdir), "--stop-return", "inf", "--log-every", "30", *extra]
+    cmd = [sys.executable, "-m", "shmrl.run", "--env", env, "--seed", str(seed), "--logdir",
+           str(logdir), "--stop-return", str(stop_return), "--log-every", "30", *extra]
     stop_after(cmd, seconds, REPO, folder / "shmrl.log")
     path = logdir / "metrics.jsonl"
     if not path.exists():
@@ -176,9 +183,14 @@ def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
              for r in rows if r["return_mean"] == r["return_mean"]]      # not before the first episode
+    summary = logdir / "summary.json"
+    if summary.exists():   # where it stopped: the return it stopped at comes after the last update's row
+        s = json.loads(summary.read_text())
+        if s["return_mean"] == s["return_mean"]:
+            curve.append({"wall_s": s["wall_s"], "env_steps": s["env_steps"], "return_mean": s["return_mean"]})
     return {"curve": curve, "env_steps_per_s": rows[-1]["env_steps_per_s"] if rows else None,
             "env_steps": rows[-1]["env_steps"] if rows else None,
-            "command": " ".join(["python -m shmrl.run", *cmd[3:5], *extra])}
+            "command": " ".join(["python -m shmrl.run --env", env, *extra])}
 
 
 def at(curve: list[dict], key: str, limit: float) -> float | None:
@@ -281,7 +293,7 @@ def main(argv=None) -> int:
                     entry["sb3"] = run_sb3(py, env, seed, a.seconds, tmp / "sb3")
                 if a.shmrl:
                     (tmp / "shmrl").mkdir()
-                    entry["shmrl"] = run_shmrl(env, seed, a.seconds, tmp / "shmrl", a.extra)
+                    entry["shmrl"] = run_shmrl(f"gym:{env}", seed, a.seconds, tmp / "shmrl", a.extra)
             for who in ("sb3", "shmrl"):
                 if who in entry:
                     entry[who].update(summarize(entry[who], a.seconds))
@@ -291,6 +303,11 @@ def main(argv=None) -> int:
             if not a.json:
                 print_run(env, entry, a.seconds)
         results["envs"][env] = {"runs": runs, **medians(runs, a.seconds, a.sb3, a.shmrl)}
+        if env.startswith("ALE/"):
+            for who in ("shmrl", "sb3"):
+                if results["envs"][env].get(f"{who}_env_steps_per_s"):
+                    results["envs"][env][f"{who}_frames_per_s"] = \
+                        results["envs"][env][f"{who}_env_steps_per_s"] * ATARI_FRAME_SKIP
     results["load_after"] = os.getloadavg()
     if a.plot:
         plot(results, a.plot)
@@ -303,8 +320,9 @@ def main(argv=None) -> int:
             line = f"{env}: median return after {a.seconds:.0f} s: {', '.join(parts)}"
             if a.sb3 and a.shmrl:
                 line += f"; shmrl reached SB3's in a median {fmt(r['shmrl_wall_s'])} s (speedup {fmt(r['speedup'], '.1f')}x)"
-            rates = ([f"shmrl {fmt(r['shmrl_env_steps_per_s'])}"] if a.shmrl else []) + \
-                    ([f"SB3 {fmt(r['sb3_env_steps_per_s'])}"] if a.sb3 else [])
+            rates = [f"{name} {fmt(r[who + '_env_steps_per_s'])}"
+                     + (f" ({fmt(r.get(who + '_frames_per_s'))} frames)" if env.startswith("ALE/") else "")
+                     for who, name, on in (("shmrl", "shmrl", a.shmrl), ("sb3", "SB3", a.sb3)) if on]
             print(f"{line}; env steps per s: {', '.join(rates)}")
         if a.plot:
             print(f"wrote {a.plot}")
