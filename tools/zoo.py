@@ -183,13 +183,15 @@ def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
              for r in rows if r["return_mean"] == r["return_mean"]]      # not before the first episode
+    env_steps = rows[-1]["env_steps"] if rows else None
     summary = logdir / "summary.json"
-    if summary.exists():   # where it stopped: the return it stopped at comes after the last update's row
+    if summary.exists():   # where it stopped: the steps and return after the last update's row
         s = json.loads(summary.read_text())
+        env_steps = s["env_steps"]
         if s["return_mean"] == s["return_mean"]:
             curve.append({"wall_s": s["wall_s"], "env_steps": s["env_steps"], "return_mean": s["return_mean"]})
     return {"curve": curve, "env_steps_per_s": rows[-1]["env_steps_per_s"] if rows else None,
-            "env_steps": rows[-1]["env_steps"] if rows else None,
+            "env_steps": env_steps,
             "command": " ".join(["python -m shmrl.run --env", env, *extra])}
 
 
