@@ -379,7 +379,6 @@ def train(config: RunConfig, t_start: float | None = None) -> tuple[int, dict]:
 
 
 def _train(config: RunConfig, t_start: float, launcher) -> tuple[int, dict]:
-    from shmrl import checkpoint
     from shmrl.envs import env_spec
     from shmrl.learner import Learner
     from shmrl.metrics import MetricsLog, tensorboard_available

@@ -47,8 +47,12 @@ VENV_PACKAGES = ["torch==2.13.0", "rl_zoo3", "gymnasium[mujoco,atari]", "opencv-
 TIMES = (30, 60, 120, 180, 300)         # seconds at which returns are reported
 STEPS = (100_000, 300_000, 1_000_000)   # env steps at which returns are reported
 # An ALE game's env step is 4 emulator frames on both sides (zoo's AtariWrapper, shmrl's
-# AtariPreprocessing): Monitor counts frames, and the issue's unit for Atari is frames/s.
+# AtariPreprocessing): Monitor counts frames, and Atari throughput is quoted in frames/s.
 ATARI_FRAME_SKIP = 4
+
+
+def frames_per_step(env: str) -> int:
+    return ATARI_FRAME_SKIP if env.startswith("ALE/") else 1
 
 
 def ensure_venv(venv: Path) -> Path:
@@ -129,7 +133,7 @@ def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path, algo: s
     """rl-zoo3's training script for ``seconds``: its PPO with the entry ``zoo_config``
     finds, or another ``algo`` (``ppo_lstm``: sb3-contrib's RecurrentPPO) with zoo's own
     file for it; ``extra``: more of its arguments."""
-    frames_per_step = ATARI_FRAME_SKIP if env.startswith("ALE/") else 1
+    skip = frames_per_step(env)
     env = zoo_env(env)
     conf = ["-conf", str(zoo_config(py, env, folder))] if algo == "ppo" else []
     t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", algo, "--env", env, "--seed", str(seed),
@@ -147,7 +151,7 @@ def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path, algo: s
             ended += [(t_start + float(row["t"]) - t0, int(row["l"]), float(row["r"])) for row in csv.DictReader(f)]
     episodes, steps = [], 0
     for wall, length, ret in sorted(ended):
-        steps += round(length / frames_per_step)   # Monitor's lengths count frames under AtariWrapper
+        steps += round(length / skip)   # Monitor's lengths count frames under AtariWrapper
         episodes.append((wall, steps, ret))
     # Throughput from SB3's own log: its last total_timesteps and time_elapsed (Monitor
     # counts only finished episodes).
@@ -304,12 +308,10 @@ def main(argv=None) -> int:
             runs.append(entry)
             if not a.json:
                 print_run(env, entry, a.seconds)
-        results["envs"][env] = {"runs": runs, **medians(runs, a.seconds, a.sb3, a.shmrl)}
-        if env.startswith("ALE/"):
-            for who in ("shmrl", "sb3"):
-                if results["envs"][env].get(f"{who}_env_steps_per_s"):
-                    results["envs"][env][f"{who}_frames_per_s"] = \
-                        results["envs"][env][f"{who}_env_steps_per_s"] * ATARI_FRAME_SKIP
+        r = results["envs"][env] = {"runs": runs, **medians(runs, a.seconds, a.sb3, a.shmrl)}
+        if frames_per_step(env) > 1:
+            r.update({f"{who}_frames_per_s": r[f"{who}_env_steps_per_s"] * frames_per_step(env)
+                      for who in ("shmrl", "sb3") if r.get(f"{who}_env_steps_per_s")})
     results["load_after"] = os.getloadavg()
     if a.plot:
         plot(results, a.plot)
@@ -323,7 +325,7 @@ def main(argv=None) -> int:
             if a.sb3 and a.shmrl:
                 line += f"; shmrl reached SB3's in a median {fmt(r['shmrl_wall_s'])} s (speedup {fmt(r['speedup'], '.1f')}x)"
             rates = [f"{name} {fmt(r[who + '_env_steps_per_s'])}"
-                     + (f" ({fmt(r.get(who + '_frames_per_s'))} frames)" if env.startswith("ALE/") else "")
+                     + (f" ({fmt(r[who + '_frames_per_s'])} frames)" if who + "_frames_per_s" in r else "")
                      for who, name, on in (("shmrl", "shmrl", a.shmrl), ("sb3", "SB3", a.sb3)) if on]
             print(f"{line}; env steps per s: {', '.join(rates)}")
         if a.plot:
@@ -360,7 +362,6 @@ def print_run(env: str, entry: dict, seconds: float) -> None:
         r = entry[who]
         times = " ".join(f"{t}s={fmt(v)}" for t, v in r["return_at_s"].items())
         steps = " ".join(f"{int(n) // 1000}k={fmt(v)}" for n, v in r["return_at_steps"].items())
-        final = r["final"] or {}
         print(f"{env} seed {entry['seed']} {who:5s}: {times} | {steps} | {fmt(r.get('env_steps'))} env steps, "
               f"{fmt(r.get('env_steps_per_s'))} per s", flush=True)
     if "comparison" in entry:
