@@ -1,14 +1,37 @@
 """tools/zoo.py's quick mode: shmrl and SB3 with rl-zoo3's settings, in turns, on a
 MuJoCo env; the table's figures and the plot come out of real runs."""
+import importlib.util
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ZOO_PYTHON = Path("~/.cache/shmrl/zoo-venv/bin/python").expanduser()
+
+
+def test_a_trainer_is_stopped_at_its_time_even_when_this_tool_was_started_ignoring_sigint(tmp_path):
+    """A background job of a script (``nohup python tools/zoo.py &``) starts with SIGINT
+    ignored, and so would every Python it starts: rl-zoo3 then trained on until the SIGKILL
+    a minute later, and its curve ran past --seconds. The trainer must still get Ctrl-C."""
+    spec = importlib.util.spec_from_file_location("shmrl_tools_zoo", REPO / "tools" / "zoo.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    trainer = ("import time\ntry:\n    print('training', flush=True); time.sleep(120)\n"
+               "except KeyboardInterrupt:\n    print('interrupted: saving', flush=True)\n")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        start = time.monotonic()
+        zoo.stop_after([sys.executable, "-c", trainer], 2.0, tmp_path, tmp_path / "log")
+        took = time.monotonic() - start
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "interrupted: saving" in (tmp_path / "log").read_text()
+    assert took < 30, took   # not the 60-s SIGKILL
 
 
 @pytest.mark.skipif(not ZOO_PYTHON.exists(), reason="no rl-zoo3 virtualenv: `python tools/zoo.py --setup` "

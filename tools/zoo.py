@@ -99,10 +99,13 @@ def zoo_config(py: Path, env: str, folder: Path) -> Path:
 
 def stop_after(cmd: list, seconds: float, cwd: Path, log: Path) -> float:
     """Run ``cmd`` in its own session; SIGINT after ``seconds`` (then SIGKILL if needed).
-    Returns the launch time (time.time())."""
+    Returns the launch time (time.time()). The child starts with SIGINT at its default even
+    if this tool was started with it ignored (``nohup ... &`` from a script): Python then
+    ignores it too, and rl-zoo3 would train on until the SIGKILL."""
     t0 = time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             proc.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
