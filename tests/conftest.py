@@ -1,10 +1,21 @@
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+
+
+def load_tool(name: str):
+    """tools/NAME.py as a module (tools/ is not a package: each tool is a script)."""
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"shmrl_tools_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def descendants(pid: int) -> list[int]:

@@ -6,21 +6,17 @@ The abusers are tools/abuse.py's own (that tool measures the same against a whol
 ``python -m shmrl.run``, with the command line's timeouts); here the server's limits are
 scaled down so that every abuser is dropped within seconds.
 """
-import importlib.util
 import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
+from conftest import load_tool
 from test_tcp_transport import conn_id_of, episodes_msg, log_lines, net, recv_frame, rllib_frame  # noqa: F401 (net: a fixture)
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("shmrl_tools_abuse", REPO / "tools" / "abuse.py")
-abuse_tool = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(abuse_tool)
+abuse_tool = load_tool("abuse")
 
 FRAME_TIMEOUT = 1.0
 MAX_FRAME = 4 << 20

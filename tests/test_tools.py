@@ -6,7 +6,6 @@ The stable-baselines3 and RLlib tests need those libraries' own virtualenvs, whi
 ``.ci/run`` creates before the tests (``python tools/sb3_baseline.py --setup``,
 ``python tools/rllib_compat.py --setup``); on a machine that never made them they skip.
 """
-import importlib.util
 import json
 import math
 import os
@@ -18,6 +17,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from conftest import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
@@ -96,15 +97,8 @@ def positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("shmrl_tools_bench", TOOLS / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_median_and_percentile_take_any_iterable():
-    bench = load_bench()
+    bench = load_tool("bench")
     assert bench.median(x for x in [3.0, 1.0, 2.0]) == 2.0          # a generator, as throughput passes
     assert bench.median([4, 1, 3, 2]) == 2.5
     assert bench.percentile((x for x in range(101)), 90) == 90.0

@@ -1,6 +1,5 @@
 """tools/zoo.py's quick mode: shmrl and SB3 with rl-zoo3's settings, in turns, on a
 MuJoCo env; the table's figures and the plot come out of real runs."""
-import importlib.util
 import json
 import signal
 import subprocess
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_tool
+
 REPO = Path(__file__).resolve().parents[1]
 ZOO_PYTHON = Path("~/.cache/shmrl/zoo-venv/bin/python").expanduser()
 
@@ -18,9 +19,7 @@ def test_a_trainer_is_stopped_at_its_time_even_when_this_tool_was_started_ignori
     """A background job of a script (``nohup python tools/zoo.py &``) starts with SIGINT
     ignored, and so would every Python it starts: rl-zoo3 then trained on until the SIGKILL
     a minute later, and its curve ran past --seconds. The trainer must still get Ctrl-C."""
-    spec = importlib.util.spec_from_file_location("shmrl_tools_zoo", REPO / "tools" / "zoo.py")
-    zoo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zoo)
+    zoo = load_tool("zoo")
     trainer = ("import time\ntry:\n    print('training', flush=True); time.sleep(120)\n"
                "except KeyboardInterrupt:\n    print('interrupted: saving', flush=True)\n")
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
