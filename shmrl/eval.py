@@ -71,7 +71,7 @@ def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: in
 
 
 def main(argv=None) -> int:
-    from shmrl.run import OneLineErrorParser
+    from shmrl.config import OneLineErrorParser
 
     p = OneLineErrorParser(prog="python -m shmrl.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-log = logging.getLogger("shmrl.run")
+from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, EXIT_USAGE,  # noqa: F401
+                          ConfigError, OneLineErrorParser)
 
-EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+log = logging.getLogger("shmrl.run")
 
 
 @dataclass
@@ -115,12 +116,6 @@ def resolve_config(config: RunConfig, spec=None) -> RunConfig:
 
 class RunFailed(RuntimeError):
     """A part of the run failed (a simulator died, a transport broke)."""
-
-
-class ConfigError(ValueError):
-    """What the run was asked to do cannot be done, found before anything starts: a port in
-    use, a log folder that cannot be made, a checkpoint that is damaged or does not fit.
-    ``python -m shmrl.run`` prints it as one line and exits 2, like a bad flag."""
 
 
 def process_start_time() -> float:
@@ -733,13 +728,6 @@ def build_parser(d: RunConfig, spec=None) -> argparse.ArgumentParser:
                         "where the update dominates and the simulators wait through it (strict on-policy "
                         "image presets) (default: %(default)s)")
     return p
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one line, ``error: ...``, and exit 2."""
-
-    def error(self, message):
-        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 
 def parse_args(argv=None) -> RunConfig:

@@ -182,7 +182,7 @@ def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1
 
 
 def main(argv=None) -> int:
-    from shmrl.run import OneLineErrorParser
+    from shmrl.config import OneLineErrorParser
 
     p = OneLineErrorParser(prog="python -m shmrl.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
