@@ -311,8 +311,8 @@ def counts(learner, supervisor) -> dict:
             "env_steps_pending": store.pending_steps + store.in_flight,
             "env_steps_dropped": dict(store.steps_dropped),
             "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),
-            "bad_frames": sum(getattr(server, "frames_rejected", 0) for server in learner.servers),
-            "clients_timed_out": sum(getattr(server, "clients_timed_out", 0) for server in learner.servers),
+            "bad_frames": sum(server.frames_rejected for server in learner.servers),
+            "clients_timed_out": sum(server.clients_timed_out for server in learner.servers),
             "short_batches": learner.short_batches,
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 

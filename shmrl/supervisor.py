@@ -216,7 +216,7 @@ class Supervisor:
         if sim.tcp_conn is not None and names.get(sim.tcp_conn) != sim.name:
             closed, sim.tcp_conn = sim.tcp_conn, None   # closed: its time starts now
             sim.progress_at = now
-            if any(hasattr(server, "timed_out") and server.timed_out(closed) for server in learner.servers):
+            if any(server.timed_out(closed) for server in learner.servers):
                 return f"hung: its HEARTBEATs stopped, so the server closed {closed}"
         if sim.tcp_conn is None:
             sim.tcp_conn = next((c for c, n in names.items() if n == sim.name), None)

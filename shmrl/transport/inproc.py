@@ -28,6 +28,7 @@ class InProcServer:
         os.set_blocking(self._wake_r, False)
         self._lock = threading.Lock()
         self.frames_rejected = 0
+        self.clients_timed_out = 0   # in-process clients have no heartbeat timeout
 
     def connect(self, timeout: float = 30.0) -> "InProcClient":
         conn_id = f"inproc:{next(self._ids)}"
@@ -69,6 +70,9 @@ class InProcServer:
     def reply(self, conn_id: str, msg: dict) -> None:
         if conn_id not in self._closed:
             self._replies[conn_id].put(_encode(msg, self.codec))
+
+    def timed_out(self, conn_id: str) -> bool:
+        return False
 
     def drop(self, conn_id: str, reason: str) -> None:
         log.warning("%s: closing connection: %s", conn_id, reason)

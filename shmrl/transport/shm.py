@@ -90,6 +90,7 @@ class ShmServer:
         self._recheck = False       # some ring holds a record that failed its checks
         self._conn_ids = [f"shm:{i}" for i in range(n_clients)]
         self.frames_rejected = 0    # bad frames, each of which closed its connection
+        self.clients_timed_out = 0  # a ring's client has no heartbeat timeout (the supervisor watches it)
         self._encoded: tuple = (None, None, b"")  # the last reply: (message, codec, body)
         self._closed = False
         swept = sweep_stale(prefix)
@@ -198,6 +199,10 @@ class ShmServer:
     def drop(self, conn_id: str, reason: str) -> None:
         """Close a connection from the learner's side (the caller forgets its state itself)."""
         self._close(self._index(conn_id), reason)
+
+    def timed_out(self, conn_id: str) -> bool:
+        """Whether this server closed ``conn_id`` for a missed heartbeat: never, on a ring."""
+        return False
 
     def _close(self, i: int, reason: str) -> None:
         if not self._open[i]:
