@@ -18,6 +18,20 @@ def load_tool(name: str):
     return module
 
 
+def wait_until(condition, timeout: float, what: str, interval: float = 0.02):
+    """Call ``condition()`` until it returns something true, and return that; after
+    ``timeout`` seconds fail the test, saying ``what`` was awaited. Every wait in the tests
+    goes through here, so none can hang."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
 def descendants(pid: int) -> list[int]:
     """All live descendants of ``pid`` (from /proc)."""
     children: dict[int, list[int]] = {}
