@@ -1,0 +1,177 @@
+"""docs/RLLINK.md cannot drift from the code: every byte-level example in it is what
+shmrl's own encoder writes for the message defined here.
+
+An example in the page is a fenced block right after a marker line
+``<!-- example: KIND NAME -->``:
+
+- ``json NAME``: the block is the JSON body of EXAMPLES[NAME], exactly;
+- ``frame-json NAME`` / ``frame-binary NAME``: the block is a hex dump of the whole frame
+  (header + body) in that codec;
+- ``head NAME``: the block is the JSON head of EXAMPLES[NAME]'s binary body, exactly;
+- ``onnx_file NAME``: the block is an ``onnx_file`` string that decodes to ONNX_BYTES.
+
+Regenerate the blocks after a deliberate change of the encoder with
+``PYTHONPATH=$PWD python tests/test_docs_rllink.py`` (it prints each block by name).
+"""
+import base64
+import gzip
+import pathlib
+import re
+
+import pytest
+
+from shmrl import rllink
+from shmrl.onnx_policy import decode_onnx_file
+
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "RLLINK.md"
+MARKER = re.compile(r"^<!-- example: ([\w-]+) (\w+) -->\n```[\w-]*\n(.*?)\n```", re.M | re.S)
+
+# The stand-in for a model file in the examples: an ONNX file is kilobytes of weights.
+ONNX_BYTES = b"an ONNX model file"
+# ONNX_BYTES stored in gzip (mtime 0; shmrl writes the current time there, which a reader
+# ignores) and base64: a constant, as gzip's header bytes differ between Python versions.
+ONNX_FILE = "H4sIAAAAAAAEAwESAO3/YW4gT05OWCBtb2RlbCBmaWxlKURtnBIAAAA="
+
+
+def _chunk(obs, actions, logits, logp, rewards, terminated, **extra) -> dict:
+    """An episode chunk in RLlib's key order (what its client writes), then shmrl's extras."""
+    return {"obs": obs, "actions": actions, "action_dist_inputs": logits, "action_logp": logp,
+            "rewards": rewards, "is_terminated": terminated, "is_truncated": False, **extra}
+
+
+def _episodes() -> dict:
+    """Two chunks of a 2-observation, 2-action env: one that ends (2 steps), and one still
+    running when the message was full (1 step; its continuation starts from [0.5, 0.5])."""
+    return {"type": "EPISODES_AND_GET_STATE", "episodes": [
+        _chunk([[0.0, 0.5], [0.25, -0.5], [1.0, 0.0]], [1, 0], [[0.5, -0.5], [0.25, 0.0]], [-0.25, -0.5],
+               [1.0, 1.0], True, episode_id="a1", weights_seq_no=3),
+        _chunk([[0.0, -1.0], [0.5, 0.5]], [1], [[0.0, 0.0]], [-0.75], [1.0], False,
+               episode_id="b1", weights_seq_no=3),
+    ], "timesteps": 3}
+
+
+EXAMPLES = {
+    "ping": {"type": "PING"},
+    "ping_shmrl": {"type": "PING", "auth_token": "s3cret", "codecs": ["binary"], "client_name": "sim-0"},
+    "pong": {"type": "PONG"},
+    "pong_binary": {"type": "PONG", "codec": "binary", "heartbeat_s": 1.0},
+    "get_config": {"type": "GET_CONFIG"},
+    "set_config": {"type": "SET_CONFIG", "env_steps_per_sample": 500, "force_on_policy": True},
+    "get_state": {"type": "GET_STATE"},
+    "set_state": {"type": "SET_STATE", "onnx_file": ONNX_FILE, "weights_seq_no": 3},
+    "episodes": _episodes(),
+    "episodes_binary": rllink.validate(_episodes(), "request"),
+    "episodes_recurrent": {"type": "EPISODES", "episodes": [
+        _chunk([[0.5, 0.0], [0.0, 0.5]], [0], [[0.5, 0.0]], [-0.5], [0.0], False,
+               state_in=[0.25, -0.25, 0.0, 0.5])], "timesteps": 1},
+    "heartbeat": {"type": "HEARTBEAT", "env_steps": 1000},
+    "set_config_multi": {"type": "SET_CONFIG", "env_steps_per_sample": 500, "force_on_policy": True,
+                         "policy_map": "shared", "league_prob": 0.5},
+    "set_state_multi": {"type": "SET_STATE", "policies": {
+        "shared": {"onnx_file": ONNX_FILE, "weights_seq_no": 40},
+        "shared@30": {"onnx_file": ONNX_FILE, "weights_seq_no": 30, "frozen": True}}, "weights_seq_no": 40},
+    "episodes_multi": {"type": "EPISODES_AND_GET_STATE", "episodes": [
+        _chunk([[1.0, 0.0], [0.0, 1.0]], [0], [[0.5, -0.5]], [-0.5], [1.0], True,
+               agent_id="left", module_id="shared"),
+        _chunk([[0.0, 1.0], [1.0, 0.0]], [1], [[0.0, 0.25]], [-0.5], [-1.0], True,
+               agent_id="right", module_id="shared"),
+    ], "timesteps": 2},
+}
+EXAMPLES["episodes_multi_binary"] = rllink.validate(EXAMPLES["episodes_multi"], "request")
+
+
+def encoded(name: str, codec: str) -> bytes:
+    msg = EXAMPLES[name]
+    return rllink.encode_binary(msg) if codec == "binary" else rllink.encode_json(msg)
+
+
+def binary_head(body: bytes) -> bytes:
+    return body[8:8 + int.from_bytes(body[4:8], "little")]
+
+
+def hexdump(data: bytes) -> str:
+    """16 bytes a line: offset, the bytes in hex, the printable ones as text."""
+    lines = []
+    for off in range(0, len(data), 16):
+        part = data[off:off + 16]
+        text = "".join(chr(b) if 32 <= b < 127 else "." for b in part)
+        lines.append(f"{off:04x}  {' '.join(f'{b:02x}' for b in part):<47}  |{text}|")
+    return "\n".join(lines)
+
+
+def parse_hexdump(block: str) -> bytes:
+    out = bytearray()
+    for line in block.splitlines():
+        offset, hex_part = line[:4], line[6:6 + 47]
+        assert int(offset, 16) == len(out), f"hex dump line {line!r}: offset {offset}, expected {len(out):04x}"
+        out += bytes.fromhex(hex_part)
+    return bytes(out)
+
+
+def render(kind: str, name: str) -> str:
+    """The block the page must hold for this example."""
+    if kind == "json":
+        return encoded(name, "json").decode("utf-8")
+    if kind in ("frame-json", "frame-binary"):
+        return hexdump(rllink.frame(encoded(name, kind.split("-")[1])))
+    if kind == "head":
+        return binary_head(encoded(name, "binary")).decode("utf-8")
+    if kind == "onnx_file":
+        return ONNX_FILE
+    raise ValueError(f"unknown example kind {kind!r}")
+
+
+def doc_examples() -> list[tuple[str, str, str]]:
+    return MARKER.findall(DOC.read_text(encoding="utf-8"))
+
+
+def test_the_page_has_examples_of_every_kind_and_every_message_is_shown():
+    found = doc_examples()
+    assert {kind for kind, _, _ in found} == {"json", "frame-json", "frame-binary", "head", "onnx_file"}
+    shown = {name for _, name, _ in found}
+    assert shown - {"onnx"} <= set(EXAMPLES), f"examples in the page but not defined: {shown - set(EXAMPLES)}"
+    assert set(EXAMPLES) <= shown, f"examples defined but not in the page: {set(EXAMPLES) - shown}"
+
+
+@pytest.mark.parametrize("kind,name,block", doc_examples(), ids=lambda x: x if len(x) < 30 else "block")
+def test_example_bytes_are_what_the_encoder_writes(kind, name, block):
+    if kind.startswith("frame-"):
+        assert parse_hexdump(block) == rllink.frame(encoded(name, kind.split("-")[1]))
+    elif kind == "onnx_file":
+        assert decode_onnx_file(block) == ONNX_BYTES
+    else:
+        assert block == render(kind, name)
+
+
+@pytest.mark.parametrize("kind,name,block", [e for e in doc_examples() if e[0] != "onnx_file"],
+                         ids=lambda x: x if len(x) < 30 else "block")
+def test_example_messages_are_valid_and_decode_to_themselves(kind, name, block):
+    """Each example is a message a peer accepts, in the role the page gives it."""
+    msg = EXAMPLES[name]
+    role = "request" if msg["type"] in {t.value for t in rllink.REQUEST_TYPES} else "reply"
+    if kind.startswith("frame-"):
+        body = parse_hexdump(block)[rllink.HEADER_LEN:]
+        assert rllink.parse_header(parse_hexdump(block)[:rllink.HEADER_LEN]) == len(body)
+    else:
+        body = encoded(name, "binary" if kind == "head" else "json")
+    got = rllink.validate(rllink.decode(body), role)
+    # Compared through the binary codec, which carries every normalized field as it is.
+    assert rllink.encode_binary(got) == rllink.encode_binary(rllink.validate(msg, role))
+
+
+def test_onnx_file_example_is_gzip_in_base64():
+    raw = base64.b64decode(ONNX_FILE)
+    assert raw[:3] == b"\x1f\x8b\x08"          # gzip magic, deflate
+    assert gzip.decompress(raw) == ONNX_BYTES
+
+
+def test_hexdump_round_trips():
+    data = bytes(range(256)) + b"tail"
+    assert parse_hexdump(hexdump(data)) == data
+
+
+if __name__ == "__main__":
+    for kind, name in [("frame-json", "ping"), *[("json", n) for n in EXAMPLES if not n.endswith("binary")],
+                       ("frame-binary", "heartbeat"), ("frame-binary", "episodes_binary"),
+                       ("head", "episodes_multi_binary"), ("onnx_file", "onnx")]:
+        print(f"<!-- example: {kind} {name} -->\n```\n{render(kind, name)}\n```\n")
