@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-# The fields of an RLlink episode (RLLINK.md). RLlib 2.48's client writes, and its server
+# The fields of an RLlink episode (docs/RLLINK.md, "Episodes"). RLlib 2.48's client writes, and its server
 # reads, "is_terminated" and "is_truncated"; "terminateds"/"truncateds" (RLlib's column
 # names, which shmrl sent before) are accepted too.
 OBS = "obs"

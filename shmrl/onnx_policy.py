@@ -7,7 +7,7 @@ the onnx package.
 The published graph takes raw observations, one input per observation leaf
 (``onnx::Gemm_0``, float32 [batch, obs_dim], for a flat Box: what RLlib's own client
 feeds), and gives output 0, the action distribution inputs (logits, or means and
-log-stds): what RLlib's client reads (RLLINK.md). A recurrent policy (``--memory``) also
+log-stds): what RLlib's client reads (docs/RLLINK.md). A recurrent policy (``--memory``) also
 takes its state before the step as inputs ``state_in.<i>`` and gives the state after it as
 outputs ``state_out.<i>``, float32 [batch, memory_size] each (``shmrl.net``).
 """

@@ -1,6 +1,6 @@
 """RLlink messages: types, framing, the JSON and binary codecs, and schema validation.
 
-See RLLINK.md for the protocol. A frame is 8 ASCII digits (the body length) + body.
+See docs/RLLINK.md for the protocol. A frame is 8 ASCII digits (the body length) + body.
 The JSON body is byte-identical to what RLlib 2.48 writes. The binary body carries the
 same schema with numpy arrays as raw little-endian blocks, for the shared-memory rings:
 

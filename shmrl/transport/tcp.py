@@ -1,7 +1,7 @@
 """TCP RLlink transport: RLlib's JSON variant, for external clients and remote simulators.
 
 A frame is 8 ASCII digits (the body's length) + a JSON body, byte-compatible with RLlib
-2.46-2.48 (see RLLINK.md).
+2.46-2.48 (see docs/RLLINK.md, "Interoperating with RLlib 2.48").
 
 Two shmrl extensions, which a client gets only when it asks (RLlib's never does, so it
 keeps getting JSON byte for byte): a PING with ``"codecs": ["binary"]`` is answered with a
