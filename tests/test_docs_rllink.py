@@ -17,11 +17,14 @@ import base64
 import gzip
 import pathlib
 import re
+import socket
 
 import pytest
 
+from conftest import wait_until
 from shmrl import rllink
 from shmrl.onnx_policy import decode_onnx_file
+from shmrl.transport.tcp import TcpServer
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "RLLINK.md"
 MARKER = re.compile(r"^<!-- example: ([\w-]+) (\w+) -->\n```[\w-]*\n(.*?)\n```", re.M | re.S)
@@ -157,6 +160,41 @@ def test_example_messages_are_valid_and_decode_to_themselves(kind, name, block):
     got = rllink.validate(rllink.decode(body), role)
     # Compared through the binary codec, which carries every normalized field as it is.
     assert rllink.encode_binary(got) == rllink.encode_binary(rllink.validate(msg, role))
+
+
+def _doc_block(kind: str, name: str) -> str:
+    return next(block for k, n, block in doc_examples() if (k, n) == (kind, name))
+
+
+def _read_frame(sock: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            part = sock.recv(n - len(data))
+            assert part, "the server closed the connection"
+            data += part
+        return data
+    header = exactly(rllink.HEADER_LEN)
+    return header + exactly(int(header))
+
+
+def test_a_tcp_server_speaks_the_handshake_the_page_shows():
+    """The page's PING with codecs, sent as raw bytes, is answered with the page's PONG,
+    and what follows comes in binary, as section 3.1 says."""
+    server = TcpServer("127.0.0.1", 0, heartbeat_s=1.0, heartbeat_timeout=10.0)
+    try:
+        with socket.create_connection(server.address, timeout=10) as sock:
+            sock.sendall(rllink.frame(_doc_block("json", "ping_shmrl").encode()))
+            (conn_id, ping), = wait_until(lambda: server.poll(0.05), 10, "the PING")
+            assert ping["codecs"] == ["binary"] and ping["client_name"] == "sim-0"
+            server.reply(conn_id, {"type": "PONG"})
+            assert _read_frame(sock) == rllink.frame(_doc_block("json", "pong_binary").encode())
+            sock.sendall(rllink.frame(_doc_block("json", "get_config").encode()))
+            (conn_id, _), = wait_until(lambda: server.poll(0.05), 10, "the GET_CONFIG")
+            server.reply(conn_id, EXAMPLES["set_config"])
+            assert _read_frame(sock) == rllink.frame(rllink.encode_binary(EXAMPLES["set_config"]))
+    finally:
+        server.close()
 
 
 def test_onnx_file_example_is_gzip_in_base64():
