@@ -158,8 +158,9 @@ class Episode:
             ACTION_LOGP: self.action_logp,
             TERMINATED: self.is_terminated,
             TRUNCATED: self.is_truncated,
-            EPISODE_ID: self.id,
         }
+        if self.id is not None:   # chunks without an id (RLlib's client sends none) are glued by observation
+            d[EPISODE_ID] = self.id
         if self.weights_seq_no is not None:
             d[WEIGHTS_SEQ_NO] = self.weights_seq_no
         if self.agent_id is not None:

@@ -62,6 +62,16 @@ def test_rllib_style_dict_without_id_or_optional_fields():
     assert ep.id is None and len(ep) == 1 and not ep.is_done and ep.weights_seq_no is None
 
 
+def test_chunk_without_an_id_round_trips_through_json():
+    """A chunk with no id leaves episode_id out: the JSON list form refuses a null id."""
+    ep = Episode(np.zeros(4, np.float32))
+    ep.id = None
+    ep.add_step(0, 1.0, np.ones(4, np.float32), np.zeros(2, np.float32), -0.7)
+    assert "episode_id" not in ep.to_rllink()
+    back = rllink.decode_request(rllink.encode_json({"type": "EPISODES", "episodes": [ep.to_rllink()]}))
+    assert back["episodes"].chunk(0).id is None and back["episodes"].num_steps == 1
+
+
 def test_chunks_carry_every_key_rllibs_server_reads():
     """RLlib 2.48's TcpClientInferenceEnvRunner builds its episodes from exactly these keys
     (tcp_client_inference_env_runner.py, lines 318-333); a missing one kills its listener."""
