@@ -329,14 +329,15 @@ def test_a_checkpoint_restores_weights_optimizer_and_rng_exactly(tmp_path):
     """What --resume rests on: PPO's state through checkpoint.save and load (npz + JSON)
     into a fresh PPO of another seed makes the next update the same one."""
     from shmrl import checkpoint
-    from shmrl.ppo import PPO, PPOConfig
+    from shmrl.config import PPOSettings, with_defaults
+    from shmrl.ppo import PPO
 
     net = PolicyNet(env_spec("CartPole-v1"), 64, normalize_obs=True)
 
     def chunks(seed):
         return EpisodeBatch.from_episodes([make_episode(48, seed + k).finalize() for k in range(4)])
 
-    config = PPOConfig(epochs=2, minibatch_size=64)
+    config = with_defaults(PPOSettings, epochs=2, minibatch_size=64)
     first = PPO(net, config, seed=1)
     first.update(first.make_batch(chunks(0)))                  # Adam's moments and step count are not zero
     arrays, values = first.get_state()
