@@ -18,7 +18,7 @@ The only module of shmrl besides the learner that imports torch.
 """
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -74,7 +74,6 @@ class FlatAdam:
         denom = (self.exp_avg_sq / (1 - self.beta2 ** self.t)).sqrt_().add_(self.eps)
         self.flat.addcdiv_(self.exp_avg, denom, value=-self.lr / (1 - self.beta1 ** self.t))
         return norm
-
 
 
 @dataclass
@@ -152,7 +151,7 @@ class PPO:
         ``with_defaults(PPOSettings, lr=...)``). ``initial_weights``: the policy to start
         from, as published (``shmrl.run`` publishes the first one before torch is loaded);
         by default ``net``'s own first weights for ``seed``."""
-        unset = [f.name for f in dataclasses.fields(PPOSettings) if getattr(config, f.name) is None]
+        unset = [f.name for f in fields(PPOSettings) if getattr(config, f.name) is None]
         if unset:
             raise ValueError(f"PPO settings left None (resolve them first: resolve_config or with_defaults): {unset}")
         self.net, self.config, self.layout = net, config, net.spec.actions
