@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from shmrl.presets import PRESETS_FILE, preset_tables
+
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
@@ -299,23 +301,24 @@ class Config(RunSettings, LogSettings, TransportSettings, ReliabilitySettings, M
 RunConfig = Config   # its name before config.py held it; new code says Config
 
 
+def house_defaults(cls=Config) -> dict:
+    """The house default of every preset setting of ``cls`` (Config or one of its groups)."""
+    return {f.name: f.metadata["house"] for f in dataclasses.fields(cls) if f.metadata["preset"]}
+
+
 def with_defaults(cls=Config, **given):
     """A ``cls`` (Config or one of its groups, e.g. PPOSettings) with ``given`` and every
     other preset setting at its house default (no env's preset)."""
-    house = {f.name: f.metadata["house"] for f in dataclasses.fields(cls) if f.metadata["preset"]}
-    return cls(**{**house, **given})
+    return cls(**{**house_defaults(cls), **given})
 
 
 def preset_values(env, spec=None) -> tuple[dict, list[str]]:
     """(every preset setting's value for ``env``, where they came from): the house
     defaults, then the env's family's and its own table in presets.toml (``spec``: to find
     its family)."""
-    from shmrl.presets import PRESETS_FILE, defaults
-
-    overrides, sources = defaults(env, spec)
-    house = {f.name: f.metadata["house"] for f in dataclasses.fields(Config) if f.metadata["preset"]}
+    overrides, sources = preset_tables(env, spec)
     where = [f"default in {Path(__file__)}"] + ([" + ".join(sources) + f" in {PRESETS_FILE}"] if sources else [])
-    return {**house, **overrides}, where
+    return {**house_defaults(), **overrides}, where
 
 
 def env_defaults(env, spec=None) -> dict:

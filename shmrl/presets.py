@@ -31,7 +31,7 @@ def family_of(spec, env=None) -> str | None:
     return None
 
 
-def defaults(env, spec=None) -> tuple[dict, list[str]]:
+def preset_tables(env, spec=None) -> tuple[dict, list[str]]:
     """(the settings the presets give ``env``, the tables they came from) for ``env`` (an
     id string or a callable) whose spec is ``spec`` (needed only to find its family). An
     env's own table builds on its family's unless it names another (``family = ""``:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, EXIT_USAGE,  # noqa: F401
                           Config, ConfigError, OneLineErrorParser, RunConfig, add_arguments, config_from_args,
-                          config_from_saved, env_defaults, env_name, preset_values, resolve_config, saved_config,
+                          config_from_saved, env_name, preset_values, resolve_config, saved_config,
                           validate)
 
 log = logging.getLogger("shmrl.run")
