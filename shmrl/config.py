@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -434,8 +435,6 @@ def config_with(config: Config | None = None, **fields) -> Config:
     names = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(fields) - names)
     if unknown:
-        import difflib
-
         near = difflib.get_close_matches(unknown[0], names, n=3)
         raise ConfigError(f"shmrl.Config has no setting {unknown[0]!r}"
                           + (f" (did you mean {' or '.join(near)}?)" if near else ""))

@@ -71,6 +71,10 @@ def test_every_flag_of_the_old_command_line_is_still_there():
     options = {o for action in parser._actions for o in action.option_strings}
     assert OLD_OPTION_STRINGS <= options, OLD_OPTION_STRINGS - options
     assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window"}
+    titles = [group.title for group in parser._action_groups]
+    for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
+                "sampling and PPO"):
+        assert titles.count(old) == 1, titles
 
 
 @pytest.mark.parametrize("argv, name, value", FLAG_VALUES, ids=[argv[0] for argv, _, _ in FLAG_VALUES])

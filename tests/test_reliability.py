@@ -196,16 +196,17 @@ def test_run_queue_wait_is_read_for_a_live_process_and_zero_for_none():
 
 
 def test_a_simulator_that_keeps_dying_fails_the_run(start_run):
-    run = start_run("--sims", 2, "--stop-return", 1e9, "--max-env-steps", 10_000_000)
+    run = start_run("--sims", 2, "--stop-return", 1e9, "--max-env-steps", 10_000_000,
+                    "--max-restarts", 2, "--restart-window", 45)  # the defaults: 5 within 60 s
     run.wait_for("update    1 |", timeout=60)
     pid = sims_of(run)["shmrl-sim0"]
-    for _ in range(5):                                          # five restarts are allowed...
+    for _ in range(2):                                          # two restarts are allowed...
         os.kill(pid, signal.SIGKILL)
         pid = wait_for_new_sim(run, "shmrl-sim0", pid)
-    os.kill(pid, signal.SIGKILL)                                # ...the sixth failure is not
+    os.kill(pid, signal.SIGKILL)                                # ...the third failure is not
     run.proc.wait(timeout=30)
     assert run.proc.returncode == 3, run.output()
-    assert "shmrl-sim0" in run.output() and "failed 6 times within 60 s" in run.output()
+    assert "shmrl-sim0" in run.output() and "failed 3 times within 45 s" in run.output()
     assert shm_entries(run.proc.pid) == [] and descendants(run.proc.pid) == []
 
 
