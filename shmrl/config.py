@@ -291,9 +291,11 @@ HELP_SECTIONS = ((RunSettings, None), (LogSettings, "logs, checkpoints and resum
                  (NetworkSettings, "sampling and PPO"))
 
 
+# The groups listed last to first: a dataclass's fields start with its last base's, so a
+# Config's fields (and summary.json's "config") read in --help's order.
 @dataclass(kw_only=True)
-class Config(RunSettings, LogSettings, TransportSettings, ReliabilitySettings, MultiAgentSettings,
-             SamplingSettings, PPOSettings, NetworkSettings):
+class Config(NetworkSettings, PPOSettings, SamplingSettings, MultiAgentSettings, ReliabilitySettings,
+             TransportSettings, LogSettings, RunSettings):
     """Everything a run takes, one field per flag of ``python -m shmrl.run`` (its --help
     says what each does). Fields left None take the env's preset (``resolve_config``);
     ``env`` may also be a callable that makes a gymnasium-style env."""
