@@ -16,7 +16,8 @@ import torch
 from shmrl.envs import env_spec
 from shmrl.learner import Learner
 from shmrl.net import PolicyNet
-from shmrl.ppo import PPO, PPOConfig
+from shmrl.config import PPOSettings, with_defaults
+from shmrl.ppo import PPO
 from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer
 from shmrl.transport.tcp import TcpServer
@@ -32,7 +33,7 @@ def main() -> None:
     spec = env_spec("CartPole-v1")
     inproc, tcp = InProcServer(), TcpServer("127.0.0.1", args.tcp_port)
     print(f"RLlink clients may attach to {tcp.address[0]}:{tcp.address[1]}")
-    ppo = PPO(PolicyNet(spec, hidden=64), PPOConfig())
+    ppo = PPO(PolicyNet(spec, hidden=64), with_defaults(PPOSettings))
     learner = Learner(spec, [inproc, tcp], policy=ppo.net.template, initial_weights=ppo.published_weights(),
                       env_steps_per_sample=256, train_batch_size=512)
     clients = [inproc.connect() for _ in range(2)]

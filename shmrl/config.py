@@ -1,8 +1,29 @@
 """The settings of a run, each defined once (default, help, check), and what every command
-line of shmrl shares: its exit statuses, its one-line errors."""
+line of shmrl shares: its exit statuses, its one-line errors.
+
+Every setting is one field of one group below, declared with ``setting(default, help,
+...)``: its house default, its ``--help`` text, its flag's metavar or choices, and its
+check. ``Config`` holds every group (``Config(sims=0, lr=1e-3)``: flat), the command line
+of ``python -m shmrl.run`` is generated from the fields (``add_arguments``), and
+``validate`` is the one check of a configuration, for the command line and for
+``shmrl.train`` alike.
+
+A setting declared ``preset=True`` is None in a fresh ``Config``: None means "the env's
+preset", the house default overridden by the env's family and the env's own table in
+``presets.toml`` (``resolve_config``). A value given always wins.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from shmrl.presets import PRESETS_FILE, preset_tables
 
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -18,3 +39,405 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+
+# ---------------------------------------------------------------- how a setting is declared
+
+@dataclass(frozen=True)
+class Rule:
+    """A check of one value: ``holds(value)``, else the value "must be {says}"."""
+    says: str
+    holds: Callable[[object], bool]
+
+
+def at_least(low) -> Rule:
+    return Rule(f">= {low}", lambda v: v >= low)
+
+
+def above(low) -> Rule:
+    return Rule(f"> {low}", lambda v: v > low)
+
+
+def between(low, high) -> Rule:
+    return Rule(f"between {low} and {high}", lambda v: low <= v <= high)
+
+
+def setting(default, help: str, *, kind: type | None = None, preset: bool = False, check: Rule | None = None,
+            metavar: str | None = None, choices: tuple | None = None, flag: str | None = None,
+            allow_inf: bool = False, env_var: str | None = None, flag_default_none: bool = False):
+    """One setting: ``default`` (with ``preset``: the house default, and the field is None
+    until ``resolve_config``), its ``help`` (argparse's, ``%(default)s`` and all), its
+    value's ``kind`` (int, float, str, bool; by default the default's type), and its
+    ``check``. ``flag`` (default: --name-with-dashes), ``metavar``, ``choices``: its flag.
+    ``allow_inf``: a float that may be infinite. ``env_var``: the flag's default comes from
+    that environment variable. ``flag_default_none``: the flag's default is None whatever
+    the defaults of the command line (``help`` may then name them, ``{field}``)."""
+    meta = {"help": help, "kind": kind or type(default), "preset": preset, "house": default, "check": check,
+            "metavar": metavar, "choices": choices, "flag": flag, "allow_inf": allow_inf, "env_var": env_var,
+            "flag_default_none": flag_default_none}
+    return field(default=None if preset else default, metadata=meta)
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+# ---------------------------------------------------------------- the settings, by group
+
+@dataclass(kw_only=True)
+class RunSettings:
+    sims: int | None = setting(
+        8, "simulator processes, each with its own shared-memory ring (default: %(default)s)",
+        preset=True, check=at_least(0))
+    env: str | Callable = setting(
+        "CartPole-v1", "environment: a built-in id (CartPole-v1, Pendulum-v1), gym:ID for any gymnasium env "
+        "(pip install 'shmrl[gym]'), or package.module:make_env, a function that makes one; "
+        "the defaults below are this env's (default: %(default)s)")
+    seed: int = setting(0, "seed of the learner and, offset per simulator, of the environments and action "
+                           "sampling (default: %(default)s)")
+    stop_return: float | None = setting(
+        None, "stop when the mean return of the last --return-window complete episodes reaches R "
+        "(default: %(default)s; None: the env's reward threshold, or none: train to the budget)",
+        kind=float, preset=True, metavar="R", allow_inf=True)
+    max_env_steps: int | None = setting(
+        1_000_000, "give up (exit 1) after N env steps received, counting those before a --resume "
+        "(default: %(default)s)", preset=True, check=at_least(1), metavar="N")
+    return_window: int = setting(
+        100, "the mean return reported, and compared with --stop-return, is that of the last N complete "
+        "episodes (default: %(default)s)", check=at_least(1), metavar="N")
+
+
+@dataclass(kw_only=True)
+class LogSettings:
+    logdir: str | None = setting(
+        None, "write metrics.jsonl (one line per update), summary.json, policy.onnx and "
+        "checkpoints/ to DIR (default: runs/<env>-<date>-<time>-<pid>)", kind=str, metavar="DIR")
+    checkpoint_every: int = setting(
+        0, "also write a checkpoint every N updates; one is always written when the run ends, "
+        "Ctrl-C and SIGTERM included (default: %(default)s, only at the end)", check=at_least(0), metavar="N")
+    keep_checkpoints: int = setting(3, "keep the last K checkpoints (default: %(default)s)",
+                                    check=at_least(1), metavar="K")
+    log_every: float | None = setting(
+        None, "print a progress line at most every S seconds (0: every update); default: every "
+        "update on a terminal, every 10 s when stdout is a file or a pipe", kind=float, check=at_least(0),
+        metavar="S")
+    tensorboard: bool | None = setting(
+        None, "also write the metrics as TensorBoard scalars into the log folder (tensorboard "
+        "--logdir runs); default: when the tensorboard package is installed (pip install 'shmrl[tensorboard]')",
+        kind=bool)
+    resume: str | None = setting(
+        None, "go on from the last checkpoint in DIR (weights, optimizer, env-step counts, "
+        "weights_seq_no, return window), with its configuration except for the flags given "
+        "here; logs are appended to DIR", kind=str, metavar="DIR", flag_default_none=True)
+
+
+@dataclass(kw_only=True)
+class TransportSettings:
+    transport: str = setting(
+        "shm", "how the local simulators talk to the learner: shared-memory rings, or "
+        "RLlink JSON over TCP loopback like an external client (default: %(default)s)", choices=("shm", "tcp"))
+    tcp_port: int | None = setting(
+        None, "also accept external RLlink clients (RLlib's JSON variant) on this port; "
+        "they train the same policy as the local simulators", kind=int, metavar="PORT",
+        check=Rule("a port number from 0 to 65535 (0: any free port)", lambda v: 0 <= v <= 65535))
+    tcp_host: str = setting(
+        "127.0.0.1", "address to listen on (default: %(default)s, loopback only; 0.0.0.0 exposes "
+        "the learner to the network)", metavar="HOST")
+    auth_token: str | None = setting(
+        None, "require this shared secret in every client's PING (field auth_token); a client "
+        "without it gets only a closed connection (default: $SHMRL_AUTH_TOKEN, else none)", kind=str,
+        metavar="SECRET", env_var="SHMRL_AUTH_TOKEN")
+    max_frame_bytes: int = setting(
+        64 << 20, "largest TCP frame body accepted; a bigger header closes that connection "
+        "before its body is read (default: %(default)s)", metavar="N",
+        check=Rule(">= 1024 (a PING alone takes 16)", lambda v: v >= 1024))
+    ray: str | None = setting(
+        None, "place the simulators as Ray actors across the nodes of the Ray cluster at ADDRESS "
+        "(auto: the one this machine belongs to; HOST:6379); those on this node use shared "
+        "memory, the others connect back over TCP on this node's cluster address (or "
+        "--tcp-host) with the binary codec and an auth token (one is generated unless "
+        "--auth-token gives it). pip install 'shmrl[ray]'", kind=str, metavar="ADDRESS")
+    sim_cpus: float = setting(1.0, "with --ray, CPUs reserved for each simulator actor (default: %(default)s)",
+                              check=above(0), metavar="C")
+
+
+@dataclass(kw_only=True)
+class ReliabilitySettings:
+    hang_timeout: float = setting(
+        10.0, "restart a simulator whose env has not stepped for S seconds while the learner was "
+        "not holding it back; close a TCP client of shmrl's that sent no heartbeat for S "
+        "seconds; let a strict on-policy batch wait at most S seconds for a client still "
+        "sampling (default: %(default)s)", check=above(0), metavar="S")
+    max_restarts: int = setting(
+        5, "a simulator that fails more than N times within --restart-window seconds fails the run: its "
+        "environment is broken, and restarting it again would only hide that (default: %(default)s)",
+        check=at_least(0), metavar="N")
+    restart_window: float = setting(
+        60.0, "the seconds over which --max-restarts counts a simulator's failures (inf: the whole run) "
+        "(default: %(default)s)", check=above(0), metavar="S", allow_inf=True)
+
+
+@dataclass(kw_only=True)
+class MultiAgentSettings:
+    policy_map: str = setting(
+        "shared", "which policy each agent plays: shared (one for all), per-agent (one each), or "
+        "package.module:fn, a function agent_id -> policy_id; each policy is trained by its own "
+        "PPO (default: %(default)s)", metavar="MAP")
+    league: int | None = setting(
+        0, "self-play league: keep the last N frozen snapshots of each policy; at each episode "
+        "start, with probability --league-prob, one agent plays a snapshot picked uniformly "
+        "(default: %(default)s, none: every agent plays the current policy)", preset=True, check=at_least(0),
+        metavar="N")
+    league_every: int | None = setting(10, "add a snapshot every U updates (default: %(default)s)",
+                                       preset=True, check=at_least(1), metavar="U")
+    league_prob: float | None = setting(
+        0.5, "chance that an episode has an agent play a snapshot (default: %(default)s)",
+        preset=True, check=between(0, 1), metavar="P")
+
+
+@dataclass(kw_only=True)
+class SamplingSettings:
+    train_batch_size: int | None = setting(
+        2048, "env steps per PPO update; fewer when every client waits for new weights and "
+        "together they have sent fewer (default: %(default)s)", preset=True, check=at_least(1), metavar="N")
+    env_steps_per_sample: int | None = setting(
+        None, "env steps per EPISODES message of each client, what SET_CONFIG tells them "
+        "(default: the train batch spread over the simulators, {env_steps_per_sample} for {sims})",
+        kind=int, check=at_least(1), metavar="N", flag_default_none=True)
+    envs_per_sim: int | None = setting(
+        1, "environments each simulator steps together, one batched ONNX call per step "
+        "(default: %(default)s)", preset=True, check=at_least(1), metavar="K")
+    sim_nice: int = setting(
+        19, "run the local simulators N steps below the learner's CPU priority (0-19): the "
+        "learner's update is what every simulator waits for, so on a busy machine it "
+        "comes first (default: %(default)s)", check=between(0, 19), metavar="N")
+    async_sampling: bool | None = setting(
+        False, "simulators keep sampling while the learner trains: each EPISODES_AND_GET_STATE "
+        "is answered at once with the latest weights, not after the next update; PPO's "
+        "ratio is taken against the behaviour log-probabilities the clients report", preset=True, flag="--async")
+    max_policy_lag: int = setting(
+        2, "with --async, drop (and count) chunks sampled with weights more than V "
+        "versions old (default: %(default)s)", check=at_least(0), metavar="V")
+
+
+@dataclass(kw_only=True)
+class PPOSettings:
+    """What ``shmrl.ppo.PPO`` takes (a Config has them all)."""
+    lr: float | None = setting(3e-4, "Adam learning rate (default: %(default)s)", preset=True, check=above(0))
+    gamma: float | None = setting(0.99, "discount (default: %(default)s)", preset=True,
+                                  check=Rule("in (0, 1]", lambda v: 0 < v <= 1))
+    gae_lambda: float | None = setting(0.95, "GAE lambda (default: %(default)s)", preset=True,
+                                       check=between(0, 1))
+    epochs: int | None = setting(10, "passes over each batch (default: %(default)s)", preset=True,
+                                 check=at_least(1))
+    minibatch_size: int | None = setting(256, "steps per gradient step (default: %(default)s)", preset=True,
+                                         check=at_least(1))
+    ent_coef: float | None = setting(0.0, "entropy bonus (default: %(default)s)", preset=True, check=at_least(0))
+    clip: float | None = setting(0.2, "PPO ratio clip (default: %(default)s)", preset=True, check=above(0))
+    vf_coef: float | None = setting(0.5, "weight of the value loss (default: %(default)s)", preset=True,
+                                    check=at_least(0))
+    max_grad_norm: float | None = setting(
+        0.5, "clip the global gradient norm of each step to this (default: %(default)s)", preset=True,
+        check=above(0))
+    lr_anneal: bool | None = setting(
+        False, "let the learning rate fall linearly to 0 over --max-env-steps (default: %(default)s)", preset=True)
+    reward_scale: float | None = setting(
+        1.0, "train on rewards times C (returns are reported unscaled) (default: %(default)s)", preset=True,
+        check=above(0), metavar="C")
+    normalize_reward: bool | None = setting(
+        False, "also divide the rewards trained on by the running standard deviation of each "
+        "client stream's discounted return, as VecNormalize does (default: %(default)s)", preset=True)
+    max_seq_len: int | None = setting(
+        32, "with --memory, PPO back-propagates through sequences of at most T steps (default: %(default)s)",
+        preset=True, check=at_least(1), metavar="T")
+
+
+@dataclass(kw_only=True)
+class NetworkSettings:
+    normalize_obs: bool | None = setting(
+        False, "normalize observations by running mean and variance of all received, clipped to "
+        "+-10, inside the published ONNX policy: clients feed raw observations (default: %(default)s)", preset=True)
+    hidden: int | None = setting(
+        64, "units in each hidden layer of the policy and value networks (default: %(default)s)", preset=True,
+        check=at_least(1))
+    layers: int | None = setting(2, "hidden layers after the observation encoders (default: %(default)s)",
+                                 preset=True, check=at_least(0))
+    cnn: str | None = setting(
+        "nature", "CNN for image observations: the Nature CNN (8x8/4, 4x4/2, 3x3/1 convolutions and "
+        "512 units) for images of 36x36 or more, else a small one (two 3x3 convolutions), "
+        "or always the small one (default: %(default)s)", preset=True, choices=("nature", "small"))
+    activation: str | None = setting("Tanh", "activation of the hidden layers (default: %(default)s)",
+                                     preset=True, choices=("ReLU", "Tanh"))
+    log_std_init: float | None = setting(
+        0.0, "initial log standard deviation of a Gaussian policy (Box actions) (default: %(default)s)", preset=True)
+    memory: str | None = setting(
+        "none", "a recurrent core (LSTM or GRU) between the hidden layers and the heads, shared by "
+        "actor and critic: the policy keeps a state across the steps of an episode, for envs "
+        "whose observation does not show everything (the ONNX policy takes state_in.<i> and "
+        "gives state_out.<i>; README, 'Memory') (default: %(default)s)", preset=True, choices=("none", "lstm", "gru"))
+    memory_size: int | None = setting(64, "units of the recurrent core (default: %(default)s)", preset=True,
+                                      check=at_least(1), metavar="N")
+    torch_threads: int | None = setting(
+        1, "torch threads of the learner; the simulators need the other cores. 0: every core, "
+        "where the update dominates and the simulators wait through it (strict on-policy "
+        "image presets) (default: %(default)s)", preset=True, check=at_least(0))
+
+
+# The groups in the order --help shows them, under its headings (None: the first lines).
+HELP_SECTIONS = ((RunSettings, None), (LogSettings, "logs, checkpoints and resuming"),
+                 (TransportSettings, "transports"), (ReliabilitySettings, "simulator failures and hangs"),
+                 (MultiAgentSettings, "multi-agent envs (PettingZoo: --env pz:NAME)"),
+                 (SamplingSettings, "sampling and PPO"), (PPOSettings, "sampling and PPO"),
+                 (NetworkSettings, "sampling and PPO"))
+
+
+# The groups listed last to first: a dataclass's fields start with its last base's, so a
+# Config's fields (and summary.json's "config") read in --help's order.
+@dataclass(kw_only=True)
+class Config(NetworkSettings, PPOSettings, SamplingSettings, MultiAgentSettings, ReliabilitySettings,
+             TransportSettings, LogSettings, RunSettings):
+    """Everything a run takes, one field per flag of ``python -m shmrl.run`` (its --help
+    says what each does). Fields left None take the env's preset (``resolve_config``);
+    ``env`` may also be a callable that makes a gymnasium-style env."""
+
+
+RunConfig = Config   # its name before config.py held it; new code says Config
+
+
+def house_defaults(cls=Config) -> dict:
+    """The house default of every preset setting of ``cls`` (Config or one of its groups)."""
+    return {f.name: f.metadata["house"] for f in dataclasses.fields(cls) if f.metadata["preset"]}
+
+
+def with_defaults(cls=Config, **given):
+    """A ``cls`` (Config or one of its groups, e.g. PPOSettings) with ``given`` and every
+    other preset setting at its house default (no env's preset)."""
+    return cls(**{**house_defaults(cls), **given})
+
+
+def preset_values(env, spec=None) -> tuple[dict, list[str]]:
+    """(every preset setting's value for ``env``, where they came from): the house
+    defaults, then the env's family's and its own table in presets.toml (``spec``: to find
+    its family)."""
+    overrides, sources = preset_tables(env, spec)
+    where = [f"default in {Path(__file__)}"] + ([" + ".join(sources) + f" in {PRESETS_FILE}"] if sources else [])
+    return {**house_defaults(), **overrides}, where
+
+
+def env_defaults(env, spec=None) -> dict:
+    """The preset settings of ``env`` (``spec``: to find its family)."""
+    return preset_values(env, spec)[0]
+
+
+def resolve_config(config: Config, spec=None) -> Config:
+    """A copy with every field left None set to the environment's default (its preset);
+    unless given, each simulator's message holds its share of a training batch."""
+    values = env_defaults(config.env, spec)
+    config = dataclasses.replace(config, **{k: v for k, v in values.items() if getattr(config, k) is None})
+    if config.env_steps_per_sample is None:
+        config.env_steps_per_sample = -(-config.train_batch_size // max(config.sims, 1))
+    return config
+
+
+# ---------------------------------------------------------------- the one check
+
+def value_problem(f: dataclasses.Field, value) -> str | None:
+    """Why ``value`` cannot be setting ``f`` ("must be ..."), or None."""
+    m = f.metadata
+    kind = m["kind"]
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number, not {value!r}"
+        if math.isnan(value) or (math.isinf(value) and not m["allow_inf"]):
+            return f"must be a finite number, not {value}"
+    elif kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        return f"must be a whole number, not {value!r}"
+    elif kind in (bool, str) and not isinstance(value, kind):
+        return f"must be a {kind.__name__}, not {value!r}"
+    if m["choices"] and value not in m["choices"]:
+        return f"must be one of {', '.join(m['choices'])}, not {value!r}"
+    if m["check"] and not m["check"].holds(value):
+        return f"must be {m['check'].says}, not {value}"
+    return None
+
+
+def validate(config: Config, spec=None) -> None:
+    """Raise ConfigError, with the flag's name, for the first setting that cannot be: a
+    value out of its range (NaN, and infinity where it means nothing, included) or settings
+    that contradict each other. Fields still None (the env's preset) pass; ``spec`` (the
+    env's) adds what depends on the env."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name != "env" and value is not None:
+            problem = value_problem(f, value)
+            if problem:
+                raise ConfigError(f"{flag_of(f)} {problem}")
+    if config.sims == 0 and config.tcp_port is None:
+        raise ConfigError("--sims 0 runs no local simulator: give --tcp-port for external clients")
+    if config.ray is not None and config.sims == 0:
+        raise ConfigError("--ray places simulators: give --sims N (N >= 1)")
+    if getattr(spec, "multiagent", False) and config.memory not in (None, "none"):
+        raise ConfigError("--memory: recurrent policies are single-agent for now; a multi-agent env takes "
+                          "--memory none")
+
+
+# ---------------------------------------------------------------- the command line, from the fields
+
+def add_arguments(parser: argparse.ArgumentParser, defaults: Config) -> None:
+    """One flag per field of Config, under the headings of HELP_SECTIONS, with ``defaults``
+    as the defaults shown and taken."""
+    groups = {None: parser}
+    for cls, title in HELP_SECTIONS:
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        for f in dataclasses.fields(cls):
+            add_flag(groups[title], f, defaults)
+
+
+def add_flag(group, f: dataclasses.Field, defaults: Config) -> None:
+    m = f.metadata
+    default = None if m["flag_default_none"] else getattr(defaults, f.name)
+    if m["env_var"]:
+        default = os.environ.get(m["env_var"])
+    help = m["help"].format_map(vars(defaults)) if m["flag_default_none"] else m["help"]
+    kwargs = {"dest": f.name, "default": default, "help": help}
+    if m["kind"] is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs.update(type=m["kind"], choices=m["choices"], metavar=m["metavar"])
+    group.add_argument(flag_of(f), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+
+
+# ---------------------------------------------------------------- a configuration as it is written down
+
+def env_name(env) -> str:
+    return env if isinstance(env, str) else f"{getattr(env, '__module__', '?')}.{getattr(env, '__qualname__', env)}"
+
+
+def saved_config(config: Config) -> dict:
+    """The configuration as written to summaries and checkpoints: JSON, never the secret."""
+    return {**dataclasses.asdict(config), "env": env_name(config.env),
+            "auth_token": "(set)" if config.auth_token else None}
+
+
+def config_from_saved(saved: dict) -> Config:
+    """The Config a run wrote down (``saved_config``), the secret left out; settings it
+    does not know (from an older shmrl) take their defaults."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    return Config(**{k: v for k, v in saved.items() if k in names and k != "auth_token"})
+
+
+def config_with(config: Config | None = None, **fields) -> Config:
+    """``config`` (default: a fresh Config) with ``fields`` set; an unknown name is a
+    ConfigError that lists the nearest known ones."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(fields) - names)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], names, n=3)
+        raise ConfigError(f"shmrl.Config has no setting {unknown[0]!r}"
+                          + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+    return dataclasses.replace(config, **fields) if config is not None else Config(**fields)

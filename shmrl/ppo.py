@@ -18,33 +18,18 @@ The only module of shmrl besides the learner that imports torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 from torch import nn
 
+from shmrl.config import PPOSettings
 from shmrl.episode import EpisodeBatch, obs_rows
 from shmrl.net import OBS_CLIP, PolicyNet
 from shmrl.stats import RunningMeanStd, discounted_sums
 
 HALF_LOG_2PI = 0.5 * float(np.log(2 * np.pi))
-
-
-@dataclass
-class PPOConfig:
-    lr: float = 1e-3
-    gamma: float = 0.99
-    gae_lambda: float = 0.95
-    clip: float = 0.2
-    epochs: int = 10
-    minibatch_size: int = 512
-    ent_coef: float = 0.0
-    vf_coef: float = 0.5
-    max_grad_norm: float = 0.5
-    reward_scale: float = 1.0  # rewards are multiplied by this for training (returns stay as they are)
-    lr_anneal: bool = False    # the learning rate falls linearly to 0 over the run's env-step budget
-    max_seq_len: int = 32      # a recurrent policy trains on sequences of at most this many steps
 
 
 class FlatAdam:
@@ -89,7 +74,6 @@ class FlatAdam:
         denom = (self.exp_avg_sq / (1 - self.beta2 ** self.t)).sqrt_().add_(self.eps)
         self.flat.addcdiv_(self.exp_avg, denom, value=-self.lr / (1 - self.beta1 ** self.t))
         return norm
-
 
 
 @dataclass
@@ -160,11 +144,16 @@ def as_leaves(obs, net: PolicyNet) -> dict:
 
 
 class PPO:
-    def __init__(self, net: PolicyNet, config: PPOConfig, seed: int = 0,
+    def __init__(self, net: PolicyNet, config: PPOSettings, seed: int = 0,
                  initial_weights: dict[str, np.ndarray] | None = None):
-        """``net``: the actor (published) and the critic (``shmrl.net``). ``initial_weights``:
-        the policy to start from, as published (``shmrl.run`` publishes the first one before
-        torch is loaded); by default ``net``'s own first weights for ``seed``."""
+        """``net``: the actor (published) and the critic (``shmrl.net``). ``config``: the
+        PPO settings (shmrl.config.PPOSettings' fields, resolved: a run's Config, or
+        ``with_defaults(PPOSettings, lr=...)``). ``initial_weights``: the policy to start
+        from, as published (``shmrl.run`` publishes the first one before torch is loaded);
+        by default ``net``'s own first weights for ``seed``."""
+        unset = [f.name for f in fields(PPOSettings) if getattr(config, f.name) is None]
+        if unset:
+            raise ValueError(f"PPO settings left None (resolve them first: resolve_config or with_defaults): {unset}")
         self.net, self.config, self.layout = net, config, net.spec.actions
         self.continuous = self.layout.single_box
         self.rng = np.random.default_rng(seed)

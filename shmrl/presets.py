@@ -1,5 +1,6 @@
 """Per-environment defaults, read from ``presets.toml`` beside this file (the place to
-read or change them): [default], then the env's family, then the env's own table."""
+read or change them): the env's family, then the env's own table, over the house defaults
+of shmrl/config.py."""
 from __future__ import annotations
 
 import functools
@@ -30,12 +31,13 @@ def family_of(spec, env=None) -> str | None:
     return None
 
 
-def defaults(env, spec=None) -> tuple[dict, list[str]]:
-    """(settings, where they came from) for ``env`` (an id string or a callable) whose spec
-    is ``spec`` (needed only to find its family). An env's own table builds on its family's
-    unless it names another (``family = ""``: none)."""
+def preset_tables(env, spec=None) -> tuple[dict, list[str]]:
+    """(the settings the presets give ``env``, the tables they came from) for ``env`` (an
+    id string or a callable) whose spec is ``spec`` (needed only to find its family). An
+    env's own table builds on its family's unless it names another (``family = ""``:
+    none). Settings they leave out take config.py's house defaults."""
     presets = _presets()
-    out, sources = dict(presets["default"]), ["default"]
+    out, sources = {}, []
     own = dict(presets.get("env", {}).get(env, {})) if isinstance(env, str) else {}
     family = own.pop("family", None)
     if family is None:

@@ -68,13 +68,15 @@ def test_a_tcp_port_in_use(tmp_path):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--tcp-port", 99999], ["--tcp-port 99999", "0 to 65535"]),
-    (["--tcp-port", -1], ["--tcp-port -1"]),
+    (["--tcp-port", 99999], ["--tcp-port must be a port number from 0 to 65535", "not 99999"]),
+    (["--tcp-port", -1], ["--tcp-port must be", "not -1"]),
     (["--tcp-port", 0, "--tcp-host", "192.0.2.1"], ["192.0.2.1 is not an address of this machine"]),
     (["--logdir", "/proc/self/no/such/dir"], ["--logdir /proc/self/no/such/dir", "cannot create it"]),
-    (["--hidden", 0], ["--hidden"]),
-    (["--torch-threads", -1], ["--torch-threads"]),
-    (["--gamma", 1.5], ["--gamma"]),
+    (["--hidden", 0], ["--hidden must be >= 1, not 0"]),
+    (["--torch-threads", -1], ["--torch-threads must be >= 0, not -1"]),
+    (["--gamma", 1.5], ["--gamma must be in (0, 1], not 1.5"]),
+    (["--lr", "nan"], ["--lr must be a finite number, not nan"]),
+    (["--max-restarts", -1], ["--max-restarts must be >= 0"]),
     (["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
     (["--env", "Nope-v0"], ["unknown environment 'Nope-v0'"]),
     (["--sims", 0], ["--sims 0", "--tcp-port"]),

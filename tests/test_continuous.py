@@ -16,7 +16,8 @@ from shmrl.learner import Learner
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy, init_mlp_weights, with_log_std
 from shmrl.spaces import Sampler, action_layout
-from shmrl.ppo import PPO, PPOConfig
+from shmrl.config import PPOSettings, with_defaults
+from shmrl.ppo import PPO
 from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer
 from test_envs import step_beside_gymnasium
@@ -67,7 +68,7 @@ def test_ppo_log_prob_equals_the_logp_sampled_from_its_published_onnx_policy():
     obs_dim, d = 3, 2
     net = PolicyNet(Box2D, 64, "ReLU")
     weights = named(with_log_std(init_mlp_weights([obs_dim, 64, 64, d], 1.0, np.random.default_rng(0)), [-0.5, 0.4]))
-    ppo = PPO(net, PPOConfig(), initial_weights=weights)
+    ppo = PPO(net, with_defaults(PPOSettings), initial_weights=weights)
     for name, mine in ppo.published_weights().items():     # what it publishes after an update
         np.testing.assert_array_equal(mine, weights[name])
     policy = OnnxPolicy(net.template.publish(weights))
@@ -90,7 +91,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
     # As shmrl.run starts: the first policy is published as given, and PPO starts from it.
     net = PolicyNet(spec, 64, "ReLU")
     weights = named(with_log_std(init_mlp_weights([3, 64, 64, 1], 1.0, np.random.default_rng(0)), [-0.7]))
-    ppo = PPO(net, PPOConfig(), initial_weights=weights)
+    ppo = PPO(net, with_defaults(PPOSettings), initial_weights=weights)
     server = InProcServer()
     learner = Learner(spec, [server], policy=net.template, initial_weights=weights,
                       env_steps_per_sample=256, train_batch_size=256)

@@ -8,7 +8,8 @@ from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
 from shmrl.learner import EpisodeStore, Learner
 from shmrl.net import PolicyNet
-from shmrl.ppo import PPO, PPOConfig
+from shmrl.config import PPOSettings, with_defaults
+from shmrl.ppo import PPO
 from shmrl.sim import run_simulator
 from shmrl.spaces import Discrete, Sampler, action_layout
 from shmrl.transport.inproc import InProcServer
@@ -74,7 +75,7 @@ def test_store_drops_stale_chunks_and_takes_the_oldest_first():
 @pytest.fixture
 def learner_and_server():
     server = InProcServer()
-    ppo = PPO(PolicyNet(SPEC, 64), PPOConfig(epochs=2, minibatch_size=64))
+    ppo = PPO(PolicyNet(SPEC, 64), with_defaults(PPOSettings, epochs=2, minibatch_size=64))
     learner = Learner(SPEC, [server], policy=ppo.net.template, initial_weights=ppo.published_weights(),
                       env_steps_per_sample=32, train_batch_size=64)
     yield learner, server, ppo
@@ -150,7 +151,7 @@ def test_episodes_that_do_not_fit_the_env_close_only_that_connection(learner_and
 def test_simulator_loop_learns_in_process():
     """Simulators in threads + the learner: the return climbs well above random (~22)."""
     server = InProcServer()
-    ppo = PPO(PolicyNet(SPEC, 64), PPOConfig(lr=3e-3, epochs=6, minibatch_size=256), seed=0)
+    ppo = PPO(PolicyNet(SPEC, 64), with_defaults(PPOSettings, lr=3e-3, epochs=6, minibatch_size=256), seed=0)
     learner = Learner(SPEC, [server], policy=ppo.net.template, initial_weights=ppo.published_weights(),
                       env_steps_per_sample=256, train_batch_size=512)
     clients = [server.connect(timeout=10) for _ in range(2)]

@@ -15,7 +15,8 @@ from shmrl.episode import Episode, EpisodeBatch, Rollout
 from shmrl.learner import check_episodes
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
-from shmrl.ppo import PPO, PPOConfig
+from shmrl.config import PPOSettings, with_defaults
+from shmrl.ppo import PPO
 from shmrl.spaces import Sampler
 
 NOVEL = env_spec("CartPoleNoVel-v1")
@@ -24,7 +25,7 @@ NOVEL = env_spec("CartPoleNoVel-v1")
 def perturbed_ppo(spec, memory="lstm", max_seq_len=5, seed=0, **config):
     """A PPO whose weights are far enough from their init that the state matters."""
     net = PolicyNet(spec, 32, "ReLU", layers=1, memory=memory, memory_size=16)
-    ppo = PPO(net, PPOConfig(max_seq_len=max_seq_len, **config), seed=seed)
+    ppo = PPO(net, with_defaults(PPOSettings, max_seq_len=max_seq_len, **config), seed=seed)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in ppo.params.values():
@@ -215,7 +216,7 @@ def test_a_memory_task_a_memoryless_policy_cannot_solve_is_solved():
     from shmrl.envs import LoopVecEnv
 
     net = PolicyNet(Recall.spec, 32, "ReLU", layers=1, memory="gru", memory_size=16)
-    ppo = PPO(net, PPOConfig(lr=3e-3, epochs=4, minibatch_size=128, max_seq_len=8, gamma=0.99), seed=0)
+    ppo = PPO(net, with_defaults(PPOSettings, lr=3e-3, epochs=4, minibatch_size=128, max_seq_len=8, gamma=0.99), seed=0)
     vec = LoopVecEnv(lambda: Recall(), 16, seed=0, spec=Recall.spec)
     sampler = Sampler(Recall.spec.actions, np.random.default_rng(0))
     obs, state = vec.reset(), np.zeros((16, net.state_size), np.float32)

@@ -15,7 +15,8 @@ from shmrl.episode import Episode, EpisodeBatch
 from shmrl.learner import EpisodeStore
 from shmrl.net import OBS_CLIP, PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
-from shmrl.ppo import PPO, PPOConfig
+from shmrl.config import PPOSettings, with_defaults
+from shmrl.ppo import PPO
 from shmrl.run import parse_args, policy_net, resolve_config, saved_policy
 from shmrl.stats import RunningMeanStd, discounted_sums
 
@@ -66,7 +67,7 @@ def random_chunks(rng, n_chunks, obs_dim, act_dim, loc, scale):
 def test_the_published_graph_normalizes_exactly_as_the_learner_does():
     spec = env_spec("gym:Hopper-v5")
     net = PolicyNet(spec, 64, "Tanh", normalize_obs=True)
-    ppo = PPO(net, PPOConfig(), seed=1)
+    ppo = PPO(net, with_defaults(PPOSettings), seed=1)
     rng = np.random.default_rng(2)
     loc, scale = rng.normal(size=11) * 5, np.exp(rng.normal(size=11) * 2)
     for _ in range(3):
@@ -118,7 +119,7 @@ def test_observation_and_reward_statistics_survive_a_checkpoint(tmp_path, no_shm
     # What --resume builds from it publishes the same policy and scales rewards the same.
     config = resolve_config(shmrl.Config(**{k: v for k, v in state["config"].items()
                                             if k in shmrl.Config.__dataclass_fields__}), env_spec("Pendulum-v1"))
-    ppo = PPO(policy_net(config, env_spec("Pendulum-v1")), PPOConfig(), initial_weights=policy)
+    ppo = PPO(policy_net(config, env_spec("Pendulum-v1")), with_defaults(PPOSettings), initial_weights=policy)
     ppo.set_state(arrays, state["ppo"])
     for name, value in ppo.published_weights().items():
         np.testing.assert_array_equal(value, policy[name])
@@ -137,7 +138,7 @@ def test_a_preset_is_picked_up_and_a_flag_overrides_it():
     assert (given.normalize_obs, given.lr, given.hidden, given.normalize_reward) == (False, 1e-4, 16, True)
     shown = subprocess.run([sys.executable, "-m", "shmrl.run", "--env", "gym:HalfCheetah-v5", "--help"],
                            capture_output=True, text=True, timeout=60).stdout
-    assert "default + family.continuous + env.\"gym:HalfCheetah-v5\" in" in shown and "presets.toml" in shown
+    assert "config.py + family.continuous + env.\"gym:HalfCheetah-v5\" in" in shown and "presets.toml" in shown
     assert "(default: True)" in shown.split("--normalize-obs")[1]
 
 

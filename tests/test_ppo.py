@@ -7,13 +7,14 @@ from shmrl.envs import env_spec
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import (INPUT_NAME, ONNX_ACTIVATIONS, OUTPUT_NAME, OnnxPolicy, OnnxPublisher,
                                decode_onnx_file, encode_onnx_file, init_mlp_weights)
-from shmrl.ppo import PPO, PPOConfig
+from shmrl.config import PPOSettings, with_defaults
+from shmrl.ppo import PPO
 
 CARTPOLE = env_spec("CartPole-v1")
 
 
 def cartpole_ppo(config=None, seed=0, **net):
-    return PPO(PolicyNet(CARTPOLE, 64, "ReLU", **net), config or PPOConfig(), seed=seed)
+    return PPO(PolicyNet(CARTPOLE, 64, "ReLU", **net), config or with_defaults(PPOSettings), seed=seed)
 
 
 def actor_out(ppo, obs: np.ndarray) -> torch.Tensor:
@@ -46,7 +47,7 @@ def naive_gae(chunk, values, gamma, lam):
 
 def test_vectorized_gae_matches_textbook_gae():
     rng = np.random.default_rng(0)
-    ppo = cartpole_ppo(PPOConfig(gamma=0.97, gae_lambda=0.9))
+    ppo = cartpole_ppo(with_defaults(PPOSettings, gamma=0.97, gae_lambda=0.9))
     chunks = [random_chunk(rng, 7, terminated=True), random_chunk(rng, 0), random_chunk(rng, 12),
               random_chunk(rng, 1, terminated=True), random_chunk(rng, 5, truncated=True)]
     batch = ppo.make_batch(EpisodeBatch.from_episodes(chunks))
@@ -60,7 +61,7 @@ def test_vectorized_gae_matches_textbook_gae():
 
 def test_update_moves_policy_toward_advantaged_action():
     rng = np.random.default_rng(1)
-    ppo = cartpole_ppo(PPOConfig(lr=3e-3, epochs=4, minibatch_size=64))
+    ppo = cartpole_ppo(with_defaults(PPOSettings, lr=3e-3, epochs=4, minibatch_size=64))
     chunks = []
     for t in range(256):  # one-step episodes: action 1 is rewarded, action 0 is not
         c = Episode(rng.normal(size=4).astype(np.float32))

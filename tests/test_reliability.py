@@ -196,16 +196,17 @@ def test_run_queue_wait_is_read_for_a_live_process_and_zero_for_none():
 
 
 def test_a_simulator_that_keeps_dying_fails_the_run(start_run):
-    run = start_run("--sims", 2, "--stop-return", 1e9, "--max-env-steps", 10_000_000)
+    run = start_run("--sims", 2, "--stop-return", 1e9, "--max-env-steps", 10_000_000,
+                    "--max-restarts", 2, "--restart-window", 45)  # the defaults: 5 within 60 s
     run.wait_for("update    1 |", timeout=60)
     pid = sims_of(run)["shmrl-sim0"]
-    for _ in range(5):                                          # five restarts are allowed...
+    for _ in range(2):                                          # two restarts are allowed...
         os.kill(pid, signal.SIGKILL)
         pid = wait_for_new_sim(run, "shmrl-sim0", pid)
-    os.kill(pid, signal.SIGKILL)                                # ...the sixth failure is not
+    os.kill(pid, signal.SIGKILL)                                # ...the third failure is not
     run.proc.wait(timeout=30)
     assert run.proc.returncode == 3, run.output()
-    assert "shmrl-sim0" in run.output() and "failed 6 times within 60 s" in run.output()
+    assert "shmrl-sim0" in run.output() and "failed 3 times within 45 s" in run.output()
     assert shm_entries(run.proc.pid) == [] and descendants(run.proc.pid) == []
 
 
@@ -329,14 +330,15 @@ def test_a_checkpoint_restores_weights_optimizer_and_rng_exactly(tmp_path):
     """What --resume rests on: PPO's state through checkpoint.save and load (npz + JSON)
     into a fresh PPO of another seed makes the next update the same one."""
     from shmrl import checkpoint
-    from shmrl.ppo import PPO, PPOConfig
+    from shmrl.config import PPOSettings, with_defaults
+    from shmrl.ppo import PPO
 
     net = PolicyNet(env_spec("CartPole-v1"), 64, normalize_obs=True)
 
     def chunks(seed):
         return EpisodeBatch.from_episodes([make_episode(48, seed + k).finalize() for k in range(4)])
 
-    config = PPOConfig(epochs=2, minibatch_size=64)
+    config = with_defaults(PPOSettings, epochs=2, minibatch_size=64)
     first = PPO(net, config, seed=1)
     first.update(first.make_batch(chunks(0)))                  # Adam's moments and step count are not zero
     arrays, values = first.get_state()

@@ -15,7 +15,8 @@ from shmrl.episode import Episode, EpisodeBatch
 from shmrl.learner import Learner, check_episodes
 from shmrl.net import MASKED_LOGIT, PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
-from shmrl.ppo import PPO, PPOConfig
+from shmrl.config import PPOSettings, with_defaults
+from shmrl.ppo import PPO
 from shmrl.spaces import Sampler, action_layout, from_gym, obs_layout
 from shmrl.transport.inproc import InProcServer
 
@@ -191,7 +192,7 @@ DISCRETE_AND_BOX = gs.Tuple((gs.Discrete(3), gs.Box(-1.0, 1.0, (2,))))
 def test_the_onnx_policy_and_the_torch_actor_agree(observation_space, action_space, normalize):
     spec = robot_spec(action_space, observation_space)
     net = PolicyNet(spec, 32, "Tanh", normalize_obs=normalize, log_std_init=-0.5)
-    ppo = PPO(net, PPOConfig(), seed=3)
+    ppo = PPO(net, with_defaults(PPOSettings), seed=3)
     rng = np.random.default_rng(5)
     if ppo.normalizer is not None:   # statistics far from 0 and 1: the graph must apply them
         for _ in range(2):
@@ -222,7 +223,7 @@ def _as_dict(obs, spec):
 def test_masked_actions_are_never_sampled_and_have_no_probability():
     spec = robot_spec()
     net = PolicyNet(spec, 16)
-    ppo = PPO(net, PPOConfig(), seed=0)
+    ppo = PPO(net, with_defaults(PPOSettings), seed=0)
     with torch.no_grad():   # a head that strongly prefers move 0 (forbidden half of the time below)
         ppo.params["pi.head.b"][:] = torch.tensor([8.0, 0.0, 0.0])
     policy = OnnxPolicy(net.template.publish(ppo.published_weights()))
@@ -255,7 +256,7 @@ def test_masked_actions_are_never_sampled_and_have_no_probability():
 def test_ppo_log_probabilities_equal_the_samplers_and_torch_distributions(action_space):
     spec = robot_spec(action_space, gs.Box(-1.0, 1.0, (6,)))
     net = PolicyNet(spec, 32, log_std_init=-0.3)
-    ppo = PPO(net, PPOConfig(), seed=1)
+    ppo = PPO(net, with_defaults(PPOSettings), seed=1)
     obs = np.random.default_rng(8).normal(size=(500, 6)).astype(np.float32)
     out = OnnxPolicy(net.template.publish(ppo.published_weights())).logits(obs)
     actions, logp = Sampler(spec.actions, np.random.default_rng(9)).sample(out)
