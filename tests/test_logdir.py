@@ -1,0 +1,131 @@
+"""The log folder holds: one writer at a time, whole lines, a resume that cuts the metrics
+back to its checkpoint, JSON without bare NaN, and a full disk that ends in one line."""
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from shmrl import logdir
+from shmrl.config import ConfigError
+from shmrl.metrics import MetricsLog
+from test_checkpoint import small_disk  # noqa: F401  (a fixture)
+
+
+def test_a_second_lock_is_refused_naming_the_holder(tmp_path):
+    with logdir.take_lock(tmp_path):
+        with pytest.raises(ConfigError, match=rf"--resume {tmp_path}: another run \(pid {os.getpid()}\) is writing "
+                                              rf"there"):
+            logdir.take_lock(tmp_path, "--resume")
+    with logdir.take_lock(tmp_path):   # released: free again
+        pass
+    assert (tmp_path / logdir.LOCK_FILE).read_text() == ""   # a clean release names no pid
+
+
+def test_the_lock_dies_with_its_process_and_is_taken_over_with_a_message(tmp_path, caplog):
+    """kill -9 cannot release anything: the kernel drops the flock, the pid stays in the
+    file, and the next run says whose lock it took over."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from shmrl import logdir
+        lock = logdir.take_lock({str(tmp_path)!r})
+        print("locked", flush=True)
+        time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=rf"another run \(pid {holder.pid}\) is writing there"):
+            logdir.take_lock(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(10)
+        holder.stdout.close()
+    with caplog.at_level("WARNING", logger="shmrl.run"):
+        lock = logdir.take_lock(tmp_path)
+    try:
+        assert f"taking over the lock of pid {holder.pid}" in caplog.text
+        assert (tmp_path / logdir.LOCK_FILE).read_text().strip() == str(os.getpid())
+    finally:
+        lock.release()
+
+
+def test_non_finite_floats_are_written_as_null_at_any_depth(tmp_path):
+    row = {"return_mean": math.nan, "x": [math.inf, 1.5], "by": {"a": -math.inf, "b": 2}, "n": 3, "ok": True}
+    text = logdir.dumps(row)
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"return_mean": None, "x": [None, 1.5], "by": {"a": None, "b": 2}, "n": 3, "ok": True}
+    logdir.write_json_file(tmp_path / "summary.json", row)
+    assert json.loads((tmp_path / "summary.json").read_text())["return_mean"] is None
+    metrics = MetricsLog(tmp_path)
+    metrics.write({"update": 1, **row})
+    metrics.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl"))["return_mean"] is None
+
+
+def test_read_rows_drops_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"update": 1}\n{"update": 2}\n\x00\x00\x00\n{"update": 3, "ret')
+    assert logdir.read_rows(path) == [{"update": 1}, {"update": 2}]
+
+
+def test_cut_rows_keeps_updates_up_to_the_checkpoint_unique_and_increasing(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    # A run to 5, killed; main's old resume from 3 wrote 4 and 5 again; then a torn line.
+    lines = [{"update": u, "env_steps_trained": 100 * u} for u in (1, 2, 3, 4, 5, 4, 5, 6)]
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in lines) + b'{"update": 7, "env_st')
+    assert logdir.cut_rows(path, 5) == 4   # the first 4 and 5, 6 and the torn line
+    rows = logdir.read_rows(path)
+    assert [r["update"] for r in rows] == [1, 2, 3, 4, 5]
+    assert path.read_bytes().endswith(b"\n") and not list(tmp_path.glob(".*writing"))
+    before = path.stat().st_mtime_ns
+    assert logdir.cut_rows(path, 5) == 0 and path.stat().st_mtime_ns == before   # nothing to cut: untouched
+    assert logdir.cut_rows(tmp_path / "none.jsonl", 3) == 0
+
+
+def test_a_line_without_its_newline_is_completed_before_appending(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"update": 1}\n{"update": 2}')
+    assert logdir.cut_rows(path, 2) == 0
+    metrics = MetricsLog(tmp_path, append=True)
+    metrics.write({"update": 3})
+    metrics.close()
+    assert [r["update"] for r in logdir.read_rows(path)] == [1, 2, 3]
+
+
+def test_a_full_disk_leaves_whole_lines_and_the_old_summary(small_disk):  # noqa: F811
+    metrics = MetricsLog(small_disk)
+    row = {"update": 0, "pad": "x" * 3000}
+    with pytest.raises(logdir.LogdirWriteError, match=r"cannot write .*metrics.jsonl: No space left on device"):
+        for update in range(1, 1000):
+            metrics.write({**row, "update": update})
+    metrics.close()
+    rows = logdir.read_rows(small_disk / "metrics.jsonl")
+    assert len(rows) > 10 and (small_disk / "metrics.jsonl").read_bytes().endswith(b"\n")   # no torn line
+    assert [r["update"] for r in rows] == list(range(1, len(rows) + 1))
+    os.truncate(small_disk / "metrics.jsonl", 0)   # room again for a small summary, not for a large one
+    logdir.write_json_file(small_disk / "summary.json", {"old": True})
+    with pytest.raises(logdir.LogdirWriteError, match=r"cannot write .*summary.json: No space left on device"):
+        logdir.write_json_file(small_disk / "summary.json", {"pad": "y" * 400_000})
+    assert json.loads((small_disk / "summary.json").read_text()) == {"old": True}
+    assert sorted(os.listdir(small_disk)) == ["metrics.jsonl", "summary.json"]
+
+
+def test_plot_takes_null_returns(tmp_path):
+    """Rows before the first episode have a null return_mean (NaN in runs of older shmrl),
+    a run without a stop return a null one in summary.json's config."""
+    from conftest import load_tool
+
+    plot = load_tool("plot")
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"update": 1, "return_mean": None, "env_steps": 100, "elapsed_s": 1.0},
+            {"update": 2, "return_mean": 12.5, "env_steps": 200, "elapsed_s": 2.0}]
+    (run / "metrics.jsonl").write_text("".join(logdir.dumps(r) + "\n" for r in rows)
+                                       + '{"update": 3, "return_mean": NaN, "env_steps": 300, "elapsed_s": 3.0}\n')
+    logdir.write_json_file(run / "summary.json", {"config": {"stop_return": math.inf}})
+    assert plot.main([str(run), "-o", str(tmp_path / "curves.png")]) == 0
+    assert (tmp_path / "curves.png").stat().st_size > 1000
