@@ -11,13 +11,15 @@ CleanRL; nested counters become ``name/key`` (``env_steps_by_client/shm:3``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
+import os
 import queue
 import threading
 import time
 from pathlib import Path
+
+from shmrl.logdir import append_line, dumps, open_lines
 
 log = logging.getLogger("shmrl.metrics")
 
@@ -49,13 +51,15 @@ def scalars(row: dict) -> dict[str, float]:
 
 
 class MetricsLog:
-    """``write(row)`` appends a line to ``metrics.jsonl`` (flushed: it is the run's record)
-    and, with ``tensorboard``, hands the row to the TensorBoard thread; ``close()`` waits
-    for that thread to write what it holds."""
+    """``write(row)`` appends a line to ``metrics.jsonl`` (one write of the whole line: it
+    is the run's record; a NaN is written as null) and, with ``tensorboard``, hands the row
+    to the TensorBoard thread; ``close()`` waits for that thread to write what it holds.
+    A file that cannot be written raises ``shmrl.logdir.LogdirWriteError``."""
 
     def __init__(self, logdir: Path, append: bool = False, tensorboard: bool = False):
         self.logdir = Path(logdir)
-        self._file = open(self.logdir / "metrics.jsonl", "a" if append else "w")
+        self.path = self.logdir / "metrics.jsonl"
+        self._fd = open_lines(self.path, append)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self.tensorboard_error: str | None = None
@@ -65,8 +69,7 @@ class MetricsLog:
             self._thread.start()
 
     def write(self, row: dict) -> None:
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        append_line(self._fd, dumps(row), self.path)
         if self._queue is not None:
             self._queue.put(row)
 
@@ -75,7 +78,9 @@ class MetricsLog:
             self._queue.put(None)
             self._thread.join(timeout)
             self._queue = None
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def _tensorboard(self) -> None:
         writer = None
