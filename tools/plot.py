@@ -41,7 +41,9 @@ def plot(runs: list[dict], out: Path, title: str | None = None) -> None:
 
     fig, (by_steps, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for run in runs:
-        rows = [r for r in run["rows"] if not math.isnan(r["return_mean"])]
+        # No return yet (before the first episode): null in metrics.jsonl (NaN in older runs).
+        rows = [r for r in run["rows"] if isinstance(r.get("return_mean"), (int, float)) and
+                math.isfinite(r["return_mean"])]
         steps = [r["env_steps"] for r in rows]
         seconds = [r["elapsed_s"] for r in rows]
         returns = [r["return_mean"] for r in rows]
