@@ -50,10 +50,8 @@ class Actor:
         if policy.state_size and self.num_envs is None:
             raise ValueError("recurrent policies are single-agent for now: a multi-agent env takes --memory none")
         self.policy = policy
-        if policy.state_size and (self.state is None or self.state.shape[1] != policy.state_size):
+        if policy.state_size and self.state is None:   # the first model: every episode starts from zeros
             self.state = policy.initial_state(self.num_envs)
-        elif not policy.state_size:
-            self.state = None
 
     def act(self, obs):
         """(actions, distribution inputs, log-probabilities) for a batch of observations:

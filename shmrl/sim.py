@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from shmrl import multiagent, rllink
-from shmrl.actor import Actor, check_policy_fits, handshake  # noqa: F401 (shmrl.sim.<name> as before)
+from shmrl.actor import Actor, handshake
 from shmrl.envs import make_vec_env
 from shmrl.episode import Rollout
 from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from shmrl import rllink
+from shmrl.actor import Actor
 from shmrl.envs import Box, Discrete, EnvSpec, env_spec, make_vec_env
 from shmrl.episode import Episode, EpisodeBatch, Rollout
 from shmrl.learner import check_episodes
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.ppo import PPO, PPOConfig
-from shmrl.spaces import Sampler
 
 NOVEL = env_spec("CartPoleNoVel-v1")
 
@@ -38,20 +38,18 @@ def policy_of(ppo) -> OnnxPolicy:
 
 def sample(ppo, env_id="CartPoleNoVel-v1", envs=3, steps=23, rollouts=3, seed=0):
     """Rollouts as a simulator samples them (sim.run_simulator's loop): a batch per rollout."""
-    policy = policy_of(ppo)
     vec = make_vec_env(env_id, envs, seed)
-    sampler = Sampler(vec.spec.actions, np.random.default_rng(seed))
-    obs, state = vec.reset(), policy.initial_state(envs)
+    actor = Actor(policy_of(ppo), vec.spec, envs, np.random.default_rng(seed))
+    obs = vec.reset()
     rollout, batches = Rollout(envs, steps), []
     for _ in range(rollouts):
-        rollout.start(obs, state)
+        rollout.start(obs, actor.state)
         for _ in range(steps):
-            logits, state = policy.step(obs, state)
-            actions, logp = sampler.sample(logits)
+            actions, dist_inputs, logp = actor.act(obs)
             obs, rewards, terminated, truncated, final_obs = vec.step(actions)
-            rollout.record(actions, logits, logp, obs, rewards, terminated, truncated, final_obs)
+            rollout.record(actions, dist_inputs, logp, obs, rewards, terminated, truncated, final_obs)
             if final_obs is not None:
-                state[np.asarray(terminated) | np.asarray(truncated)] = 0.0
+                actor.reset(np.asarray(terminated) | np.asarray(truncated))
         batches.append(rollout.batch(1))
     return batches
 
@@ -217,20 +215,19 @@ def test_a_memory_task_a_memoryless_policy_cannot_solve_is_solved():
     net = PolicyNet(Recall.spec, 32, "ReLU", layers=1, memory="gru", memory_size=16)
     ppo = PPO(net, PPOConfig(lr=3e-3, epochs=4, minibatch_size=128, max_seq_len=8, gamma=0.99), seed=0)
     vec = LoopVecEnv(lambda: Recall(), 16, seed=0, spec=Recall.spec)
-    sampler = Sampler(Recall.spec.actions, np.random.default_rng(0))
-    obs, state = vec.reset(), np.zeros((16, net.state_size), np.float32)
+    actor = Actor(policy_of(ppo), Recall.spec, 16, np.random.default_rng(0))
+    obs = vec.reset()
     rollout = Rollout(16, 20)
     returns = []
     for _ in range(60):
-        policy = policy_of(ppo)
-        rollout.start(obs, state)
+        actor.load(policy_of(ppo))
+        rollout.start(obs, actor.state)
         for _ in range(20):
-            logits, state = policy.step(obs, state)
-            actions, logp = sampler.sample(logits)
+            actions, dist_inputs, logp = actor.act(obs)
             obs, rewards, terminated, truncated, final_obs = vec.step(actions)
-            rollout.record(actions, logits, logp, obs, rewards, terminated, truncated, final_obs)
+            rollout.record(actions, dist_inputs, logp, obs, rewards, terminated, truncated, final_obs)
             if final_obs is not None:
-                state[terminated | truncated] = 0.0
+                actor.reset(terminated | truncated)
         ppo.update(ppo.make_batch(rollout.batch(1)))
         returns += rollout.completed
         rollout.completed.clear()
