@@ -17,6 +17,7 @@ from shmrl.learner import check_episodes
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.ppo import PPO, PPOConfig
+from shmrl.spaces import Sampler
 
 NOVEL = env_spec("CartPoleNoVel-v1")
 
@@ -215,19 +216,20 @@ def test_a_memory_task_a_memoryless_policy_cannot_solve_is_solved():
     net = PolicyNet(Recall.spec, 32, "ReLU", layers=1, memory="gru", memory_size=16)
     ppo = PPO(net, PPOConfig(lr=3e-3, epochs=4, minibatch_size=128, max_seq_len=8, gamma=0.99), seed=0)
     vec = LoopVecEnv(lambda: Recall(), 16, seed=0, spec=Recall.spec)
-    actor = Actor(policy_of(ppo), Recall.spec, 16, np.random.default_rng(0))
-    obs = vec.reset()
+    sampler = Sampler(Recall.spec.actions, np.random.default_rng(0))
+    obs, state = vec.reset(), np.zeros((16, net.state_size), np.float32)
     rollout = Rollout(16, 20)
     returns = []
     for _ in range(60):
-        actor.load(policy_of(ppo))
-        rollout.start(obs, actor.state)
+        policy = policy_of(ppo)
+        rollout.start(obs, state)
         for _ in range(20):
-            actions, dist_inputs, logp = actor.act(obs)
+            logits, state = policy.step(obs, state)
+            actions, logp = sampler.sample(logits)
             obs, rewards, terminated, truncated, final_obs = vec.step(actions)
-            rollout.record(actions, dist_inputs, logp, obs, rewards, terminated, truncated, final_obs)
+            rollout.record(actions, logits, logp, obs, rewards, terminated, truncated, final_obs)
             if final_obs is not None:
-                actor.reset(terminated | truncated)
+                state[terminated | truncated] = 0.0
         ppo.update(ppo.make_batch(rollout.batch(1)))
         returns += rollout.completed
         rollout.completed.clear()
