@@ -20,8 +20,8 @@ PACKAGE = ROOT / "shmrl"
 
 # From the bottom up: a module may import from its own layer and from those listed above
 # it. Names are modules under shmrl/ ("transport" is the package and every module in it).
-# Some are being written now (hub, store, trainer, launch): a name that does not exist
-# yet is harmless here.
+# Some are being written now (hub, store, serving, trainer, report, resume, launch): a
+# name that does not exist yet is harmless here.
 LAYERS = {
     "base types": ["config", "presets", "spaces", "episode", "stats", "checkpoint", "metrics"],
     "protocol": ["rllink"],
@@ -29,9 +29,9 @@ LAYERS = {
     "model": ["onnx_graph", "net", "ppo", "onnx_policy"],
     "env adapters": ["envspec", "pz_envs", "envs"],
     "actor and simulator loops": ["actor", "multiagent", "sim", "eval"],
-    "hub": ["hub", "store", "learner"],
+    "hub": ["store", "hub", "serving", "learner"],
     "launchers": ["supervisor", "ray_launcher", "launch"],
-    "trainer": ["trainer"],
+    "trainer": ["report", "resume", "trainer"],
     "faces": ["run", "__init__"],
 }
 # The client side: what simulators and eval run, without torch (numpy and onnxruntime only).
