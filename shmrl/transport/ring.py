@@ -24,6 +24,8 @@ import zlib
 
 import _posixshmem
 
+from shmrl.transport.base import ConnectionClosed
+
 SHM_DIR = "/dev/shm"
 DEFAULT_PREFIX = "shmrl"
 MiB = 1 << 20
@@ -37,7 +39,7 @@ class RingCorrupt(RuntimeError):
     """A ring holds a record that cannot be valid (stale, torn by a bug, or overwritten)."""
 
 
-class PeerGone(ConnectionError):
+class PeerGone(ConnectionClosed):
     """The process at the other end of a doorbell has closed it or died."""
 
 
@@ -265,15 +267,19 @@ class Ring:
         self._pos[_WRITE] = w + skip + size  # publish: last, a single aligned 8-byte store
         return True
 
-    def write(self, parts, timeout: float | None = None) -> None:
+    def write(self, parts, timeout: float | None = None, while_waiting=None) -> None:
         """Like try_write, but wait for space (sleeping 50 µs, doubling up to 2 ms: a full
-        ring is the rare case); TimeoutError after ``timeout`` seconds (None: forever)."""
-        parts = [_as_bytes(p) for p in parts]
+        ring is the rare case); TimeoutError after ``timeout`` seconds (None: forever).
+        ``while_waiting()``, if given, runs before each sleep: it raises to stop waiting
+        (the reader is gone, the connection closed)."""
         if self.try_write(parts):
             return
+        parts = [_as_bytes(p) for p in parts]  # converted once for the retries
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 50e-6
         while not self.try_write(parts):
+            if while_waiting is not None:
+                while_waiting()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"ring full for {timeout} s: its reader is not keeping up")
             time.sleep(delay)
