@@ -11,7 +11,8 @@ from shmrl import rllink
 from shmrl.transport import base, inproc, shm, tcp
 from shmrl.transport.base import (ClientTransport, ConnectionClosed, ReplyEncoder, ServerTransport,
                                   WakePipe)
-from shmrl.transport.ring import PeerGone, Ring
+from shmrl.transport.doorbell import PeerGone
+from shmrl.transport.ring import Ring
 
 pytestmark = pytest.mark.usefixtures("no_shm_leftovers")
 

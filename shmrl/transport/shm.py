@@ -10,7 +10,7 @@ Wake-ups go through FIFOs in /dev/shm: one request doorbell that every client ri
 after publishing, one reply doorbell per client. Nobody spins: a waiter blocks in the
 kernel with a timeout. A client detects the learner's death as EOF on its reply FIFO;
 that holds for clients forked from the learner too, which close their inherited copies
-of the learner's FIFO ends at fork (see ``ring._close_owned_in_child``).
+of the learner's FIFO ends at fork (see ``doorbell._close_owned_in_child``).
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ import time
 
 from shmrl import rllink
 from shmrl.transport.base import Closeable, ConnectionClosed, ReplyEncoder
-from shmrl.transport.ring import (DEFAULT_PREFIX, SHM_DIR, ClientSlot, Doorbell, PeerGone,
-                                  RingCorrupt, _pid_alive, check_shm_space, fifo_path,
-                                  segment_name, sweep_stale)
+from shmrl.transport.doorbell import Doorbell, PeerGone
+from shmrl.transport.ring import (DEFAULT_PREFIX, SHM_DIR, RingCorrupt, _pid_alive, check_shm_space,
+                                  fifo_path, segment_name, sweep_stale)
+from shmrl.transport.slot import ClientSlot
 
 log = logging.getLogger("shmrl.transport")
 
