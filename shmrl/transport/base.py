@@ -85,20 +85,18 @@ class ServerTransport(Protocol):
 
 
 class Closeable:
-    """``with`` support and close-on-collect for a transport's end: its segments, FIFOs
-    and sockets go even when a caller forgets ``close()``."""
+    """``with`` support for a transport's end: ``close()`` on leaving the block.
+
+    Deliberately no ``__del__`` here: a forked child that collects an inherited server
+    would take its lock (perhaps held by a thread that does not exist in the child) and
+    write to the parent's wake pipe. Where closing at collection is safe and needed
+    (shared-memory files that only their owner unlinks), the class says so itself."""
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class ReplyEncoder:

@@ -227,6 +227,12 @@ class ShmServer(Closeable):
                 except OSError as e:
                     log.warning("closing %s: %s", getattr(thing, "name", getattr(thing, "path", thing)), e)
 
+    def __del__(self):  # segments and FIFOs in /dev/shm outlive the process: unlink them
+        try:
+            self.close()
+        except Exception:
+            pass
+
 
 class ShmClient(Closeable):
     """A simulator's side: attaches to its slot by name, never creates or unlinks."""
@@ -326,3 +332,9 @@ class ShmClient(Closeable):
                 self._slot.client_pid = 0  # the slot is free again
             self._slot.close()
             self._slot = None
+
+    def __del__(self):  # frees the slot for a replacement client
+        try:
+            self.close()
+        except Exception:
+            pass
