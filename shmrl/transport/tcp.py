@@ -12,14 +12,14 @@ while it samples. Such a client silent for ``heartbeat_timeout`` while no reply 
 to it is hung (or its machine is gone): its connection is closed and counted in
 ``clients_timed_out``.
 
-``TcpServer`` (the learner's side) is a ``ServerTransport`` (transport/base.py). One background IO thread
-owns every socket: it accepts, reads without blocking, refuses a frame from its header
-when it is too large, decodes and validates requests, and writes queued replies as fast
-as each socket takes them, so a client that waits for SET_STATE, stalls mid-frame or
-stops reading never holds up another. The learner's thread only trades queues with it
-under one lock: ``poll`` takes the validated requests (``fileno()`` is a ``WakePipe`` that
-is readable while some wait); ``reply`` and ``drop`` queue work and wake the IO thread
-through a second one.
+``TcpServer`` (the learner's side) is a ``ServerTransport`` (see transport/base.py). One
+background IO thread owns every socket: it accepts, reads without blocking, refuses a
+frame from its header when it is too large, decodes and validates requests, and writes
+queued replies as fast as each socket takes them, so a client that waits for SET_STATE,
+stalls mid-frame or stops reading never holds up another. The learner's thread only
+trades queues with it under one lock: ``poll`` takes the validated requests
+(``fileno()`` is a ``WakePipe`` that is readable while some wait); ``reply`` and
+``drop`` queue work and wake the IO thread through a second one.
 
 ``TcpClient`` (a simulator's side) is a ``ClientTransport``: a blocking socket that
 reads exactly one reply frame per request within ``timeout``.
@@ -213,7 +213,8 @@ class TcpServer(Closeable):
                 return
             codec, negotiate = conn.codec, conn.offered and msg["type"] == _PONG
         if negotiate:  # the answer to a PING that offered the binary codec: still JSON
-            data = rllink.frame(rllink.encode({**msg, "codec": "binary", "heartbeat_s": self.heartbeat_s}, "json"))
+            agreed = {**msg, "codec": "binary", "heartbeat_s": self.heartbeat_s}
+            data = rllink.frame(rllink.encode(agreed, "json"))
         else:
             data = self._encode(msg, codec)  # SET_STATE goes to every waiting client: encoded once
         with self._lock:
