@@ -12,46 +12,13 @@ import functools
 import importlib
 import logging
 import math
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from shmrl import spaces
+from shmrl import pz_envs
+from shmrl.envspec import EnvSpec, space_spec  # noqa: F401 (shmrl.envs.EnvSpec and space_spec as before)
 from shmrl.spaces import Box, Discrete  # noqa: F401 (the built-in envs' spaces; shmrl.envs.Box as before)
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """What the learner needs to know about an environment to check clients' data: its
-    spaces (``shmrl.spaces``) and how observations and actions are laid out."""
-    env_id: str
-    observation_space: object
-    action_space: object
-    reward_threshold: float | None = None  # the return at which it counts as solved, if known
-
-    @functools.cached_property
-    def obs(self) -> spaces.ObsLayout:
-        return spaces.obs_layout(self.observation_space)
-
-    @functools.cached_property
-    def actions(self) -> spaces.ActionLayout:
-        return spaces.action_layout(self.action_space)
-
-    @property
-    def obs_shape(self) -> tuple:
-        """The shape of a flat observation (the only leaf of a non-structured space)."""
-        return self.obs.leaves[0].shape
-
-    @property
-    def continuous(self) -> bool:
-        """A single Box action (a diagonal Gaussian policy)."""
-        return self.actions.single_box
-
-    @property
-    def policy_outputs(self) -> int:
-        """Size of the policy's output: logits, means and log-stds of every action part."""
-        return self.actions.dist_size
 
 
 class CartPole:
@@ -338,40 +305,16 @@ def _log_mujoco_warnings() -> None:
 
 def spec_of(env, env_id: str):
     """The spec of a live env object: its spaces, and gymnasium's reward threshold if any;
-    a MultiAgentSpec for a PettingZoo env (``shmrl.multiagent``)."""
+    a MultiAgentSpec for a PettingZoo env (``shmrl.pz_envs``)."""
     if isinstance(getattr(env, "spec", None), EnvSpec):
         return env.spec
-    from shmrl import multiagent
-
-    if multiagent.is_multiagent(env):
-        return multiagent.multiagent_spec(env, env_id)
+    if pz_envs.is_multiagent(env):
+        return pz_envs.multiagent_spec(env, env_id)
     if not (hasattr(env, "observation_space") and hasattr(env, "action_space")):
         raise ValueError(f"{env_id}: made {type(env).__name__!r}, not an env: it has no observation_space "
                          f"and action_space")
     threshold = getattr(getattr(env, "spec", None), "reward_threshold", None)
     return space_spec(env_id, env.observation_space, env.action_space, threshold)
-
-
-def space_spec(env_id: str, observation_space, action_space, threshold: float | None = None) -> EnvSpec:
-    """The EnvSpec of these spaces, checked (an action mask must fit the actions)."""
-    spec = EnvSpec(env_id, spaces.from_gym(observation_space), spaces.from_gym(action_space),
-                   None if threshold is None else float(threshold))
-    try:
-        layout, actions = spec.obs, spec.actions
-    except ValueError as e:
-        raise ValueError(f"{env_id}: {e}") from None
-    mask = layout.mask
-    if mask is not None and mask.shape != (len(actions.mask_columns),):
-        raise ValueError(f"{env_id}: the observation's action_mask has shape {mask.shape}; it must have one "
-                         f"entry per value of every Discrete action part ({len(actions.mask_columns)})")
-    for path, why in layout.skipped:
-        if (env_id, path) not in _SKIPPED_SAID:
-            _SKIPPED_SAID.add((env_id, path))
-            logging.getLogger("shmrl.envs").info("%s: observation %r is left out: %s", env_id, path, why)
-    return spec
-
-
-_SKIPPED_SAID: set = set()   # (env, leaf) already said to be left out: said once per process
 
 
 def _call_factory(factory, env_id: str):
@@ -401,9 +344,7 @@ def resolve_env(env) -> tuple[Callable[[], object], EnvSpec]:
     if env.startswith("gym:"):
         factory = functools.partial(_gym_make, env[4:])
     elif env.startswith("pz:"):
-        from shmrl.multiagent import pz_make
-
-        factory = functools.partial(pz_make, env[3:])
+        factory = functools.partial(pz_envs.pz_make, env[3:])
     elif ":" in env:
         module, _, name = env.partition(":")
         try:

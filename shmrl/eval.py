@@ -12,8 +12,9 @@ seats in turn, and the win, draw and loss rates are reported (a win: the policy'
 ends with a higher return than every other; against ``self``, the first seat's).
 
 The policy acts greedily by default (the most likely action; the mean of a Gaussian), as
-evaluations usually do; ``--stochastic`` samples as training did. Like the simulators,
-this never imports torch: numpy and onnxruntime only.
+evaluations usually do; ``--stochastic`` samples as training did. The policy acts through
+``shmrl.actor.Actor``, as in the simulators; like them, this never imports torch: numpy
+and onnxruntime only.
 
 Exit status: 0 with the returns printed, 2 for a bad command line (one line ``error: ...``):
 a policy file that is missing or not an ONNX model, an unknown env, or a policy that does
@@ -29,9 +30,10 @@ import sys
 
 import numpy as np
 
-from shmrl.envs import make_vec_env
+from shmrl.actor import Actor
+from shmrl.envs import env_spec, make_vec_env
+from shmrl.multiagent import play
 from shmrl.onnx_policy import OnnxPolicy
-from shmrl.sim import check_policy_fits, make_sampler
 
 
 def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: int = 0,
@@ -43,26 +45,17 @@ def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: in
     except Exception as e:  # onnxruntime's own errors: not a model, or one it cannot run
         raise ValueError(f"not an ONNX model onnxruntime can run: {str(e).strip()[:200]}") from None
     envs = make_vec_env(env, min(num_envs, episodes), seed)
-    spec = envs.spec
-    check_policy_fits(policy, spec)
-    sampler = make_sampler(spec, np.random.default_rng(seed))
-    obs = envs.reset()
     K = envs.num_envs
+    actor = Actor(policy, envs.spec, K, np.random.default_rng(seed), greedy=not stochastic)
+    obs = envs.reset()
     share = [(episodes + k) // K for k in range(K)]
     running, returns = np.zeros(K), []
-    state = policy.initial_state(K) if policy.state_size else None   # a recurrent policy's
     while len(returns) < episodes:
-        if state is None:
-            out = policy.logits(obs)
-        else:
-            out, state = policy.step(obs, state)
-        # Greedy: every part's most likely value (a masked action never is: its logit is -1e9).
-        actions = sampler.sample(out)[0] if stochastic else sampler.greedy(out)
+        actions = actor.act(obs)[0]
         obs, rewards, terminated, truncated, _ = envs.step(actions)
         running += rewards
         for k in np.flatnonzero(terminated | truncated):
-            if state is not None:
-                state[k] = 0.0
+            actor.reset(k)
             if share[k]:
                 share[k] -= 1
                 returns.append(float(running[k]))
@@ -89,8 +82,6 @@ def main(argv=None) -> int:
     try:
         with open(a.policy, "rb") as f:
             model = f.read()
-        from shmrl.envs import env_spec
-
         if getattr(env_spec(a.env), "multiagent", False):
             return _multiagent(a, model)
         returns = evaluate(model, a.env, a.episodes, a.seed, a.stochastic)
@@ -112,8 +103,6 @@ def main(argv=None) -> int:
 
 
 def _multiagent(a, model: bytes) -> int:
-    from shmrl.multiagent import play
-
     opponent = a.opponent
     if opponent not in ("random", "self"):
         path = Path(opponent)

@@ -1,19 +1,12 @@
-"""Many agents in one simulator: PettingZoo envs, the agent-to-policy map, and the
-multi-agent simulator loop.
-
-An env is multi-agent when it is a PettingZoo ``ParallelEnv`` (every live agent acts at
-each step) or ``AECEnv`` (agents act in turn, as in connect_four); ``--env pz:NAME``
-makes ``NAME``'s ``parallel_env()`` where it has one, else its ``env()``, from
-``pettingzoo.classic``/``butterfly``/``sisl`` or ``mpe2``.
+"""Many agents in one simulator: the multi-agent simulator loop and the self-play
+evaluation (``play``). The envs themselves (``--env pz:NAME``, their specs, stepping
+Parallel and turn-based envs) are the PettingZoo adapter's, ``shmrl.pz_envs``; the
+agent-to-policy map is ``shmrl.envspec.policy_mapper``.
 
 Each agent's steps go into chunks of their own (``agent_id``) under the policy that
 chose them (``module_id``): the learner trains one PPO per policy. The map from agent to
 policy is ``shared`` (one policy for all, the default), ``per-agent`` (a policy named
 after each agent) or ``package.module:fn`` (a function agent_id -> policy_id).
-
-Turn-based (AEC) envs are stepped turn by turn: an agent's step ends when its next turn
-comes (or its episode ends), with the reward it got meanwhile (``env.last()``'s
-cumulative reward), so a reward given at the end of a game goes to both players.
 
 Self-play (symmetric games): every agent plays the shared policy and all of them learn;
 with a league (``--league N``), the learner also publishes frozen snapshots of each
@@ -25,175 +18,24 @@ Like ``shmrl.sim``, this never imports torch.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from shmrl import rllink
+from shmrl.actor import Actor, check_policy_fits, handshake as _handshake   # the name of an argument below
+from shmrl.envs import resolve_env
+from shmrl.envspec import POLICY_MAPS, SHARED_POLICY, MultiAgentSpec, policy_mapper  # noqa: F401 (as before)
 from shmrl.episode import Episode, EpisodeBatch, MultiAgentBatch, new_episode_id
+from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file, encode_onnx_file
+from shmrl.pz_envs import stepper
+from shmrl.spaces import MASK_KEY
 
 log = logging.getLogger("shmrl.multiagent")
 T = rllink.MessageType
-SHARED_POLICY = "shared"
-POLICY_MAPS = ("shared", "per-agent")
-PZ_PACKAGES = ("pettingzoo.classic", "pettingzoo.butterfly", "pettingzoo.sisl", "mpe2")
-
-
-# ------------------------------------------------------------------ envs and specs
-
-def is_multiagent(env) -> bool:
-    """A PettingZoo env (Parallel or AEC): its spaces are functions of the agent."""
-    return hasattr(env, "possible_agents") and callable(getattr(env, "observation_space", None))
-
-
-def is_turn_based(env) -> bool:
-    """An AECEnv (one agent at a time), not a ParallelEnv."""
-    return hasattr(env, "agent_selection") or hasattr(env, "agent_iter")
-
-
-def pz_make(name: str):
-    """``pettingzoo.<family>.<name>`` or ``mpe2.<name>``: its parallel_env() if it has one,
-    else its env(). Where the module has a ``raw_env``, it is used without PettingZoo's
-    safety wrappers (order enforcement, bounds assertions, ending the game on an illegal
-    move), which cost about 2/3 of a connect_four or simple_spread step here: shmrl
-    steps the API in order, and its policies never choose a masked action."""
-    import warnings
-
-    for package in PZ_PACKAGES:
-        try:
-            with warnings.catch_warnings():   # PettingZoo 1.27 deprecates these modules for its registry,
-                warnings.simplefilter("ignore", DeprecationWarning)   # whose envs come wrapped
-                module = importlib.import_module(f"{package}.{name}")
-        except ImportError as e:
-            if getattr(e, "name", "") not in (f"{package}.{name}", package, package.split(".")[0]):
-                raise ValueError(f"--env pz:{name}: {e} (pip install 'shmrl[pettingzoo]')") from None
-            continue
-        raw = getattr(module, "raw_env", None)
-        if raw is not None:
-            if hasattr(module, "parallel_env"):
-                from pettingzoo.utils.conversions import aec_to_parallel
-
-                return aec_to_parallel(raw())
-            return raw()
-        make = getattr(module, "parallel_env", None) or getattr(module, "env")
-        return make()
-    raise ValueError(f"--env pz:{name}: no such env in {', '.join(PZ_PACKAGES)} (installed: pip install "
-                     f"'shmrl[pettingzoo]' and 'shmrl[mpe2]')")
-
-
-@dataclass(frozen=True)
-class MultiAgentSpec:
-    """A multi-agent env's spaces: one EnvSpec per possible agent."""
-    env_id: str
-    agents: tuple
-    agent_specs: dict = field(hash=False)
-    turn_based: bool = False
-    reward_threshold: float | None = None
-    multiagent = True
-
-    def policy_specs(self, mapper: Callable) -> dict:
-        """policy id -> the EnvSpec of its agents, which must agree in their spaces."""
-        out, first = {}, {}
-        for agent in self.agents:
-            pid, spec = mapper(agent), self.agent_specs[agent]
-            if pid in out and (out[pid].obs, out[pid].actions) != (spec.obs, spec.actions):
-                raise ValueError(f"{self.env_id}: agents {first[pid]!r} and {agent!r} map to policy {pid!r} but "
-                                 f"have different spaces")
-            out.setdefault(pid, spec)
-            first.setdefault(pid, agent)
-        return out
-
-
-def multiagent_spec(env, env_id: str) -> MultiAgentSpec:
-    from shmrl.envs import space_spec
-
-    return MultiAgentSpec(env_id, tuple(env.possible_agents),
-                          {a: space_spec(f"{env_id}[{a}]", env.observation_space(a), env.action_space(a))
-                           for a in env.possible_agents}, is_turn_based(env))
-
-
-def policy_mapper(policy_map: str) -> Callable:
-    """agent_id -> policy_id for ``shared``, ``per-agent`` or ``package.module:fn``."""
-    if policy_map == "shared":
-        return lambda agent: SHARED_POLICY
-    if policy_map == "per-agent":
-        return str
-    module, _, name = policy_map.partition(":")
-    if not name:
-        raise ValueError(f"--policy-map {policy_map!r}: shared, per-agent or package.module:fn")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--policy-map {policy_map}: cannot load {name} from {module}: {e}") from None
-    return lambda agent: str(fn(agent))
-
-
-# ------------------------------------------------------------------ stepping
-
-class ParallelStepper:
-    """A ParallelEnv as turns: every live agent acts at once."""
-
-    def __init__(self, env, seed: int | None):
-        self.env, self.seed = env, seed
-
-    def reset(self) -> dict:
-        obs, _ = self.env.reset(seed=self.seed)
-        self.seed = None
-        return dict(obs)
-
-    def step(self, actions: dict) -> tuple[dict, dict, bool]:
-        """(results: agent -> (next obs, reward, terminated, truncated) of the agents that
-        acted, the agents to act next -> obs, whether the episode is over)."""
-        obs, rewards, terms, truncs, _ = self.env.step(actions)
-        results = {a: (obs[a], float(rewards.get(a, 0.0)), bool(terms.get(a, False)), bool(truncs.get(a, False)))
-                   for a in actions if a in obs}
-        live = set(self.env.agents)
-        to_act = {a: o for a, o in obs.items() if a in live and not (terms.get(a) or truncs.get(a))}
-        return results, to_act, not to_act
-
-
-class TurnStepper:
-    """An AECEnv stepped turn by turn: an agent's step ends at its next turn or its end."""
-
-    def __init__(self, env, seed: int | None):
-        self.env, self.seed = env, seed
-        self.acted: set = set()     # agents whose last action still waits for its outcome
-
-    def reset(self) -> dict:
-        self.env.reset(seed=self.seed)
-        self.seed = None
-        self.acted = set()
-        return self._advance({})[1]
-
-    def step(self, actions: dict) -> tuple[dict, dict, bool]:
-        (agent, action), = actions.items()
-        self.env.step(action)
-        self.acted.add(agent)
-        results, to_act = self._advance({})
-        return results, to_act, not to_act
-
-    def _advance(self, results: dict) -> tuple[dict, dict]:
-        env = self.env
-        while env.agents:
-            agent = env.agent_selection
-            obs, reward, term, trunc, _ = env.last()
-            if agent in self.acted:
-                self.acted.discard(agent)
-                results[agent] = (obs, float(reward), bool(term), bool(trunc))
-            if term or trunc:
-                env.step(None)
-                continue
-            return results, {agent: obs}
-        return results, {}
-
-
-def stepper(env, seed: int | None):
-    return TurnStepper(env, seed) if is_turn_based(env) else ParallelStepper(env, seed)
 
 
 # ------------------------------------------------------------------ the simulator loop
@@ -209,8 +51,6 @@ class PolicySet:
         self.published: set = set()   # the pids of the latest SET_STATE
 
     def update(self, policies: dict) -> None:
-        from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
-
         for pid, entry in policies.items():
             if self.seqs.get(pid) != entry["weights_seq_no"] or pid not in self.models:
                 self.models[pid] = OnnxPolicy(decode_onnx_file(entry["onnx_file"]))
@@ -249,10 +89,7 @@ class MultiAgentSampler:
         self.games: deque = deque(maxlen=10_000)   # ({agent: policy}, {agent: return}) of ended episodes
         self.envs = [stepper(factory(), seed * 1_000_003 + k) for k in range(num_envs)]
         self.layouts = {a: s.obs for a, s in spec.agent_specs.items()}
-        self.actions = {a: s.actions for a, s in spec.agent_specs.items()}
-        from shmrl.spaces import Sampler
-
-        self.samplers = {a: Sampler(s.actions, self.rng) for a, s in spec.agent_specs.items()}
+        self.actors: dict = {}     # pid -> the Actor of that policy (its sampler and current model)
         self.open: dict = {}       # (k, agent) -> Episode of its current chunk
         self.pending: dict = {}    # (k, agent) -> (action, dist inputs, logp): outcome not known yet
         self.assigned: list = [{} for _ in range(num_envs)]   # per env: agent -> policy
@@ -309,13 +146,9 @@ class MultiAgentSampler:
                     self.pending[(k, agent)] = None
                 continue
             obs = self.layouts[agent0].stack([o for _, _, o in items])
-            logits = self.policies.models[pid].logits(obs)
-            if self.greedy:
-                chosen = self.samplers[agent0].greedy(logits)
-                logp = np.zeros(len(chosen))
-            else:
-                chosen, logp = self.samplers[agent0].sample(logits)
-            to_env = self.actions[agent0].to_env(np.asarray(chosen) if not isinstance(chosen, list) else chosen)
+            chosen, logits, logp = self._actor(pid, agent0).act(obs)
+            to_env = self.spec.agent_specs[agent0].actions.to_env(
+                np.asarray(chosen) if not isinstance(chosen, list) else chosen)
             for i, (k, agent, _) in enumerate(items):
                 self.pending[(k, agent)] = (chosen[i], logits[i], logp[i])
                 actions[k][agent] = to_env[i]
@@ -346,6 +179,23 @@ class MultiAgentSampler:
                 self.games.append((dict(self.assigned[k]), dict(self.returns[k])))
                 to_act = self._reset(k)
             self.to_act[k] = to_act
+
+    def _actor(self, pid: str, agent) -> Actor:
+        """The Actor of policy ``pid`` (made for the spaces of ``agent``, one of its
+        agents), acting with the policy's latest model; the rows of its calls are
+        whichever agents act, so it keeps no recurrent state."""
+        model, actor = self.policies.models[pid], self.actors.get(pid)
+        if actor is None:
+            actor = self.actors[pid] = Actor(model, self.spec.agent_specs[agent], None, self.rng, self.greedy)
+        elif actor.policy is not model:
+            actor.load(model)
+        return actor
+
+    def prune_policies(self) -> None:
+        """Forget the models (and their actors) no longer published that no agent plays."""
+        self.policies.prune({pid for assigned in self.assigned for pid in assigned.values()})
+        for pid in set(self.actors) - set(self.policies.models):
+            del self.actors[pid]
 
     def _finish(self, k: int, agent) -> None:
         ep = self.open.pop((k, agent))
@@ -378,10 +228,7 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
     policies until the connection ends; returns the agent steps sent. The policy map is
     the server's (SET_CONFIG ``policy_map``) unless ``policy_map`` is given. ``handshake``:
     (SET_CONFIG, SET_STATE) where the caller has done it already."""
-    from shmrl.envs import resolve_env
-    from shmrl import sim
-
-    config, state = handshake or sim.handshake(client, auth_token)
+    config, state = handshake or _handshake(client, auth_token)
     if "policies" not in state:
         raise ValueError(f"{env_id} is a multi-agent env but the server trains a single-agent policy")
     factory, spec = resolve_env(env_id)
@@ -395,7 +242,7 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
         raise ValueError(f"{env_id}: the server has no policy {sorted(set(wanted) - set(policies.models))} "
                          f"(its policies: {sorted(policies.models)})")
     for pid, policy_spec in wanted.items():
-        sim.check_policy_fits(policies.models[pid], policy_spec)
+        check_policy_fits(policies.models[pid], policy_spec)
     sampler = MultiAgentSampler(factory, spec, mapper, policies, envs_per_sim, seed,
                                 league_prob=float(config.get("league_prob", 0.0)))
     per_sample = int(config["env_steps_per_sample"])
@@ -413,7 +260,7 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
         if reply["type"] != T.SET_STATE.value or "policies" not in reply:
             raise ConnectionError(f"expected a multi-agent SET_STATE, got {reply['type']}")
         policies.update(reply["policies"])
-        policies.prune({pid for assigned in sampler.assigned for pid in assigned.values()})
+        sampler.prune_policies()
         if log_every_s and time.monotonic() >= next_log:
             next_log += log_every_s
             log.info("sent %d agent steps; policies %s; mean returns %s", sent, policies.seqs,
@@ -433,8 +280,6 @@ def mean_returns(completed) -> dict:
 
 def random_legal_action(rng: np.random.Generator, layout):
     """A uniformly random action among those the observation's action_mask allows."""
-    from shmrl.spaces import MASK_KEY
-
     def choose(agent, stored):
         if isinstance(stored, dict) and MASK_KEY in stored:
             return int(rng.choice(np.flatnonzero(stored[MASK_KEY])))
@@ -449,16 +294,14 @@ def play(env_id, model_bytes: bytes, opponent="random", episodes: int = 100, see
     bytes. The policy takes the seats in turn, game by game (for two players: half the
     games first, half second); a game is a win when the return of the policy's agent beats
     every other agent's, a draw when it ties the best of them."""
-    from shmrl.envs import resolve_env
-
     factory, spec = resolve_env(env_id)
     if not isinstance(spec, MultiAgentSpec):
         raise ValueError(f"{env_id} is not a multi-agent env")
     agents = spec.agents
     policies = PolicySet()
-    entries = {"learner": {"onnx_file": _as_onnx_file(model_bytes), "weights_seq_no": 0}}
+    entries = {"learner": {"onnx_file": encode_onnx_file(model_bytes), "weights_seq_no": 0}}
     if isinstance(opponent, (bytes, bytearray)):
-        entries["opponent"] = {"onnx_file": _as_onnx_file(bytes(opponent)), "weights_seq_no": 0}
+        entries["opponent"] = {"onnx_file": encode_onnx_file(bytes(opponent)), "weights_seq_no": 0}
     elif opponent not in ("random", "self"):
         raise ValueError(f"opponent must be 'random', 'self' or a policy's model bytes, not {opponent!r}")
     policies.update(entries)
@@ -496,8 +339,3 @@ def play(env_id, model_bytes: bytes, opponent="random", episodes: int = 100, see
 def sampler_layouts(spec: MultiAgentSpec) -> dict:
     return {a: s.actions for a, s in spec.agent_specs.items()}
 
-
-def _as_onnx_file(model_bytes: bytes) -> str:
-    from shmrl.onnx_policy import encode_onnx_file
-
-    return encode_onnx_file(model_bytes)

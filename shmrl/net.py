@@ -34,27 +34,14 @@ import math
 
 import numpy as np
 
-from shmrl.onnx_graph import FLOAT, INT64, UINT8, Graph, ModelTemplate
+from shmrl.onnx_graph import (FLOAT, INT64, ONNX_ACTIVATIONS, OUTPUT_NAME, UINT8, Graph,  # noqa: F401
+                               ModelTemplate, orthogonal)
 from shmrl.spaces import Leaf
 
-OUTPUT_NAME = "action_dist_inputs"
-# torch.nn.functional activation -> ONNX operator
-ONNX_ACTIVATIONS = {"ReLU": "Relu", "Tanh": "Tanh", "Sigmoid": "Sigmoid", "ELU": "Elu"}
 OBS_CLIP = 10.0       # normalized observations are clipped to +-10, as VecNormalize does
 LOG_STD_INIT = 0.0
 MASKED_LOGIT = -1e9   # what a masked action's logit becomes: exp() of it is 0
 HIDDEN_GAIN, POLICY_GAIN, VALUE_GAIN = math.sqrt(2), 0.01, 1.0
-
-
-def orthogonal(shape: tuple, gain: float, rng: np.random.Generator) -> np.ndarray:
-    """An orthogonal matrix (rows or columns, whichever are fewer) of ``shape`` (a conv's
-    [out, in, k, k] as [out, in * k * k]) times ``gain``, as torch.nn.init.orthogonal_."""
-    n_out, n_in = shape[0], math.prod(shape[1:])
-    a = rng.standard_normal((max(n_out, n_in), min(n_out, n_in)))
-    q, r = np.linalg.qr(a)
-    q *= np.sign(np.diag(r))        # a uniformly distributed orthogonal matrix
-    w = q if n_out >= n_in else q.T
-    return (gain * w).reshape(shape).astype(np.float32)
 
 
 def _act_torch(x, activation):

@@ -24,6 +24,10 @@ IR_VERSION, OPSET = 8, 17   # old enough for every onnxruntime RLlib 2.48 ships 
 FLOAT, UINT8, INT32, INT64, BOOL = 1, 2, 6, 7, 9
 ELEM_TYPES = {np.dtype(np.float32): FLOAT, np.dtype(np.uint8): UINT8, np.dtype(np.int32): INT32,
               np.dtype(np.int64): INT64, np.dtype(np.bool_): BOOL}
+# What the policy's graph calls its output 0 (RLlib's name: its client reads output 0).
+OUTPUT_NAME = "action_dist_inputs"
+# torch.nn.functional activation -> ONNX operator
+ONNX_ACTIVATIONS = {"ReLU": "Relu", "Tanh": "Tanh", "Sigmoid": "Sigmoid", "ELU": "Elu"}
 # AttributeProto.AttributeType
 _ATTR_FLOAT, _ATTR_INT, _ATTR_STRING, _ATTR_FLOATS, _ATTR_INTS = 1, 2, 3, 6, 7
 
@@ -180,3 +184,15 @@ class ModelTemplate:
                 raise ValueError(f"{name}: shape {w.shape} != {shape}")
             raw[name] = w.tobytes()
         return b"".join(raw[p.name] if isinstance(p, _Slot) else p for p in self._pieces)
+
+
+def orthogonal(shape: tuple, gain: float, rng: np.random.Generator) -> np.ndarray:
+    """An orthogonal matrix (rows or columns, whichever are fewer) of ``shape`` (a conv's
+    [out, in, k, k] as [out, in * k * k]) times ``gain``, as torch.nn.init.orthogonal_.
+    Here, below both the learner's networks and the client's hand-built MLP, which share it."""
+    n_out, n_in = shape[0], math.prod(shape[1:])
+    a = rng.standard_normal((max(n_out, n_in), min(n_out, n_in)))
+    q, r = np.linalg.qr(a)
+    q *= np.sign(np.diag(r))        # a uniformly distributed orthogonal matrix
+    w = q if n_out >= n_in else q.T
+    return (gain * w).reshape(shape).astype(np.float32)

@@ -1,5 +1,6 @@
 """The policy as an ONNX model: what clients run. The network itself, and the graph the
-learner publishes for it, are described in ``shmrl.net``; this module has what every
+learner publishes for it, are described in ``shmrl.net`` (which this never imports: the
+names both use are in ``shmrl.onnx_graph``); this module has what every
 client needs (decoding SET_STATE's ``onnx_file``, running the model with onnxruntime) and
 a plain MLP graph that tests and benchmarks build by hand. It never imports torch, nor
 the onnx package.
@@ -18,8 +19,7 @@ import gzip
 
 import numpy as np
 
-from shmrl.net import ONNX_ACTIVATIONS, OUTPUT_NAME, orthogonal
-from shmrl.onnx_graph import Graph
+from shmrl.onnx_graph import ONNX_ACTIVATIONS, OUTPUT_NAME, Graph, orthogonal
 from shmrl.spaces import FLAT_INPUT as INPUT_NAME
 
 

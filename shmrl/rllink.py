@@ -182,6 +182,16 @@ def encode_binary(msg: dict) -> bytes:
     return b"".join((MAGIC, len(head).to_bytes(4, "little"), head, pad, *blocks))
 
 
+def encode(msg: dict, codec: str) -> bytes:
+    """The body of ``msg`` in ``codec`` ("binary" or "json"): the one encoder every
+    transport calls."""
+    if codec == "binary":
+        return encode_binary(msg)
+    if codec == "json":
+        return encode_json(msg)
+    raise ValueError(f"codec must be one of {CODECS}, not {codec!r}")
+
+
 def _decode_binary(mv: memoryview) -> dict:
     n = len(mv)
     if n < 8:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 from collections import deque
 import logging
-import math
 import os
 import signal
 import sys
@@ -25,7 +24,8 @@ import time
 
 import numpy as np
 
-from shmrl import rllink
+from shmrl import multiagent, rllink
+from shmrl.actor import Actor, handshake
 from shmrl.envs import make_vec_env
 from shmrl.episode import Rollout
 from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
@@ -36,24 +36,8 @@ T = rllink.MessageType
 
 
 def make_sampler(spec, rng: np.random.Generator) -> Sampler:
+    """The sampler an Actor for ``spec`` uses (tools/bench.py times it alone)."""
     return Sampler(spec.actions, rng)
-
-
-def handshake(client, auth_token: str | None = None) -> tuple[dict, dict]:
-    """PING (with the shared secret, if any), GET_CONFIG, GET_STATE: returns (SET_CONFIG, SET_STATE)."""
-    ping = {"type": T.PING.value}
-    if auth_token is not None:
-        ping["auth_token"] = auth_token
-    pong = client.request(ping)
-    if pong["type"] != T.PONG.value:
-        raise ConnectionError(f"expected PONG, got {pong['type']}")
-    config = client.request({"type": T.GET_CONFIG.value})
-    if config["type"] != T.SET_CONFIG.value:
-        raise ConnectionError(f"expected SET_CONFIG, got {config['type']}")
-    state = client.request({"type": T.GET_STATE.value})
-    if state["type"] != T.SET_STATE.value:
-        raise ConnectionError(f"expected SET_STATE, got {state['type']}")
-    return config, state
 
 
 def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_sim: int = 1,
@@ -66,42 +50,34 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     Returns the number of env steps sent. ``max_messages`` bounds the loop (tests);
     ``log_every_s`` logs progress (steps sent, recent returns) that often. A server that
     trains several policies (SET_STATE ``policies``: a multi-agent env) gets
-    ``shmrl.multiagent``'s loop.
+    ``shmrl.multiagent``'s loop. The policy acts through ``shmrl.actor.Actor``.
 
     A recurrent policy (its graph takes ``state_in.<i>``) gets each env's state, zeroed
     where an episode starts; every chunk carries the state before its first step.
     """
     config, state = handshake(client, auth_token)
     if "policies" in state:
-        from shmrl import multiagent
-
         return multiagent.run_simulator(client, env_id, seed, envs_per_sim, max_messages, log_every_s,
                                         handshake=(config, state))
     steps_per_env = -(-int(config["env_steps_per_sample"]) // envs_per_sim)
     seq = state["weights_seq_no"]
-    policy = OnnxPolicy(decode_onnx_file(state["onnx_file"]))
     envs = make_vec_env(env_id, envs_per_sim, seed * 1_000_003)
-    check_policy_fits(policy, envs.spec)
-    sampler = make_sampler(envs.spec, np.random.default_rng(seed))
+    actor = Actor(OnnxPolicy(decode_onnx_file(state["onnx_file"])), envs.spec, envs_per_sim,
+                  np.random.default_rng(seed))
     rollout = Rollout(envs_per_sim, steps_per_env)
     obs = envs.reset()
-    state = policy.initial_state(envs_per_sim) if policy.state_size else None
     sent = messages = stepped = 0
     recent: deque = deque(maxlen=100)             # returns of the episodes completed lately
     next_log = time.monotonic() + (log_every_s or 0.0)
 
     while max_messages is None or messages < max_messages:
-        rollout.start(obs, state)
+        rollout.start(obs, actor.state)
         for _ in range(steps_per_env):
-            if state is None:
-                logits = policy.logits(obs)
-            else:
-                logits, state = policy.step(obs, state)
-            actions, logp = sampler.sample(logits)
+            actions, dist_inputs, logp = actor.act(obs)
             obs, rewards, terminated, truncated, final_obs = envs.step(actions)
-            rollout.record(actions, logits, logp, obs, rewards, terminated, truncated, final_obs)
-            if state is not None and final_obs is not None:   # an episode starts from zeros
-                state[np.asarray(terminated) | np.asarray(truncated)] = 0.0
+            rollout.record(actions, dist_inputs, logp, obs, rewards, terminated, truncated, final_obs)
+            if final_obs is not None:   # an episode ended somewhere: the next starts from zeros
+                actor.reset(np.asarray(terminated) | np.asarray(truncated))
             stepped += envs_per_sim
             client.heartbeat(stepped)  # a simulator whose env hangs stops counting
         n_steps = steps_per_env * envs_per_sim
@@ -113,7 +89,7 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
             raise ConnectionError(f"expected SET_STATE, got {reply['type']}")
         if reply["weights_seq_no"] != seq:
             seq = reply["weights_seq_no"]
-            policy = OnnxPolicy(decode_onnx_file(reply["onnx_file"]))
+            actor.load(OnnxPolicy(decode_onnx_file(reply["onnx_file"])))
         recent.extend(rollout.completed)
         rollout.completed.clear()
         if log_every_s and time.monotonic() >= next_log:
@@ -122,29 +98,6 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
             log.info("sent %d env steps; weights %s; mean return of the last %d episodes: %s",
                      sent, seq, len(recent), mean)
     return sent
-
-
-def check_policy_fits(policy: OnnxPolicy, spec) -> None:
-    """A ValueError unless the policy takes the env's observations and gives its action
-    distribution: a simulator started with another env than the learner's."""
-    layout, n_out = spec.obs, policy.n_outputs
-    if layout.flat or not layout.structured:
-        fed = {policy.input_name: layout.leaves[0]}
-    else:
-        fed = {policy.input_for(leaf.name): leaf for leaf in layout.leaves}
-    missing = [leaf.name for name, leaf in fed.items() if name is None]
-    if missing:
-        raise ValueError(f"the policy has no input for the observation {missing}; {spec.env_id}'s are "
-                         f"{[leaf.name for leaf in layout.leaves]}: was it trained on another env?")
-    # A model from elsewhere (RLlib's) may leave a size unnamed: check what it states.
-    for name, leaf in fed.items():
-        have = tuple(policy.inputs[name].shape[1:])
-        if any(isinstance(h, int) and h != n for h, n in zip(have, leaf.shape)) or len(have) != len(leaf.shape):
-            raise ValueError(f"the policy's input {name!r} takes {have}; {spec.env_id}'s observation "
-                             f"{leaf.name!r} is {leaf.shape}: was it trained on another env?")
-    if isinstance(n_out, int) and n_out != spec.policy_outputs:
-        raise ValueError(f"the policy gives {n_out} outputs; {spec.env_id} needs {spec.policy_outputs}: was "
-                         f"it trained on another env?")
 
 
 def set_process_name(name: str) -> None:

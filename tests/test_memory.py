@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shmrl import rllink
+from shmrl.actor import Actor
 from shmrl.envs import Box, Discrete, EnvSpec, env_spec, make_vec_env
 from shmrl.episode import Episode, EpisodeBatch, Rollout
 from shmrl.learner import check_episodes
@@ -39,20 +40,18 @@ def policy_of(ppo) -> OnnxPolicy:
 
 def sample(ppo, env_id="CartPoleNoVel-v1", envs=3, steps=23, rollouts=3, seed=0):
     """Rollouts as a simulator samples them (sim.run_simulator's loop): a batch per rollout."""
-    policy = policy_of(ppo)
     vec = make_vec_env(env_id, envs, seed)
-    sampler = Sampler(vec.spec.actions, np.random.default_rng(seed))
-    obs, state = vec.reset(), policy.initial_state(envs)
+    actor = Actor(policy_of(ppo), vec.spec, envs, np.random.default_rng(seed))
+    obs = vec.reset()
     rollout, batches = Rollout(envs, steps), []
     for _ in range(rollouts):
-        rollout.start(obs, state)
+        rollout.start(obs, actor.state)
         for _ in range(steps):
-            logits, state = policy.step(obs, state)
-            actions, logp = sampler.sample(logits)
+            actions, dist_inputs, logp = actor.act(obs)
             obs, rewards, terminated, truncated, final_obs = vec.step(actions)
-            rollout.record(actions, logits, logp, obs, rewards, terminated, truncated, final_obs)
+            rollout.record(actions, dist_inputs, logp, obs, rewards, terminated, truncated, final_obs)
             if final_obs is not None:
-                state[np.asarray(terminated) | np.asarray(truncated)] = 0.0
+                actor.reset(np.asarray(terminated) | np.asarray(truncated))
         batches.append(rollout.batch(1))
     return batches
 

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import shmrl_files
-from shmrl.transport.ring import (ClientSlot, Doorbell, PeerGone, Ring, RingCorrupt,
-                                  Segment, ShmSpaceError, check_shm_space,
+from shmrl.transport.doorbell import Doorbell, PeerGone
+from shmrl.transport.ring import (Ring, RingCorrupt, Segment, ShmSpaceError, check_shm_space,
                                   fifo_path, segment_name, shm_free_bytes, sweep_stale)
+from shmrl.transport.slot import ClientSlot
 
 fork = multiprocess.get_context("fork")  # fast children; the owner's FIFO ends are closed in them
 _names = iter(range(10 ** 9))

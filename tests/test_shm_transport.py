@@ -14,8 +14,9 @@ import pytest
 from shmrl import rllink
 from shmrl.episode import Episode
 from conftest import shmrl_files
-from shmrl.transport.ring import (ClientSlot, Doorbell, PeerGone, Ring, ShmSpaceError, fifo_path,
-                                  sweep_stale)
+from shmrl.transport.doorbell import Doorbell, PeerGone
+from shmrl.transport.ring import Ring, ShmSpaceError, fifo_path, sweep_stale
+from shmrl.transport.slot import ClientSlot
 from shmrl.transport.shm import ConnectionClosed, ShmClient, ShmServer
 
 fork = multiprocess.get_context("fork")  # the server's FIFO ends are closed in the children

@@ -292,9 +292,9 @@ def test_image_and_dict_environments_train_end_to_end(env, inputs, tmp_path, cap
     import logging
 
     import shmrl
-    from shmrl import envs
+    from shmrl import envspec
 
-    monkeypatch.setattr(envs, "_SKIPPED_SAID", set())   # said once per process: this test's process
+    monkeypatch.setattr(envspec, "_SKIPPED_SAID", set())   # said once per process: this test's process
     caplog.set_level(logging.INFO, logger="shmrl.envs")
 
     pytest.importorskip("minigrid" if "MiniGrid" in env else "minatar", reason="its extra is not installed")

@@ -7,25 +7,27 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
-import select
 import threading
 
 from shmrl import rllink
+from shmrl.transport.base import Closeable, ConnectionClosed, WakePipe
 
 log = logging.getLogger("shmrl.transport")
 
 
-class InProcServer:
+class InProcServer(Closeable):
+    """A ``ServerTransport`` whose clients are ``InProcClient``s from ``connect()``."""
+
     def __init__(self, codec: str = "binary"):
+        if codec not in rllink.CODECS:
+            raise ValueError(f"codec must be one of {rllink.CODECS}, not {codec!r}")
         self.codec = codec
         self._requests: queue.Queue = queue.Queue()
         self._replies: dict[str, queue.Queue] = {}
         self._closed: set[str] = set()
         self._ids = itertools.count()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._wake = WakePipe()
         self._lock = threading.Lock()
         self.frames_rejected = 0
         self.clients_timed_out = 0   # in-process clients have no heartbeat timeout
@@ -36,22 +38,19 @@ class InProcServer:
         return InProcClient(self, conn_id, timeout)
 
     def fileno(self) -> int:
-        return self._wake_r
+        return self._wake.fileno()
 
     def _submit(self, conn_id: str, body: bytes) -> None:
         with self._lock:
             if conn_id in self._closed:
-                raise ConnectionError(f"{conn_id}: connection closed by the server")
+                raise ConnectionClosed(f"{conn_id}: connection closed by the server")
             self._requests.put((conn_id, body))
-            os.write(self._wake_w, b"\0")
+            self._wake.wake()
 
     def poll(self, timeout: float = 0.0) -> list:
         if self._requests.empty() and timeout > 0:
-            select.select([self._wake_r], [], [], timeout)
-        try:
-            os.read(self._wake_r, 1 << 16)
-        except BlockingIOError:
-            pass
+            self._wake.wait(timeout)
+        self._wake.drain()
         out = []
         while True:
             try:
@@ -69,7 +68,7 @@ class InProcServer:
 
     def reply(self, conn_id: str, msg: dict) -> None:
         if conn_id not in self._closed:
-            self._replies[conn_id].put(_encode(msg, self.codec))
+            self._replies[conn_id].put(rllink.encode(msg, self.codec))
 
     def timed_out(self, conn_id: str) -> bool:
         return False
@@ -86,19 +85,17 @@ class InProcServer:
                 if conn_id not in self._closed:
                     self._closed.add(conn_id)
                     replies.put(None)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            self._wake.close()
 
 
-class InProcClient:
+class InProcClient(Closeable):
+    """A ``ClientTransport`` in a thread of the server's process."""
+
     def __init__(self, server: InProcServer, conn_id: str, timeout: float):
         self.server, self.conn_id, self.timeout = server, conn_id, timeout
 
     def send(self, msg: dict) -> None:
-        self.server._submit(self.conn_id, _encode(msg, self.server.codec))
+        self.server._submit(self.conn_id, rllink.encode(msg, self.server.codec))
 
     def request(self, msg: dict) -> dict:
         self.send(msg)
@@ -107,7 +104,7 @@ class InProcClient:
         except queue.Empty:
             raise TimeoutError(f"{self.conn_id}: no reply within {self.timeout} s") from None
         if body is None:
-            raise ConnectionError(f"{self.conn_id}: connection closed by the server")
+            raise ConnectionClosed(f"{self.conn_id}: connection closed by the server")
         return rllink.decode_reply(body)
 
     def heartbeat(self, env_steps: int) -> None:
@@ -115,7 +112,3 @@ class InProcClient:
 
     def close(self) -> None:
         pass
-
-
-def _encode(msg: dict, codec: str) -> bytes:
-    return rllink.encode_binary(msg) if codec == "binary" else rllink.encode_json(msg)

@@ -1,5 +1,6 @@
-"""Low-level shared-memory pieces: segments, single-producer/single-consumer rings of
-frames, FIFO doorbells, and the per-client slot that holds two rings.
+"""Low-level shared-memory pieces: /dev/shm housekeeping, segments, and the
+single-producer/single-consumer ring of frames. (The FIFO doorbells that wake a ring's
+reader are in ``doorbell``, the per-client segment that holds two rings in ``slot``.)
 
 Nothing here is a lock shared between processes: a process killed at any instant leaves
 nothing that blocks another one. Only the owner (the learner) creates and unlinks files
@@ -16,10 +17,8 @@ import math
 import mmap
 import os
 import re
-import select
 import struct
 import time
-import weakref
 import zlib
 
 import _posixshmem
@@ -35,10 +34,6 @@ class ShmSpaceError(RuntimeError):
 
 class RingCorrupt(RuntimeError):
     """A ring holds a record that cannot be valid (stale, torn by a bug, or overwritten)."""
-
-
-class PeerGone(ConnectionError):
-    """The process at the other end of a doorbell has closed it or died."""
 
 
 # ---------------------------------------------------------------- /dev/shm housekeeping
@@ -265,15 +260,19 @@ class Ring:
         self._pos[_WRITE] = w + skip + size  # publish: last, a single aligned 8-byte store
         return True
 
-    def write(self, parts, timeout: float | None = None) -> None:
+    def write(self, parts, timeout: float | None = None, while_waiting=None) -> None:
         """Like try_write, but wait for space (sleeping 50 µs, doubling up to 2 ms: a full
-        ring is the rare case); TimeoutError after ``timeout`` seconds (None: forever)."""
-        parts = [_as_bytes(p) for p in parts]
+        ring is the rare case); TimeoutError after ``timeout`` seconds (None: forever).
+        ``while_waiting()``, if given, runs before each sleep: it raises to stop waiting
+        (the reader is gone, the connection closed)."""
         if self.try_write(parts):
             return
+        parts = [_as_bytes(p) for p in parts]  # converted once for the retries
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 50e-6
         while not self.try_write(parts):
+            if while_waiting is not None:
+                while_waiting()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"ring full for {timeout} s: its reader is not keeping up")
             time.sleep(delay)
@@ -345,247 +344,3 @@ class Ring:
         """Release this ring's views of the shared buffer (so the segment can be unmapped)."""
         self._pos.release()
         self._data.release()
-
-
-# ---------------------------------------------------------------- doorbells
-
-_OWNED_DOORBELLS: "weakref.WeakSet[Doorbell]" = weakref.WeakSet()
-
-
-def _close_owned_in_child() -> None:
-    # A forked child must not keep the owner's FIFO ends open: a client reading a reply
-    # doorbell detects the owner's death by EOF, which never comes while any process
-    # still holds a write end.
-    for bell in list(_OWNED_DOORBELLS):
-        bell._forget_in_child()
-
-
-os.register_at_fork(after_in_child=_close_owned_in_child)
-
-
-class Doorbell:
-    """A wake-up over a named FIFO: ``ring()`` writes a byte, ``wait()`` blocks in the
-    kernel until one arrives, then drains them all.
-
-    It is also the memory barrier of the rings. The writer publishes (payload, record,
-    write_pos) and then rings; the reader waits (which reads the pipe) and then reads the
-    ring. The pipe write and read both take the pipe's lock in the kernel, a release and
-    an acquire, so every store made before ``ring()`` is visible after the ``wait()`` that
-    consumed its byte, on any CPU, not only under x86's strong store ordering.
-
-    The owner opens the FIFO read-write and non-blocking: it never sees EOF and its writes
-    never block. A client opens one end only; when the owner's end closes (it exited or
-    was killed), a client's ``wait()`` raises PeerGone and its ``ring()`` too.
-    """
-
-    def __init__(self, path: str, fd: int, owner: bool):
-        self.path, self._fd, self.owner = path, fd, owner
-        self._owner_pid = os.getpid()
-        self._poller = select.poll()
-        self._poller.register(fd, select.POLLIN)
-        if owner:
-            _OWNED_DOORBELLS.add(self)
-
-    @classmethod
-    def create(cls, path: str) -> "Doorbell":
-        os.mkfifo(path, 0o600)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-        except BaseException:
-            os.unlink(path)
-            raise
-        return cls(path, fd, owner=True)
-
-    @classmethod
-    def open(cls, path: str, mode: str) -> "Doorbell":
-        """Attach to an owner's FIFO: ``mode`` "r" to wait on it, "w" to ring it."""
-        flags = {"r": os.O_RDONLY, "w": os.O_WRONLY}[mode] | os.O_NONBLOCK
-        try:
-            fd = os.open(path, flags)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no doorbell {path}: is its learner running?") from None
-        except OSError as e:
-            if e.errno == errno.ENXIO:  # write end and no reader: the owner is gone
-                raise PeerGone(f"{path}: nobody is listening (the learner is gone)") from None
-            raise
-        return cls(path, fd, owner=False)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def ring(self) -> None:
-        try:
-            os.write(self._fd, b"\0")
-        except BlockingIOError:
-            pass  # the FIFO is full: a wake-up is pending anyway
-        except BrokenPipeError:
-            raise PeerGone(f"{self.path}: nobody is listening (the learner is gone)") from None
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until rung or ``timeout`` seconds (None: forever); drain; True if rung."""
-        ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
-        if not self._poller.poll(ms):
-            return False
-        self.drain()
-        return True
-
-    def drain(self) -> None:
-        while True:
-            try:
-                chunk = os.read(self._fd, 4096)
-            except BlockingIOError:
-                return
-            if not chunk:  # EOF: every write end is closed
-                raise PeerGone(f"{self.path}: the other side closed it (the learner is gone)")
-            if len(chunk) < 4096:
-                return
-
-    def peer_gone(self) -> bool:
-        """True if this read end has seen its last writer close (no bytes consumed)."""
-        return any(ev & select.POLLHUP for _, ev in self._poller.poll(0))
-
-    def close(self) -> None:
-        if self._fd < 0:
-            return
-        os.close(self._fd)
-        self._fd = -1
-        if self.owner and os.getpid() == self._owner_pid:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-    def _forget_in_child(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self.owner = False
-
-
-# ---------------------------------------------------------------- one client's slot
-
-class ClientSlot:
-    """One client's segment: slot header, request ring (client -> owner) and reply ring
-    (owner -> client). Shared counters are aligned u64s; the two writers' fields sit on
-    separate cache lines.
-
-    ====== ======================================================================
-    offset field (written by)
-    ====== ======================================================================
-    0      magic u64, owner pid, request capacity, reply capacity, closed flag (owner)
-    64     reason the owner closed the connection, 192 bytes UTF-8, NUL-padded (owner)
-    256    name of the request doorbell FIFO to ring, 128 bytes, NUL-padded (owner)
-    384    client pid u64, env steps the client has stepped u64: its heartbeat (client)
-    512    request ring: 256-byte header + request capacity
-    ...    reply ring: 256-byte header + reply capacity (then padding to a page)
-    ====== ======================================================================
-    """
-
-    HEADER_BYTES = 512
-    MAGIC = int.from_bytes(b"shmrlsl1", "little")
-    _MAGIC, _OWNER_PID, _REQ_CAP, _REP_CAP, _CLOSED = 0, 1, 2, 3, 4
-    _REASON = slice(64, 256)
-    _DOORBELL = slice(256, 384)
-    _CLIENT_PID, _ENV_STEPS = 48, 49
-
-    def __init__(self, segment: Segment):
-        self.segment, self.name = segment, segment.name
-        self._hdr = segment.buf[:self.HEADER_BYTES].cast("Q")
-        if self._hdr[self._MAGIC] != self.MAGIC:
-            self._hdr.release()
-            raise ValueError(f"{segment.name!r} is not a shmrl client slot")
-        req_cap, rep_cap = self._hdr[self._REQ_CAP], self._hdr[self._REP_CAP]
-        try:
-            self.requests = Ring(segment.buf, self.HEADER_BYTES, req_cap)
-            self.replies = Ring(segment.buf, self.HEADER_BYTES + Ring.nbytes(req_cap), rep_cap)
-        except ValueError:
-            self._hdr.release()
-            raise
-
-    @classmethod
-    def nbytes(cls, request_capacity: int, reply_capacity: int) -> int:
-        n = cls.HEADER_BYTES + Ring.nbytes(request_capacity) + Ring.nbytes(reply_capacity)
-        return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
-
-    @classmethod
-    def create(cls, name: str, request_capacity: int, reply_capacity: int,
-               request_doorbell: str = "") -> "ClientSlot":
-        """Owner: a new slot; ``request_doorbell`` names the FIFO its client rings."""
-        raw_bell = request_doorbell.encode()
-        if len(raw_bell) > cls._DOORBELL.stop - cls._DOORBELL.start:
-            raise ValueError(f"doorbell name too long: {request_doorbell!r}")
-        seg = Segment.create(name, cls.nbytes(request_capacity, reply_capacity))
-        try:
-            seg.buf[cls._DOORBELL.start:cls._DOORBELL.start + len(raw_bell)] = raw_bell
-            hdr = seg.buf[:cls.HEADER_BYTES].cast("Q")
-            hdr[cls._OWNER_PID] = os.getpid()
-            hdr[cls._REQ_CAP], hdr[cls._REP_CAP] = request_capacity, reply_capacity
-            hdr[cls._MAGIC] = cls.MAGIC
-            hdr.release()
-            return cls(seg)
-        except BaseException:
-            seg.close()
-            raise
-
-    @classmethod
-    def attach(cls, name: str) -> "ClientSlot":
-        seg = Segment.attach(name)
-        try:
-            return cls(seg)
-        except BaseException:
-            seg.close()
-            raise
-
-    @property
-    def owner_pid(self) -> int:
-        return self._hdr[self._OWNER_PID]
-
-    @property
-    def request_doorbell(self) -> str:
-        """Name of the FIFO (in /dev/shm) that the client rings after each request."""
-        return bytes(self.segment.buf[self._DOORBELL]).rstrip(b"\0").decode()
-
-    @property
-    def client_pid(self) -> int:
-        return self._hdr[self._CLIENT_PID]
-
-    @client_pid.setter
-    def client_pid(self, pid: int) -> None:
-        self._hdr[self._CLIENT_PID] = pid
-
-    @property
-    def env_steps(self) -> int:
-        """Env steps the client has stepped so far (it writes this as it goes)."""
-        return self._hdr[self._ENV_STEPS]
-
-    @env_steps.setter
-    def env_steps(self, n: int) -> None:
-        self._hdr[self._ENV_STEPS] = n
-
-    @property
-    def closed_reason(self) -> str | None:
-        """Why the owner closed this connection, or None while it is open."""
-        if not self._hdr[self._CLOSED]:
-            return None
-        return bytes(self.segment.buf[self._REASON]).rstrip(b"\0").decode("utf-8", "replace")
-
-    def set_closed(self, reason: str) -> None:
-        raw = reason.encode("utf-8")[:self._REASON.stop - self._REASON.start]
-        self.segment.buf[self._REASON] = raw.ljust(self._REASON.stop - self._REASON.start, b"\0")
-        self._hdr[self._CLOSED] = 1  # after the reason: a client that sees the flag sees the text
-
-    def reset(self) -> None:
-        """Owner: make the slot as new for a replacement client."""
-        self.requests.reset()
-        self.replies.reset()
-        self._hdr[self._CLOSED] = 0
-        self._hdr[self._CLIENT_PID] = 0
-        self._hdr[self._ENV_STEPS] = 0
-
-    def close(self) -> None:
-        if self.segment._mm is None:
-            return
-        self.requests.close()
-        self.replies.close()
-        self._hdr.release()
-        self.segment.close()

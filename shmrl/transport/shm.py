@@ -10,7 +10,7 @@ Wake-ups go through FIFOs in /dev/shm: one request doorbell that every client ri
 after publishing, one reply doorbell per client. Nobody spins: a waiter blocks in the
 kernel with a timeout. A client detects the learner's death as EOF on its reply FIFO;
 that holds for clients forked from the learner too, which close their inherited copies
-of the learner's FIFO ends at fork (see ``ring._close_owned_in_child``).
+of the learner's FIFO ends at fork (see ``doorbell._close_owned_in_child``).
 """
 from __future__ import annotations
 
@@ -20,23 +20,13 @@ import os
 import time
 
 from shmrl import rllink
-from shmrl.transport.ring import (DEFAULT_PREFIX, SHM_DIR, ClientSlot, Doorbell, PeerGone,
-                                  RingCorrupt, _pid_alive, check_shm_space, fifo_path,
-                                  segment_name, sweep_stale)
+from shmrl.transport.base import Closeable, ConnectionClosed, ReplyEncoder
+from shmrl.transport.doorbell import Doorbell, PeerGone
+from shmrl.transport.ring import (DEFAULT_PREFIX, SHM_DIR, RingCorrupt, _pid_alive, check_shm_space,
+                                  fifo_path, segment_name, sweep_stale)
+from shmrl.transport.slot import ClientSlot
 
 log = logging.getLogger("shmrl.transport")
-
-CODECS = ("binary", "json")
-
-
-class ConnectionClosed(ConnectionError):
-    """The learner closed this client's connection; the message says why."""
-
-
-def encode(msg: dict, codec: str) -> bytes:
-    """An RLlink body in ``codec`` ("binary" or "json")."""
-    return rllink.encode_binary(msg) if codec == "binary" else rllink.encode_json(msg)
-
 
 def _codec_of_body(body) -> str:
     return "json" if body[:1] == b"{" else "binary"
@@ -65,7 +55,7 @@ def ring_bytes_for(frame_bytes: int, minimum: int) -> int:
 _server_ids = itertools.count()  # several servers in one process get distinct names
 
 
-class ShmServer:
+class ShmServer(Closeable):
     """The learner's side. Creates, and alone unlinks, every segment and FIFO it uses.
 
     Names: ``{prefix}_{pid}_s{k}c{i}`` for client i's segment (and ``.fifo`` for its reply
@@ -91,7 +81,7 @@ class ShmServer:
         self._conn_ids = [f"shm:{i}" for i in range(n_clients)]
         self.frames_rejected = 0    # bad frames, each of which closed its connection
         self.clients_timed_out = 0  # a ring's client has no heartbeat timeout (the supervisor watches it)
-        self._encoded: tuple = (None, None, b"")  # the last reply: (message, codec, body)
+        self._encode = ReplyEncoder()
         self._closed = False
         swept = sweep_stale(prefix)
         if swept:
@@ -167,14 +157,9 @@ class ShmServer:
 
     def reply(self, conn_id: str, msg: dict) -> None:
         """Write ``msg`` to the client's reply ring. The last reply encoded is kept (by
-        identity and codec): the same SET_STATE goes to every client, encoded once. So do not
-        change a message after replying with it."""
-        codec = self.codec_of(conn_id)
-        last, last_codec, body = self._encoded
-        if msg is not last or codec != last_codec:
-            body = encode(msg, codec)
-            self._encoded = (msg, codec, body)
-        self.reply_encoded(conn_id, body)
+        identity, per codec): the same SET_STATE goes to every client, encoded once. So do
+        not change a message after replying with it."""
+        self.reply_encoded(conn_id, self._encode(msg, self.codec_of(conn_id)))
 
     def reply_encoded(self, conn_id: str, body: bytes) -> None:
         """Write an encoded reply body. Never blocks: a client whose reply ring is
@@ -242,25 +227,19 @@ class ShmServer:
                 except OSError as e:
                     log.warning("closing %s: %s", getattr(thing, "name", getattr(thing, "path", thing)), e)
 
-    def __enter__(self) -> "ShmServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
+    def __del__(self):  # segments and FIFOs in /dev/shm outlive the process: unlink them
         try:
             self.close()
         except Exception:
             pass
 
 
-class ShmClient:
+class ShmClient(Closeable):
     """A simulator's side: attaches to its slot by name, never creates or unlinks."""
 
     def __init__(self, address: str, *, codec: str = "binary", timeout: float = 30.0):
-        if codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}, not {codec!r}")
+        if codec not in rllink.CODECS:
+            raise ValueError(f"codec must be one of {rllink.CODECS}, not {codec!r}")
         self.address, self.codec, self.timeout = address, codec, timeout
         self._slot: ClientSlot | None = None
         self._replies_bell = self._requests_bell = None
@@ -287,23 +266,18 @@ class ShmClient:
 
     def _send(self, msg: dict) -> None:
         self._check_open()
-        parts = _frame_parts(encode(msg, self.codec))
-        ring = self._slot.requests
-        if not ring.try_write(parts):
-            self._wait_for_space(ring, parts)
+        parts = _frame_parts(rllink.encode(msg, self.codec))
+        try:
+            # The learner is rarely behind; while it is, watch for its death or a close.
+            self._slot.requests.write(parts, self.timeout, while_waiting=self._check_learner)
+        except TimeoutError:
+            raise TimeoutError(f"{self.address}: request ring full for {self.timeout} s") from None
         self._requests_bell.ring()  # after publishing: the barrier for the server's read
 
-    def _wait_for_space(self, ring, parts) -> None:
-        # The rare path: the learner is behind. Sleep with backoff, watching for its death.
-        deadline, delay = time.monotonic() + self.timeout, 50e-6
-        while not ring.try_write(parts):
-            if self._replies_bell.peer_gone():
-                raise PeerGone(f"{self.address}: the learner is gone")
-            self._check_open()
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"{self.address}: request ring full for {self.timeout} s")
-            time.sleep(delay)
-            delay = min(2 * delay, 2e-3)
+    def _check_learner(self) -> None:
+        if self._replies_bell.peer_gone():
+            raise PeerGone(f"{self.address}: the learner is gone")
+        self._check_open()
 
     def request(self, msg: dict) -> dict:
         """Send a request and wait for its reply (validated). PeerGone if the learner dies,
@@ -359,13 +333,7 @@ class ShmClient:
             self._slot.close()
             self._slot = None
 
-    def __enter__(self) -> "ShmClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
+    def __del__(self):  # frees the slot for a replacement client
         try:
             self.close()
         except Exception:

@@ -12,16 +12,16 @@ while it samples. Such a client silent for ``heartbeat_timeout`` while no reply 
 to it is hung (or its machine is gone): its connection is closed and counted in
 ``clients_timed_out``.
 
-``TcpServer`` (the learner's side) has ``ShmServer``'s interface. One background IO thread
-owns every socket: it accepts, reads without blocking, refuses a frame from its header
-when it is too large, decodes and validates requests, and writes queued replies as fast
-as each socket takes them, so a client that waits for SET_STATE, stalls mid-frame or
-stops reading never holds up another. The learner's thread only trades queues with it
-under one lock: ``poll`` takes the validated requests (``fileno()`` is a self-pipe that is
-readable while some wait); ``reply`` and ``drop`` queue work and wake the IO thread
-through a second self-pipe.
+``TcpServer`` (the learner's side) is a ``ServerTransport`` (see transport/base.py). One
+background IO thread owns every socket: it accepts, reads without blocking, refuses a
+frame from its header when it is too large, decodes and validates requests, and writes
+queued replies as fast as each socket takes them, so a client that waits for SET_STATE,
+stalls mid-frame or stops reading never holds up another. The learner's thread only
+trades queues with it under one lock: ``poll`` takes the validated requests
+(``fileno()`` is a ``WakePipe`` that is readable while some wait); ``reply`` and
+``drop`` queue work and wake the IO thread through a second one.
 
-``TcpClient`` (a simulator's side) has ``ShmClient``'s interface: a blocking socket that
+``TcpClient`` (a simulator's side) is a ``ClientTransport``: a blocking socket that
 reads exactly one reply frame per request within ``timeout``.
 """
 from __future__ import annotations
@@ -30,14 +30,13 @@ import collections
 import errno
 import logging
 import math
-import os
-import select
 import selectors
 import socket
 import threading
 import time
 
 from shmrl import rllink
+from shmrl.transport.base import Closeable, ConnectionClosed, ReplyEncoder, WakePipe
 
 log = logging.getLogger("shmrl.transport")
 
@@ -47,10 +46,6 @@ _PONG = _T.PONG.value
 _HEADER = rllink.HEADER_LEN
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 _LISTENER, _WAKE = object(), object()  # selector tags besides connections
-
-
-class ConnectionClosed(ConnectionError):
-    """The server closed the connection, or an earlier error left it unusable."""
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -67,21 +62,6 @@ def parse_address(address: str) -> tuple[str, int]:
 def _conn_id(peer) -> str:
     host, port = peer[:2]
     return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
-
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
-
-
-def _pipe() -> tuple[int, int]:
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    return r, w
 
 
 class _Conn:
@@ -117,7 +97,7 @@ class _Conn:
         return f"{len(self.inbuf)} of {total} bytes"
 
 
-class TcpServer:
+class TcpServer(Closeable):
     """The learner's side: many clients on one port, served by one IO thread."""
 
     MAX_UNPOLLED = 64        # requests of one connection waiting for poll() before it is not read
@@ -153,7 +133,7 @@ class TcpServer:
         # Incomplete frames of all connections together: many clients each sending a large
         # frame must not take the machine's memory (the largest one is closed instead).
         self.max_buffered_bytes = max_buffered_bytes
-        self._encoded: dict[str, tuple[dict | None, bytes]] = {}  # codec -> the last reply encoded, by identity
+        self._encode = ReplyEncoder(framed=True)
         self.frame_timeout, self.idle_timeout = frame_timeout, idle_timeout
         self.max_connections = max_connections
         self._lock = threading.Lock()
@@ -170,22 +150,18 @@ class TcpServer:
         self._next_check = 0.0
         self._recv_buf = memoryview(bytearray(self.RECV_BYTES))
         self._listener = self._selector = self._thread = None
-        self._pipes: list[int] = []
+        self._ready = self._wake = None
         try:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._listener = socket.create_server((host, port), family=family,
                                                   backlog=max(128, socket.SOMAXCONN))  # SO_REUSEADDR on POSIX
             self._listener.setblocking(False)
             self.address: tuple[str, int] = self._listener.getsockname()[:2]
-            self._ready_r, self._ready_w = _pipe()  # readable while requests wait: fileno()
-            self._pipes += [self._ready_r, self._ready_w]
-            self._wake_r, self._wake_w = _pipe()    # wakes the IO thread
-            self._pipes += [self._wake_r, self._wake_w]
-            self._waiter = select.poll()            # poll(timeout) waits on the ready pipe with it
-            self._waiter.register(self._ready_r, select.POLLIN)
+            self._ready = WakePipe()  # readable while requests wait: fileno()
+            self._wake = WakePipe()   # wakes the IO thread
             self._selector = selectors.DefaultSelector()
             self._selector.register(self._listener, _READ, _LISTENER)
-            self._selector.register(self._wake_r, _READ, _WAKE)
+            self._selector.register(self._wake.fileno(), _READ, _WAKE)
             self._thread = threading.Thread(target=self._run, name=f"shmrl-tcp-{self.address[1]}", daemon=True)
             self._thread.start()
         except BaseException:
@@ -196,7 +172,7 @@ class TcpServer:
 
     def fileno(self) -> int:
         """Readable while requests (or closed connections) wait for poll()."""
-        return self._ready_r
+        return self._ready.fileno()
 
     def poll(self, timeout: float = 0.0) -> list[tuple[str, dict | None]]:
         """Wait up to ``timeout`` s for requests, then return every ``(conn_id, msg)`` queued,
@@ -205,12 +181,12 @@ class TcpServer:
         if self._closed:
             return []
         if timeout > 0:
-            self._waiter.poll(math.ceil(timeout * 1000))
+            self._ready.wait(timeout)
         out, resume = [], False
         with self._lock:
             items, self._inbox = self._inbox, []
             if items:
-                _drain(self._ready_r)
+                self._ready.drain()
             for conn, msg in items:
                 if msg is None:
                     out.append((conn.conn_id, None))
@@ -237,13 +213,10 @@ class TcpServer:
                 return
             codec, negotiate = conn.codec, conn.offered and msg["type"] == _PONG
         if negotiate:  # the answer to a PING that offered the binary codec: still JSON
-            data = rllink.frame(rllink.encode_json({**msg, "codec": "binary", "heartbeat_s": self.heartbeat_s}))
+            agreed = {**msg, "codec": "binary", "heartbeat_s": self.heartbeat_s}
+            data = rllink.frame(rllink.encode(agreed, "json"))
         else:
-            last, data = self._encoded.get(codec, (None, b""))
-            if msg is not last:  # SET_STATE goes to every waiting client: encode it once
-                body = rllink.encode_binary(msg) if codec == "binary" else rllink.encode_json(msg)
-                data = rllink.frame(body)
-                self._encoded[codec] = (msg, data)
+            data = self._encode(msg, codec)  # SET_STATE goes to every waiting client: encoded once
         with self._lock:
             if conn.closed:
                 return
@@ -285,15 +258,9 @@ class TcpServer:
                 return
         else:
             self._release()
-        for fd in self._pipes:
-            os.close(fd)
-        self._pipes = []
-
-    def __enter__(self) -> "TcpServer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        for pipe in (self._ready, self._wake):
+            if pipe is not None:
+                pipe.close()
 
     def _close_later_locked(self, conn: _Conn, reason: str) -> None:
         conn.closed, conn.reason = True, reason
@@ -303,10 +270,7 @@ class TcpServer:
     def _wake_io_locked(self) -> None:
         if not self._wake_pending:
             self._wake_pending = True
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass
+            self._wake.wake()
 
     # ---------------------------------------------------------------- the IO thread
 
@@ -458,17 +422,14 @@ class TcpServer:
 
     def _queue_locked(self, conn: _Conn, msg: dict | None) -> None:
         if not self._inbox:
-            try:
-                os.write(self._ready_w, b"\0")
-            except BlockingIOError:
-                pass
+            self._ready.wake()
         self._inbox.append((conn, msg))
 
     def _take_work(self) -> None:
         """Replies, closes and resumes that the learner's thread queued."""
         with self._lock:
             self._wake_pending = False
-            _drain(self._wake_r)
+            self._wake.drain()
             todo, self._todo = self._todo, set()
             work = []
             for conn in todo:
@@ -596,7 +557,7 @@ class TcpServer:
                 thing.close()
 
 
-class TcpClient:
+class TcpClient(Closeable):
     """A simulator's side: one blocking socket; one reply frame read per request.
 
     ``codec="binary"``: its PING offers the binary codec (and ``client_name``, a name for
@@ -625,7 +586,7 @@ class TcpClient:
 
     def send(self, msg: dict) -> None:
         """Send a request that gets no reply (EPISODES)."""
-        data = rllink.frame(rllink.encode_binary(msg) if self.codec == "binary" else rllink.encode_json(msg))
+        data = rllink.frame(rllink.encode(msg, self.codec))
         sock = self._usable()
         self._last_sent = time.monotonic()
         try:
@@ -716,9 +677,3 @@ class TcpClient:
                 pass
             self._sock.close()
             self._sock = None
-
-    def __enter__(self) -> "TcpClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -1,0 +1,112 @@
+"""The actor: what every client loop shares, written once for the simulator loop
+(``shmrl.sim``), the multi-agent loop (``shmrl.multiagent``) and evaluation
+(``shmrl.eval``).
+
+``Actor`` is an ONNX policy, the sampler of its action distribution and, for a recurrent
+policy, the state of each env: ``act(obs)`` gives the actions, the distribution inputs
+(output 0 of the graph) and the actions' log-probabilities; ``reset(rows)`` zeroes the
+state of the envs whose episode ended. The distribution's client side (sampling and
+log-probabilities in numpy) is ``shmrl.spaces.Sampler``; the learner's side (torch
+log-probabilities) is ``shmrl.ppo.PPO.log_prob``; tests/test_actor.py checks they agree.
+
+``handshake`` and ``check_policy_fits`` are the first steps of every simulator: the
+RLlink messages that start a session (docs/RLLINK.md) and the check that the server's
+policy takes the env's observations.
+
+Like every client module, this never imports torch: numpy and onnxruntime only.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from shmrl import rllink
+from shmrl.onnx_policy import OnnxPolicy
+from shmrl.spaces import Sampler
+
+T = rllink.MessageType
+
+
+class Actor:
+    """An OnnxPolicy + a Sampler + the recurrent state of ``num_envs`` envs.
+
+    ``greedy``: every part's most likely action (a categorical's argmax, a Gaussian's
+    mean; a masked action never is: its logit is -1e9), with log-probabilities of 0, as
+    evaluations act. ``num_envs=None`` keeps no state: the rows of each call are any
+    agents' (the multi-agent loop), so a recurrent policy is refused.
+    """
+
+    def __init__(self, policy: OnnxPolicy, spec, num_envs: int | None, rng: np.random.Generator,
+                 greedy: bool = False):
+        check_policy_fits(policy, spec)
+        self.sampler = Sampler(spec.actions, rng)
+        self.greedy = greedy
+        self.num_envs = num_envs
+        self.state = None   # [num_envs, state_size] before the next step; None: no memory
+        self.load(policy)
+
+    def load(self, policy: OnnxPolicy) -> None:
+        """Act with ``policy`` from now on (new weights of the same network): each env
+        keeps its state."""
+        if policy.state_size and self.num_envs is None:
+            raise ValueError("recurrent policies are single-agent for now: a multi-agent env takes --memory none")
+        self.policy = policy
+        if policy.state_size and self.state is None:   # the first model: every episode starts from zeros
+            self.state = policy.initial_state(self.num_envs)
+
+    def act(self, obs):
+        """(actions, distribution inputs, log-probabilities) for a batch of observations:
+        the actions as ``Sampler.sample`` gives them (a list of ints for a single Discrete,
+        else an array in the stored form); the state steps on."""
+        if self.state is None:
+            dist_inputs = self.policy.logits(obs)
+        else:
+            dist_inputs, self.state = self.policy.step(obs, self.state)
+        if self.greedy:
+            return self.sampler.greedy(dist_inputs), dist_inputs, np.zeros(len(dist_inputs))
+        actions, logp = self.sampler.sample(dist_inputs)
+        return actions, dist_inputs, logp
+
+    def reset(self, rows) -> None:
+        """An episode starts in these envs (a boolean mask or indices): from zeros."""
+        if self.state is not None:
+            self.state[rows] = 0.0
+
+
+def handshake(client, auth_token: str | None = None) -> tuple[dict, dict]:
+    """PING (with the shared secret, if any), GET_CONFIG, GET_STATE: returns (SET_CONFIG, SET_STATE)."""
+    ping = {"type": T.PING.value}
+    if auth_token is not None:
+        ping["auth_token"] = auth_token
+    pong = client.request(ping)
+    if pong["type"] != T.PONG.value:
+        raise ConnectionError(f"expected PONG, got {pong['type']}")
+    config = client.request({"type": T.GET_CONFIG.value})
+    if config["type"] != T.SET_CONFIG.value:
+        raise ConnectionError(f"expected SET_CONFIG, got {config['type']}")
+    state = client.request({"type": T.GET_STATE.value})
+    if state["type"] != T.SET_STATE.value:
+        raise ConnectionError(f"expected SET_STATE, got {state['type']}")
+    return config, state
+
+
+def check_policy_fits(policy: OnnxPolicy, spec) -> None:
+    """A ValueError unless the policy takes the env's observations and gives its action
+    distribution: a simulator started with another env than the learner's."""
+    layout, n_out = spec.obs, policy.n_outputs
+    if layout.flat or not layout.structured:
+        fed = {policy.input_name: layout.leaves[0]}
+    else:
+        fed = {policy.input_for(leaf.name): leaf for leaf in layout.leaves}
+    missing = [leaf.name for name, leaf in fed.items() if name is None]
+    if missing:
+        raise ValueError(f"the policy has no input for the observation {missing}; {spec.env_id}'s are "
+                         f"{[leaf.name for leaf in layout.leaves]}: was it trained on another env?")
+    # A model from elsewhere (RLlib's) may leave a size unnamed: check what it states.
+    for name, leaf in fed.items():
+        have = tuple(policy.inputs[name].shape[1:])
+        if any(isinstance(h, int) and h != n for h, n in zip(have, leaf.shape)) or len(have) != len(leaf.shape):
+            raise ValueError(f"the policy's input {name!r} takes {have}; {spec.env_id}'s observation "
+                             f"{leaf.name!r} is {leaf.shape}: was it trained on another env?")
+    if isinstance(n_out, int) and n_out != spec.policy_outputs:
+        raise ValueError(f"the policy gives {n_out} outputs; {spec.env_id} needs {spec.policy_outputs}: was "
+                         f"it trained on another env?")
