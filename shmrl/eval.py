@@ -17,8 +17,9 @@ evaluations usually do; ``--stochastic`` samples as training did. The policy act
 and onnxruntime only.
 
 Exit status: 0 with the returns printed, 2 for a bad command line (one line ``error: ...``):
-a policy file that is missing or not an ONNX model, an unknown env, or a policy that does
-not fit the env.
+a policy file that is missing or not an ONNX model, an unknown env, a policy that does
+not fit the env, or one whose outputs are NaN or infinite (a NaN in its weights): no
+return is reported from such a policy.
 """
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: in
     share = [(episodes + k) // K for k in range(K)]
     running, returns = np.zeros(K), []
     while len(returns) < episodes:
-        actions = actor.act(obs)[0]
+        actions, dist_inputs, _ = actor.act(obs)
+        if not np.isfinite(dist_inputs).all():   # argmax of NaN is 0: it would still "act"
+            raise ValueError("the policy outputs NaN or infinity (a NaN in its weights?): no return to report")
         obs, rewards, terminated, truncated, _ = envs.step(actions)
         running += rewards
         for k in np.flatnonzero(terminated | truncated):

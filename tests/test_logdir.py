@@ -129,3 +129,19 @@ def test_plot_takes_null_returns(tmp_path):
     logdir.write_json_file(run / "summary.json", {"config": {"stop_return": math.inf}})
     assert plot.main([str(run), "-o", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_eval_of_a_nan_policy_is_an_error_not_a_return(tmp_path):
+    import numpy as np
+
+    from shmrl.onnx_policy import OnnxPublisher
+
+    z = np.zeros
+    weights = [z((2, 4)), z(2), z((2, 2)), z(2), z((2, 2)), np.array([0.0, np.nan])]   # a NaN logit
+    (tmp_path / "policy.onnx").write_bytes(OnnxPublisher([4, 2, 2, 2]).publish(weights))
+    proc = subprocess.run([sys.executable, "-m", "shmrl.eval", tmp_path / "policy.onnx", "--env", "CartPole-v1",
+                           "--episodes", "3"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.stdout, proc.stderr)
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path}/policy.onnx: the policy outputs NaN or infinity (a NaN in its weights?): "
+        "no return to report"]
