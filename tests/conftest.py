@@ -10,10 +10,15 @@ import pytest
 
 
 def load_tool(name: str):
-    """tools/NAME.py as a module (tools/ is not a package: each tool is a script)."""
-    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    """tools/NAME.py as a module (tools/ is not a package: each tool is a script). tools/
+    goes on sys.path, as python puts a script's folder there: tools import their siblings."""
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    if str(tools) not in sys.path:
+        sys.path.insert(0, str(tools))
+    path = tools / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"shmrl_tools_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -22,8 +22,8 @@ from conftest import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
-SB3_PYTHON = Path("~/.cache/shmrl/sb3-venv/bin/python").expanduser()
-RLLIB_PYTHON = Path("~/.cache/shmrl/rllib-2.48-venv/bin/python").expanduser()
+SB3_PYTHON = load_tool("venvs").SB3.folder / "bin" / "python"
+RLLIB_PYTHON = load_tool("venvs").RLLIB.folder / "bin" / "python"
 MARK = "SHMRL_TOOLS_TEST_MARK"   # in the environment of every process a tool starts
 
 
@@ -103,6 +103,35 @@ def test_bench_median_and_percentile_take_any_iterable():
     assert bench.median([4, 1, 3, 2]) == 2.5
     assert bench.percentile((x for x in range(101)), 90) == 90.0
     assert math.isnan(bench.median(x for x in [])) and math.isnan(bench.percentile(iter(()), 50))
+
+
+def test_a_baseline_virtualenv_is_reused_when_complete_and_remade_when_not(tmp_path):
+    """tools/venvs.py: a folder whose python has the modules and the pinned versions is used
+    as it is (no pip); a missing module or another pinned version makes it build again."""
+    import numpy as np
+
+    venvs = load_tool("venvs")
+    folder = tmp_path / "venv"
+    (folder / "bin").mkdir(parents=True)
+    python = folder / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')   # this interpreter, with its numpy
+    python.chmod(0o755)
+
+    class Rebuild(Exception):
+        pass
+
+    def log(message):
+        raise Rebuild(message)   # stops before pip: the test needs no network
+
+    complete = venvs.Venv("test-venv", "test", (f"numpy=={np.__version__}",), ("numpy", "json"))
+    assert complete.ensure(folder, log=log) == python
+    for incomplete in (venvs.Venv("test-venv", "test", ("numpy==0.0.1",), ("numpy",)),
+                       venvs.Venv("test-venv", "test", (), ("no_such_module_at_all",))):
+        with pytest.raises(Rebuild, match=f"creating the test virtualenv in {folder}"):
+            incomplete.ensure(folder, log=log)
+    # The tools' own folders are the ones .ci/run and existing machines have.
+    assert [v.folder.name for v in (venvs.SB3, venvs.RLLIB, venvs.ZOO)] == ["sb3-venv", "rllib-2.48-venv", "zoo-venv"]
+    assert all("torch==2.13.0" in v.packages for v in (venvs.SB3, venvs.RLLIB, venvs.ZOO))
 
 
 def check_common(r: dict, subcommand: str) -> None:

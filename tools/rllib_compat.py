@@ -54,20 +54,16 @@ import threading
 import time
 from pathlib import Path
 
+import venvs  # tools/venvs.py: the baselines' virtualenvs
+from venvs import SetupError
+
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_VENV = Path("~/.cache/shmrl/rllib-2.48-venv").expanduser()
-# onnx: torch's legacy ONNX exporter (see _legacy_onnx_export) needs the onnx package.
-VENV_PACKAGES = ["ray[rllib]==2.48.0", "torch==2.13.0", "gymnasium", "onnxruntime", "onnx"]
 MARK = "RLLIB_COMPAT "          # prefix of the machine-readable lines of the ray-side driver
 CAPTURE_PORT_OFFSET = 100       # with --capture, the server listens on P + 100 behind a proxy on P
 QUICK = {"client": {"stop_return": 100.0, "timeout": 180.0},
          "server": {"stop_return": 30.0, "max_iters": 5, "max_env_steps": 20_000, "timeout": 300.0},
          "baseline": {"stop_return": 30.0, "max_iters": 5, "max_env_steps": 20_000, "timeout": 300.0}}
 QUICK_CLIENT_EXTRA = ["--max-env-steps", "100000"]   # for shmrl.run: a quick client run always ends
-
-
-class SetupError(RuntimeError):
-    pass
 
 
 # --------------------------------------------------------------------------- processes
@@ -228,36 +224,6 @@ def wait_listening(port: int, timeout: float, alive=lambda: True) -> bool:
             return False
         time.sleep(0.05)
     return False
-
-
-# --------------------------------------------------------------------------- the venv
-
-def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def ensure_venv(venv: Path, log=print) -> Path:
-    """The venv's python, with ray[rllib] 2.48.0 and torch 2.13.0 installed (created if missing)."""
-    py = venv_python(venv)
-    check = ("import ray, torch, onnxruntime, onnx, gymnasium; "
-             "assert ray.__version__ == '2.48.0', ray.__version__; "
-             "assert torch.__version__.startswith('2.13.0'), torch.__version__")
-    # Once made, only the installed versions are looked at (importing ray and torch takes seconds).
-    installed = ("from importlib.metadata import version as v; import onnxruntime, onnx, gymnasium; "
-                 "assert v('ray') == '2.48.0' and v('torch').startswith('2.13.0')")
-    if py.exists() and subprocess.run([str(py), "-c", installed], capture_output=True).returncode == 0:
-        return py
-    log(f"creating the RLlib 2.48 virtualenv in {venv} (takes minutes) ...")
-    python3 = shutil.which("python3") or sys.executable
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    if not py.exists():
-        subprocess.run([python3, "-m", "venv", str(venv)], check=True)
-    # torch pinned: an unpinned torch pulls a CUDA build of several GB.
-    subprocess.run([str(py), "-m", "pip", "install", "-q", *VENV_PACKAGES], check=True)
-    r = subprocess.run([str(py), "-c", check], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SetupError(f"the virtualenv {venv} does not work:\n{r.stderr}")
-    return py
 
 
 # --------------------------------------------------------------------------- byte capture
@@ -500,7 +466,7 @@ def rllib_client_main(a) -> int:
 
 def run_client(a, kids: Children, work: Path) -> dict:
     """shmrl's learner (TCP, no local simulators) <- RLlib's own _dummy_client."""
-    py = ensure_venv(a.venv)
+    py = venvs.RLLIB.ensure(a.venv)
     port = a.port
     server_port = port + CAPTURE_PORT_OFFSET if a.capture else port
     for p in {port, server_port}:
@@ -555,7 +521,7 @@ def run_client(a, kids: Children, work: Path) -> dict:
 
 def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
     """RLlib 2.48's PPO TCP server <- shmrl.sim (``server``) or RLlib's _dummy_client (``baseline``)."""
-    py = ensure_venv(a.venv)
+    py = venvs.RLLIB.ensure(a.venv)
     port = a.port
     server_port = port + CAPTURE_PORT_OFFSET if a.capture else port
     for p in {port, server_port, server_port - 1}:
@@ -726,7 +692,7 @@ def main(argv=None) -> int:
         s.add_argument("--quick", action="store_true",
                        help="seconds, not minutes: low targets and budgets (see above); flags given still win")
         s.add_argument("--port", type=int, default=5600, help="TCP port the client connects to (default: %(default)s)")
-        s.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="RLlib 2.48 virtualenv (default: %(default)s)")
+        s.add_argument("--venv", type=Path, default=venvs.RLLIB.folder, help="RLlib 2.48 virtualenv (default: %(default)s)")
         s.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default: %(default)s)")
         s.add_argument("--stop-return", type=float, default=450.0, help="target mean return (default: %(default)s)")
         s.add_argument("--json", action="store_true", help="print one JSON object instead of a table line")
@@ -755,10 +721,10 @@ def main(argv=None) -> int:
     if argv[:1] == ["--setup"]:  # python tools/rllib_compat.py --setup [--venv DIR]
         s = argparse.ArgumentParser(prog="python tools/rllib_compat.py --setup")
         s.add_argument("--setup", action="store_true")
-        s.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="RLlib 2.48 virtualenv (default: %(default)s)")
+        s.add_argument("--venv", type=Path, default=venvs.RLLIB.folder, help="RLlib 2.48 virtualenv (default: %(default)s)")
         v = s.parse_args(argv).venv
         try:
-            print(f"RLlib 2.48 virtualenv ready: {ensure_venv(v, log=lambda m: print(m, file=sys.stderr, flush=True))}")
+            print(f"RLlib 2.48 virtualenv ready: {venvs.RLLIB.ensure(v)}")
         except (SetupError, subprocess.CalledProcessError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
