@@ -16,6 +16,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import load_tool
@@ -30,16 +31,12 @@ MARK = "SHMRL_TOOLS_TEST_MARK"   # in the environment of every process a tool st
 def marked(mark: str) -> list[int]:
     """Live processes whose environment holds ``MARK=mark``: a tool's and all it started,
     even those that moved to a session of their own."""
-    needle = f"{MARK}={mark}".encode()
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter():
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(int(entry))
-        except OSError:
+            if proc.environ().get(MARK) == mark:
+                out.append(proc.pid)
+        except psutil.Error:  # gone, or not ours to read
             continue
     return out
 

@@ -67,42 +67,37 @@ QUICK_CLIENT_EXTRA = ["--max-env-steps", "100000"]   # for shmrl.run: a quick cl
 
 
 # --------------------------------------------------------------------------- processes
+# psutil is imported where it is used: this file also runs in the RLlib virtualenv, which lacks it.
 
-def _proc_stat(pid: int) -> tuple[int, int, int, int, int] | None:
-    """(ppid, pgrp, session, rss pages, cpu ticks) of a live process, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[1]), int(fields[2]), int(fields[3]), int(fields[21]), int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return None
+def _family(leaders: list[int]) -> list:
+    """Every live process (psutil.Process) in the sessions of ``leaders`` or descended from
+    them: Ray's raylet, GCS and workers move to sessions of their own."""
+    import psutil
+
+    roots = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid in leaders or os.getsid(proc.pid) in leaders:
+                roots.append(proc)
+        except (ProcessLookupError, PermissionError):
+            continue
+    family = {}
+    for proc in roots:
+        family[proc.pid] = proc
+        try:
+            family.update((child.pid, child) for child in proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            continue
+    family.pop(os.getpid(), None)
+    return list(family.values())
 
 
-def _busy_ticks() -> int:
-    """CPU ticks spent busy on the whole machine (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    return user + nice + system + irq + softirq + steal
+def _busy_cpu_s() -> float:
+    """CPU seconds spent busy on the whole machine (all cores) since boot."""
+    import psutil
 
-
-def _all_pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _family(leaders: list[int]) -> set[int]:
-    """Every live process in the sessions of ``leaders`` or descended from them."""
-    stats = {pid: s for pid in _all_pids() if (s := _proc_stat(pid))}
-    family = {pid for pid, (_, _, sid, _, _) in stats.items() if sid in leaders}
-    family |= {pid for pid in leaders if pid in stats}
-    grew = True
-    while grew:
-        grew = False
-        for pid, (ppid, *_) in stats.items():
-            if ppid in family and pid not in family:
-                family.add(pid)
-                grew = True
-    family.discard(os.getpid())
-    return family
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
 
 
 class Children:
@@ -113,8 +108,8 @@ class Children:
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
         self.peak_rss_mb = 0.0
-        self._cpu_ticks: dict[int, int] = {}  # pid -> CPU ticks last seen (approximate: sampled each second)
-        self._busy0, self._t0 = _busy_ticks(), time.monotonic()
+        self._cpu_s: dict[int, float] = {}  # pid -> CPU seconds last seen (approximate: sampled each second)
+        self._busy0, self._t0 = _busy_cpu_s(), time.monotonic()
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
         self._sampler.start()
@@ -136,27 +131,32 @@ class Children:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def _sample_rss(self):
-        page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
+        import psutil
+
         while not self._stop.wait(1.0):
-            leaders = [p.pid for p in self.procs.values()]
             total = 0
-            for pid in _family(leaders):
-                if s := _proc_stat(pid):
-                    total += s[3]
-                    self._cpu_ticks[pid] = s[4]
-            self.peak_rss_mb = max(self.peak_rss_mb, total * page_mb)
+            for proc in _family([p.pid for p in self.procs.values()]):
+                try:
+                    with proc.oneshot():
+                        total += proc.memory_info().rss
+                        cpu = proc.cpu_times()
+                    self._cpu_s[proc.pid] = cpu.user + cpu.system
+                except psutil.Error:
+                    continue
+            self.peak_rss_mb = max(self.peak_rss_mb, total / 2**20)
 
     def cpu_report(self) -> dict:
         """CPU seconds used by our processes and by everything else since the start."""
-        hz = os.sysconf("SC_CLK_TCK")
-        ours = sum(self._cpu_ticks.values()) / hz
-        busy = (_busy_ticks() - self._busy0) / hz
+        ours = sum(self._cpu_s.values())
+        busy = _busy_cpu_s() - self._busy0
         span = time.monotonic() - self._t0
         return {"own_cpu_s": round(ours, 1), "other_cpu_s": round(max(0.0, busy - ours), 1),
                 "span_s": round(span, 1), "cores": os.cpu_count(), "loadavg_end": os.getloadavg()[0]}
 
     def stop_all(self, grace: float = 5.0) -> list[int]:
         """SIGTERM every session, then SIGKILL whatever is left; returns pids that survived."""
+        import psutil
+
         self._stop.set()
         leaders = [p.pid for p in self.procs.values()]
         family = _family(leaders)
@@ -165,43 +165,51 @@ class Children:
                 os.killpg(p.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
                 pass
-        for pid in family:  # descendants that moved to a session of their own
+        for proc in family:  # descendants that moved to a session of their own
             try:
-                os.kill(pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
+                proc.terminate()
+            except psutil.Error:
                 pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_proc_stat(pid) for pid in family | set(leaders)):
-            for p in self.procs.values():
-                p.poll()
-            time.sleep(0.1)
-        family |= _family(leaders)
-        for pid in family | set(leaders):
+        self._reap(grace, family)
+        family = {proc.pid: proc for proc in [*family, *_family(leaders)]}
+        for proc in family.values():
             try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                proc.kill()
+            except psutil.Error:
                 pass
+        self._reap(2.0, family.values())
+        return sorted(pid for pid, proc in family.items() if _running(proc))
+
+    def _reap(self, timeout: float, family) -> None:
+        """Wait up to ``timeout`` s for our children (through Popen, which keeps their exit
+        codes) and for the rest of ``family`` to end."""
+        import psutil
+
+        deadline = time.monotonic() + timeout
         for p in self.procs.values():
             try:
-                p.wait(2.0)
+                p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        time.sleep(0.2)
-        # Zombies (state Z) are gone for our purpose; report only real survivors.
-        return sorted(pid for pid in family if _proc_stat(pid) and _state(pid) != "Z")
+        ours = {p.pid for p in self.procs.values()}
+        psutil.wait_procs([proc for proc in family if proc.pid not in ours],
+                          timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _state(pid: int) -> str:
+def _running(proc) -> bool:
+    """Alive and not a zombie (a zombie is gone for our purpose)."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def is_listening(port: int) -> bool:
     """Whether anything listens on TCP ``port``, read from /proc/net (never connects: RLlib's
-    server accepts exactly one client, and a probe would use it up)."""
+    server accepts exactly one client, and a probe would use it up). Not psutil: RLlib's
+    client, in its own virtualenv, waits with this too."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -210,7 +218,7 @@ def is_listening(port: int) -> bool:
             continue
         for row in rows:
             cols = row.split()
-            if len(cols) > 3 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+            if len(cols) > 3 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                 return True
     return False
 
