@@ -26,7 +26,7 @@ these windows, every round:
 
 On a machine of few cores, a line-rate loopback stream takes about a core at each end,
 so 'abused, line rate' measures the machine as much as the server; 'control' says how
-much. The gate is the 'abused' window. The server's VmRSS (/proc/PID/status) is sampled
+much. The gate is the 'abused' window. The server's RSS (VmRSS, read with psutil) is sampled
 every 50 ms; which abusers the server dropped, why and when, comes from its log. Figures
 are medians over the rounds of each window's median; the load average before and after
 is reported, as the machine may be shared.
@@ -38,7 +38,7 @@ stopped, on failure and Ctrl-C too; no /dev/shm/shmrl_* file is left.
 """
 from __future__ import annotations
 
-# Only the standard library and numpy at module level (like tools/bench.py).
+# Only the standard library, numpy and shmrl's codec (no torch) at module level, like tools/bench.py.
 import argparse
 import json
 import math
@@ -58,9 +58,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import (cpu_s, finished, group_alive, median, own_shm_files, percentile,  # noqa: E402
-                   started, status_kib)
+from bench import finished, median, percentile, started  # tools/bench.py: the report's frame and statistics
+from processes import cpu_s, group_alive, own_shm_files, rss_kib  # tools/processes.py
+from shmrl import rllink
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
@@ -75,12 +75,7 @@ WAIT_S = 60.0  # the longest any single wait may take before the tool gives up
 
 def frame(msg: dict) -> bytes:
     """A frame as RLlib 2.48's client writes one (json.dumps, 8-digit length header)."""
-    body = json.dumps(msg).encode()
-    return b"%08d" % len(body) + body
-
-
-def rss_kib(pid: int) -> int | None:
-    return status_kib(pid, "VmRSS")
+    return rllink.frame(rllink.encode_json(msg))
 
 
 # ---------------------------------------------------------------- the server
@@ -257,8 +252,7 @@ def exchange(sock: socket.socket, data: bytes, kind: str) -> float:
     """Send one request frame, read its reply frame; the round trip in seconds."""
     t0 = time.perf_counter()
     sock.sendall(data)
-    n = int(recv_exactly(sock, 8))
-    body = recv_exactly(sock, n)
+    body = recv_exactly(sock, rllink.parse_header(recv_exactly(sock, rllink.HEADER_LEN)))
     rtt = time.perf_counter() - t0
     if REPLY_OF[kind] not in body[:40]:
         raise ConnectionError(f"{kind}: unexpected reply {body[:60]!r}")
@@ -289,7 +283,7 @@ def good_client(args) -> int:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         exchange(sock, frame({"type": "PING"}), "PING")
         sock.sendall(frame({"type": "GET_CONFIG"}))
-        config = json.loads(recv_exactly(sock, int(recv_exactly(sock, 8))))
+        config = json.loads(recv_exactly(sock, rllink.parse_header(recv_exactly(sock, rllink.HEADER_LEN))))
         steps = int(config["env_steps_per_sample"])
         frames = {"PING": frame({"type": "PING"}), "GET_STATE": frame({"type": "GET_STATE"}),
                   "EPISODES_AND_GET_STATE": episode_frame(steps, np.random.default_rng(0))}

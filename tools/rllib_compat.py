@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 import venvs  # tools/venvs.py: the baselines' virtualenvs
+from processes import read_logdir  # tools/processes.py
 from venvs import SetupError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -509,8 +510,7 @@ def run_client(a, kids: Children, work: Path) -> dict:
     rc = learner.poll()
     if proxy:
         proxy.close()
-    summary_path = logdir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary, _ = read_logdir(logdir)
     if failure is None and rc != 0:
         failure = f"shmrl.run exited with code {rc}"
     out = {"mode": "client", "server": "shmrl.run --sims 0 --tcp-port", "client": "RLlib 2.48 _dummy_client",

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import venvs  # tools/venvs.py: the baselines' virtualenvs
+from processes import read_logdir  # tools/processes.py
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -164,19 +165,17 @@ def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str
     cmd = [sys.executable, "-m", "shmrl.run", "--env", env, "--seed", str(seed), "--logdir",
            str(logdir), "--stop-return", str(stop_return), "--log-every", "30", *extra]
     stop_after(cmd, seconds, REPO, folder / "shmrl.log")
-    path = logdir / "metrics.jsonl"
-    if not path.exists():
+    if not (logdir / "metrics.jsonl").exists():
         raise RuntimeError(f"shmrl wrote no metrics; its log:\n{(folder / 'shmrl.log').read_text()[-3000:]}")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    summary, rows = read_logdir(logdir)
     curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
              for r in rows if r["return_mean"] == r["return_mean"]]      # not before the first episode
     env_steps = rows[-1]["env_steps"] if rows else None
-    summary = logdir / "summary.json"
-    if summary.exists():   # where it stopped: the steps and return after the last update's row
-        s = json.loads(summary.read_text())
-        env_steps = s["env_steps"]
-        if s["return_mean"] == s["return_mean"]:
-            curve.append({"wall_s": s["wall_s"], "env_steps": s["env_steps"], "return_mean": s["return_mean"]})
+    if summary:   # where it stopped: the steps and return after the last update's row
+        env_steps = summary["env_steps"]
+        if summary["return_mean"] == summary["return_mean"]:
+            curve.append({"wall_s": summary["wall_s"], "env_steps": summary["env_steps"],
+                          "return_mean": summary["return_mean"]})
     return {"curve": curve, "env_steps_per_s": rows[-1]["env_steps_per_s"] if rows else None,
             "env_steps": env_steps,
             "command": " ".join(["python -m shmrl.run --env", env, *extra])}
