@@ -51,14 +51,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench import finished, median, percentile, started  # tools/bench.py: the report's frame and statistics
+from bench import finished, median, percentile, print_method, started  # tools/bench.py: the report's frame
 from processes import cpu_s, group_alive, own_shm_files, rss_kib  # tools/processes.py
 from shmrl import rllink
 
@@ -863,10 +862,7 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         show(result)
-        print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
-                            subsequent_indent="    ", break_on_hyphens=False))
-        print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
-              f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")
+        print_method(result)
     return 0 if result["ok"] else 1
 
 

@@ -80,6 +80,14 @@ def finished(result: dict) -> dict:
     return result
 
 
+def print_method(result: dict) -> None:
+    """The foot of every table: how it was measured, when, and the machine's load."""
+    print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
+                        subsequent_indent="    ", break_on_hyphens=False))
+    print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
+          f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")
+
+
 def run_policy(env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: int = 256):
     """The env's spec, shmrl.run's configuration of it (its preset) and the policy network
     that shmrl.run publishes for it (numpy and the ONNX template only: no torch)."""
@@ -1022,10 +1030,7 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         show(result)
-        print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
-                            subsequent_indent="    ", break_on_hyphens=False))
-        print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
-              f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")
+        print_method(result)
     return 0
 
 
