@@ -577,11 +577,11 @@ def window_plan(args) -> list[tuple[str, float]]:
     return plan
 
 
-def abuse(args) -> dict:
+def method_text(args) -> str:
+    """How abuse() measures, for the report: the same sentence whatever the outcome."""
     max_frame = args.max_frame_bytes
     rate = f"{args.endless_mib_s:g} MiB/s" if args.endless_mib_s else "line rate"
-    result = started(
-        "abuse",
+    return (
         f"`python -m shmrl.run --sims 0 --tcp-port 0 --max-frame-bytes {max_frame}` (its TCP defaults: "
         f"10 s frame timeout, no idle timeout, 64 MiB max_out_bytes, 1024 connections, no auth) in its "
         f"own process group. A good client (its own interpreter, one connection, raw sockets, RLlib "
@@ -599,7 +599,13 @@ def abuse(args) -> dict:
            if args.line_rate_seconds else "")
         + ". A last 'unloaded' window follows. Per window: median, p99, max RTT per request kind; "
         "figures: medians over rounds of window medians; ratio: window / unloaded. The gate is the "
-        "'abused' window. Server VmRSS every 50 ms; drops and reasons from its log.",
+        "'abused' window. Server VmRSS every 50 ms; drops and reasons from its log.")
+
+
+def abuse(args) -> dict:
+    max_frame = args.max_frame_bytes
+    result = started(
+        "abuse", method_text(args),
         rounds=args.rounds, abuse_seconds=args.abuse_seconds, unloaded_seconds=args.unloaded_seconds,
         line_rate_seconds=args.line_rate_seconds, idle=args.idle, endless_mib_s=args.endless_mib_s,
         nonreader_rps=args.nonreader_rps, gap_ms=args.gap_ms, train_every=args.train_every,
@@ -675,6 +681,12 @@ def abuse(args) -> dict:
                 for name in left:  # --sims 0 makes none; never leave one behind if it did
                     os.unlink(f"/dev/shm/{name}")
             tmp.cleanup()
+    return finished(summarize(args, result, rounds, drops, after, rss_before, rss_after))
+
+
+def summarize(args, result: dict, rounds: list[dict], drops: list[dict], after: dict, rss_before: float,
+              rss_after: float) -> dict:
+    """The figures over rounds, the memory, the drops by window and role, and the gates."""
     result["rounds"] = rounds
     result["after"] = window_stats(after)
     result["drops"] = drops
@@ -717,7 +729,7 @@ def abuse(args) -> dict:
         result["line_rate_within_max_ratio"] = all(s["abused, line rate"]["ratio"] <= args.max_ratio
                                                    for s in summary.values())
     result["ok"] = result["ok_rtt"] and result["memory"]["bounded"]
-    return finished(result)
+    return result
 
 
 def show(r: dict) -> None:
