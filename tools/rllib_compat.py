@@ -687,7 +687,9 @@ def _fmt_main(r: dict, f) -> str:
             f"peak RSS {f(r.get('peak_rss_mb'), '.0f')} MB")
 
 
-def main(argv=None) -> int:
+def build_parser():
+    """The command line (client, server and baseline, and the hidden subcommands that run
+    in the RLlib virtualenv) and its subcommands' parsers (--quick sets their defaults)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", action="store_true",
                    help="only create the RLlib 2.48 virtualenv (--venv after it, or the default), then exit")
@@ -724,6 +726,11 @@ def main(argv=None) -> int:
     h = sub.add_parser("_rllib-client")  # hidden: runs inside the venv
     h.add_argument("--port", type=int, required=True)
     h.add_argument("--wait", type=float, default=600.0)
+    return p, sub
+
+
+def main(argv=None) -> int:
+    p, sub = build_parser()
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["--setup"]:  # python tools/rllib_compat.py --setup [--venv DIR]
