@@ -527,6 +527,61 @@ def run_client(a, kids: Children, work: Path) -> dict:
     return out
 
 
+class DriverLog:
+    """What RLlib's driver prints, read by a thread: its machine-readable events (MARK lines:
+    ready, config, iter, stalled, result), RLlib's first traceback and its connection errors."""
+
+    def __init__(self):
+        self.events: dict[str, dict] = {}
+        self.iters: list[dict] = []
+        self.errors: dict[str, list[str]] = {"traceback": [], "connection_errors": []}
+        self.listener_died = threading.Event()
+
+    def read(self, driver: subprocess.Popen, path: Path, t0: float, show_iters: bool) -> None:
+        """Copy the driver's output to ``path`` and note what it says (the thread's target)."""
+        with open(path, "wb") as log:
+            for line in driver.stdout:
+                log.write(line)
+                log.flush()
+                text = line.decode("utf-8", "replace")
+                self.note_error(text)
+                if not text.startswith(MARK):
+                    continue
+                ev = json.loads(text[len(MARK):])
+                self.events[ev["kind"]] = ev
+                if ev["kind"] == "iter":
+                    self.iters.append(ev)
+                    if show_iters:
+                        print(f"  iter {ev['iter']:3d} | steps {ev['env_steps']:8d} | return "
+                              f"{ev['return_mean']:7.1f} | train {ev['time_total_s']:7.1f} s | "
+                              f"wall {time.time() - t0:7.1f} s", flush=True)
+
+    def note_error(self, text: str) -> None:
+        """Keep RLlib's first traceback and its 'Messaging/connection error' lines (what
+        RLlib said when it rejected a client's bytes), without Ray's colour codes."""
+        clean = re.sub(r"\x1b\[[0-9;]*m", "", text).rstrip()
+        if "Messaging/connection error" in clean and len(self.errors["connection_errors"]) < 10:
+            self.errors["connection_errors"].append(clean)
+        tb = self.errors["traceback"]
+        bare = re.sub(r"^\(\S+ pid=\d+\) ", "", clean)  # without Ray's "(Actor pid=N) " prefix
+        if "Exception in thread" in bare and "_client_message_listener" in bare and not self.listener_died.is_set():
+            tb.clear()  # the traceback that follows is the one that matters
+            self.listener_died.set()
+        if not tb:
+            if bare.startswith("Traceback (most recent call last)"):
+                tb.append(clean)
+        elif len(tb) < 80 and tb[-1] != "":
+            tb.append(clean)
+            if bare and not bare[0].isspace() and not bare.startswith(("Traceback", "During handling",
+                                                                       "The above exception")):
+                tb.append("")  # the exception line ends the traceback
+
+    def listener_dead(self) -> bool:
+        """RLlib's TCP listener thread died, and its whole traceback has been read."""
+        tb = self.errors["traceback"]
+        return self.listener_died.is_set() and bool(tb) and tb[-1] == ""
+
+
 def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
     """RLlib 2.48's PPO TCP server <- shmrl.sim (``server``) or RLlib's _dummy_client (``baseline``)."""
     py = venvs.RLLIB.ensure(a.venv)
@@ -544,52 +599,9 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
     driver_dir.mkdir()
     t0 = time.time()
     driver = kids.start("rllib-server", driver_cmd, driver_dir, pipe=True)
-    events: dict[str, dict] = {}
-    iters: list[dict] = []
-    ready = threading.Event()
-    errors: dict[str, list[str]] = {"traceback": [], "connection_errors": []}
-    listener_died = threading.Event()
-
-    def note_error(text: str):
-        """Keep RLlib's first traceback and its 'Messaging/connection error' lines (what
-        RLlib said when it rejected a client's bytes), without Ray's colour codes."""
-        clean = re.sub(r"\x1b\[[0-9;]*m", "", text).rstrip()
-        if "Messaging/connection error" in clean and len(errors["connection_errors"]) < 10:
-            errors["connection_errors"].append(clean)
-        tb = errors["traceback"]
-        bare = re.sub(r"^\(\S+ pid=\d+\) ", "", clean)  # without Ray's "(Actor pid=N) " prefix
-        if "Exception in thread" in bare and "_client_message_listener" in bare and not listener_died.is_set():
-            tb.clear()  # the traceback that follows is the one that matters
-            listener_died.set()
-        if not tb:
-            if bare.startswith("Traceback (most recent call last)"):
-                tb.append(clean)
-        elif len(tb) < 80 and tb[-1] != "":
-            tb.append(clean)
-            if bare and not bare[0].isspace() and not bare.startswith(("Traceback", "During handling",
-                                                                       "The above exception")):
-                tb.append("")  # the exception line ends the traceback
-
-    def read_driver():
-        with open(kids.logdir / "rllib-server.log", "wb") as log:
-            for line in driver.stdout:
-                log.write(line)
-                log.flush()
-                text = line.decode("utf-8", "replace")
-                note_error(text)
-                if text.startswith(MARK):
-                    ev = json.loads(text[len(MARK):])
-                    events[ev["kind"]] = ev
-                    if ev["kind"] == "iter":
-                        iters.append(ev)
-                        if not a.json:
-                            print(f"  iter {ev['iter']:3d} | steps {ev['env_steps']:8d} | return "
-                                  f"{ev['return_mean']:7.1f} | train {ev['time_total_s']:7.1f} s | "
-                                  f"wall {time.time() - t0:7.1f} s", flush=True)
-                    if ev["kind"] == "ready":
-                        ready.set()
-
-    reader = threading.Thread(target=read_driver, daemon=True)
+    log = DriverLog()
+    reader = threading.Thread(target=log.read, args=(driver, kids.logdir / "rllib-server.log", t0, not a.json),
+                              daemon=True)
     reader.start()
     deadline = t0 + a.timeout
     if client_kind == "shmrl":
@@ -612,10 +624,10 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
     t_client = time.time()
     client = kids.start("client", client_cmd, client_cwd)
     failure = None
-    while "result" not in events:
+    while "result" not in log.events:
         if driver.poll() is not None:
             reader.join(5.0)
-            if "result" not in events:
+            if "result" not in log.events:
                 failure = f"RLlib's driver exited with code {driver.returncode}"
             break
         if time.time() > deadline:
@@ -624,21 +636,21 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
         if client.poll() is not None:
             failure = f"the client ({client_kind}) exited with code {client.returncode} while RLlib was training"
             break
-        if listener_died.is_set() and errors["traceback"] and errors["traceback"][-1] == "":
+        if log.listener_dead():
             # RLlib's listener thread is dead for good: that port never answers again.
-            failure = f"RLlib's TCP listener thread died: {errors['traceback'][-2]}"
+            failure = f"RLlib's TCP listener thread died: {log.errors['traceback'][-2]}"
             break
         time.sleep(0.2)
     wall = time.time() - t0
-    if "result" in events:
+    if "result" in log.events:
         try:
             driver.wait(max(1.0, min(30.0, deadline - time.time())))  # let it shut Ray down
         except subprocess.TimeoutExpired:
             pass  # stop_all() ends it
     if proxy:
         proxy.close()
-    res = events.get("result", {})
-    last = iters[-1] if iters else {}
+    res = log.events.get("result", {})
+    last = log.iters[-1] if log.iters else {}
     out = {"mode": "server" if client_kind == "shmrl" else "baseline",
            "server": "RLlib 2.48 PPO + TcpClientInferenceEnvRunner",
            "client": "shmrl.sim --connect" if client_kind == "shmrl" else "RLlib 2.48 _dummy_client",
@@ -647,18 +659,18 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
            "wall_s": wall, "client_started_after_s": t_client - t0,
            "train_s": res.get("train_s", last.get("time_total_s")),
            "driver_wall_s": res.get("wall_s", last.get("wall_s")),
-           "startup_s": events.get("ready", {}).get("startup_s"),
+           "startup_s": log.events.get("ready", {}).get("startup_s"),
            "env_steps": res.get("env_steps", last.get("env_steps")),
            "return_mean": res.get("return_mean", last.get("return_mean")),
            "iterations": res.get("iterations", last.get("iter")),
-           "rllib_config": events.get("config", {}).get("config")}
+           "rllib_config": log.events.get("config", {}).get("config")}
     if not res.get("solved") and failure is None:
         failure = ("RLlib received no env steps for several iterations (its listener thread died?)"
-                   if "stalled" in events else "RLlib stopped before the stop return (iteration or env-step budget)")
-    if errors["connection_errors"]:
-        out["rllib_connection_errors"] = errors["connection_errors"]
-    if errors["traceback"]:
-        out["rllib_first_traceback"] = "\n".join(errors["traceback"]).rstrip()
+                   if "stalled" in log.events else "RLlib stopped before the stop return (iteration or env-step budget)")
+    if log.errors["connection_errors"]:
+        out["rllib_connection_errors"] = log.errors["connection_errors"]
+    if log.errors["traceback"]:
+        out["rllib_first_traceback"] = "\n".join(log.errors["traceback"]).rstrip()
     if failure:
         out["failure"] = failure
         out["driver_log_tail"] = kids.log_tail("rllib-server", 40)
