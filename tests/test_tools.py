@@ -276,6 +276,28 @@ def test_solve_quick(tool):
     assert positive(run["env_steps"]) and positive(run["wall_s"]) and r["all_solved"] is True
 
 
+def test_a_run_gets_ctrl_c_even_when_the_tool_was_started_ignoring_sigint():
+    """A background job of a script (``nohup python tools/solve.py &``) starts with SIGINT
+    ignored, and so would every Python it starts: interrupt_group's Ctrl-C then did nothing,
+    and a run past its --timeout ended only by the SIGKILL 15 s later."""
+    processes = load_tool("processes")
+    child = ("import time\ntry:\n    print('ready', flush=True); time.sleep(120)\n"
+             "except KeyboardInterrupt:\n    raise SystemExit(130)\n")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = processes.popen_group([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert proc.stdout.readline() == "ready\n"            # in its try: Ctrl-C now raises there
+        assert processes.interrupt_group(proc, timeout=30) == 130   # not -9, the SIGKILL 30 s later
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+
+
 def test_solve_stops_a_run_that_outlives_its_timeout(tool):
     """A run past --timeout is stopped with its simulators and shared memory (the fixture
     checks), and counts as not solved."""

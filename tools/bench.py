@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 # tools/processes.py: stopping what a tool starts, and what processes cost (psutil)
-from processes import cpu_s, interrupt_group, own_shm_files, process_tree, read_logdir, stop_process
+from processes import cpu_s, interrupt_group, own_shm_files, popen_group, process_tree, read_logdir, stop_process
 
 ENV_ID = "CartPole-v1"         # the default --env of throughput and transport; the one of sync and memory
 WAIT_S = 60.0                 # the longest any single wait may take before the bench gives up
@@ -794,8 +794,7 @@ def memory_run(sims: int) -> dict:
         cmd = [sys.executable, "-m", "shmrl.run", "--sims", str(sims), "--max-env-steps", "10000000",
                "--stop-return", "1e9", "--logdir", logdir, "--log-every", "0"]
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # its own group: SIGINT it like Ctrl-C
+        proc = popen_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # SIGINT it like Ctrl-C
         left = []
         try:
             lines = line_reader(proc)

@@ -47,6 +47,17 @@ def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
             proc.wait(timeout)
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def popen_group(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """``cmd`` in a session (and process group) of its own, with SIGINT at its default even
+    if this tool was started with it ignored (``nohup ... &`` from a script): Python would
+    then ignore it too, and interrupt_group's Ctrl-C would only end it by SIGKILL."""
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_sigint_default, **kwargs)
+
+
 def interrupt_group(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:
     """Ctrl-C to the run's process group, SIGKILL if it is not gone within ``timeout``;
     the run's exit status (130 expected after SIGINT)."""
@@ -79,8 +90,7 @@ def run_shmrl(args: list[str], timeout: float, env: dict | None = None) -> tuple
     simulators, or killed, and leaves no /dev/shm segment behind."""
     cmd = [sys.executable, "-m", "shmrl.run", *args]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+    proc = popen_group(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     code, err = None, ""
     try:
         _, err = proc.communicate(timeout=timeout)

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import venvs  # tools/venvs.py: the baselines' virtualenvs
-from processes import read_logdir  # tools/processes.py
+from processes import popen_group, read_logdir  # tools/processes.py
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -81,12 +81,11 @@ def zoo_config(py: Path, env: str, folder: Path) -> Path:
 def stop_after(cmd: list, seconds: float, cwd: Path, log: Path) -> float:
     """Run ``cmd`` in its own session; SIGINT after ``seconds`` (then SIGKILL if needed).
     Returns the launch time (time.time()). The child starts with SIGINT at its default even
-    if this tool was started with it ignored (``nohup ... &`` from a script): Python then
-    ignores it too, and rl-zoo3 would train on until the SIGKILL."""
+    if this tool was started with it ignored (popen_group): else rl-zoo3 would train on
+    until the SIGKILL."""
     t0 = time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = popen_group(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
