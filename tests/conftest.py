@@ -6,14 +6,20 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 
 def load_tool(name: str):
-    """tools/NAME.py as a module (tools/ is not a package: each tool is a script)."""
-    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    """tools/NAME.py as a module (tools/ is not a package: each tool is a script). tools/
+    goes on sys.path, as python puts a script's folder there: tools import their siblings."""
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    if str(tools) not in sys.path:
+        sys.path.insert(0, str(tools))
+    path = tools / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"shmrl_tools_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -33,30 +39,18 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.02):
 
 
 def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    """All live descendants of ``pid``."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def alive(pid: int) -> bool:
+    """Running, not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -85,10 +79,10 @@ def no_shm_leftovers():
 
 
 def process_name(pid: int) -> str:
+    """The kernel's name of the process (what setproctitle/prctl set: 15 characters at most)."""
     try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
+        return psutil.Process(pid).name()
+    except psutil.NoSuchProcess:
         return ""
 
 

@@ -7,11 +7,11 @@ The abusers are tools/abuse.py's own (that tool measures the same against a whol
 scaled down so that every abuser is dropped within seconds.
 """
 import json
-import os
 import statistics
 import time
 
 import numpy as np
+import psutil
 
 from conftest import load_tool
 from test_tcp_transport import conn_id_of, episodes_msg, log_lines, net, recv_frame, rllib_frame  # noqa: F401 (net: a fixture)
@@ -25,8 +25,7 @@ STATE = "x" * (32 << 10)        # each SET_STATE: 32 KiB, so the non-reader owes
 
 
 def rss_mib() -> float:
-    with open(f"/proc/{os.getpid()}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    return psutil.Process().memory_info().rss / (1 << 20)
 
 
 def held_bytes(server) -> tuple[int, int]:

@@ -16,30 +16,27 @@ import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
-SB3_PYTHON = Path("~/.cache/shmrl/sb3-venv/bin/python").expanduser()
-RLLIB_PYTHON = Path("~/.cache/shmrl/rllib-2.48-venv/bin/python").expanduser()
+SB3_PYTHON = load_tool("venvs").SB3.folder / "bin" / "python"
+RLLIB_PYTHON = load_tool("venvs").RLLIB.folder / "bin" / "python"
 MARK = "SHMRL_TOOLS_TEST_MARK"   # in the environment of every process a tool starts
 
 
 def marked(mark: str) -> list[int]:
     """Live processes whose environment holds ``MARK=mark``: a tool's and all it started,
     even those that moved to a session of their own."""
-    needle = f"{MARK}={mark}".encode()
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter():
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    out.append(int(entry))
-        except OSError:
+            if proc.environ().get(MARK) == mark:
+                out.append(proc.pid)
+        except psutil.Error:  # gone, or not ours to read
             continue
     return out
 
@@ -103,6 +100,35 @@ def test_bench_median_and_percentile_take_any_iterable():
     assert bench.median([4, 1, 3, 2]) == 2.5
     assert bench.percentile((x for x in range(101)), 90) == 90.0
     assert math.isnan(bench.median(x for x in [])) and math.isnan(bench.percentile(iter(()), 50))
+
+
+def test_a_baseline_virtualenv_is_reused_when_complete_and_remade_when_not(tmp_path):
+    """tools/venvs.py: a folder whose python has the modules and the pinned versions is used
+    as it is (no pip); a missing module or another pinned version makes it build again."""
+    import numpy as np
+
+    venvs = load_tool("venvs")
+    folder = tmp_path / "venv"
+    (folder / "bin").mkdir(parents=True)
+    python = folder / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')   # this interpreter, with its numpy
+    python.chmod(0o755)
+
+    class Rebuild(Exception):
+        pass
+
+    def log(message):
+        raise Rebuild(message)   # stops before pip: the test needs no network
+
+    complete = venvs.Venv("test-venv", "test", (f"numpy=={np.__version__}",), ("numpy", "json"))
+    assert complete.ensure(folder, log=log) == python
+    for incomplete in (venvs.Venv("test-venv", "test", ("numpy==0.0.1",), ("numpy",)),
+                       venvs.Venv("test-venv", "test", (), ("no_such_module_at_all",))):
+        with pytest.raises(Rebuild, match=f"creating the test virtualenv in {folder}"):
+            incomplete.ensure(folder, log=log)
+    # The tools' own folders are the ones .ci/run and existing machines have.
+    assert [v.folder.name for v in (venvs.SB3, venvs.RLLIB, venvs.ZOO)] == ["sb3-venv", "rllib-2.48-venv", "zoo-venv"]
+    assert all("torch==2.13.0" in v.packages for v in (venvs.SB3, venvs.RLLIB, venvs.ZOO))
 
 
 def check_common(r: dict, subcommand: str) -> None:
@@ -248,6 +274,28 @@ def test_solve_quick(tool):
     (run,) = r["runs"]
     assert run["seed"] == 0 and run["exit"] == 0 and run["solved"] is True and run["return_mean"] >= 100
     assert positive(run["env_steps"]) and positive(run["wall_s"]) and r["all_solved"] is True
+
+
+def test_a_run_gets_ctrl_c_even_when_the_tool_was_started_ignoring_sigint():
+    """A background job of a script (``nohup python tools/solve.py &``) starts with SIGINT
+    ignored, and so would every Python it starts: interrupt_group's Ctrl-C then did nothing,
+    and a run past its --timeout ended only by the SIGKILL 15 s later."""
+    processes = load_tool("processes")
+    child = ("import time\ntry:\n    print('ready', flush=True); time.sleep(120)\n"
+             "except KeyboardInterrupt:\n    raise SystemExit(130)\n")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = processes.popen_group([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert proc.stdout.readline() == "ready\n"            # in its try: Ctrl-C now raises there
+        assert processes.interrupt_group(proc, timeout=30) == 130   # not -9, the SIGKILL 30 s later
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
 
 
 def test_solve_stops_a_run_that_outlives_its_timeout(tool):

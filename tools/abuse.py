@@ -26,7 +26,7 @@ these windows, every round:
 
 On a machine of few cores, a line-rate loopback stream takes about a core at each end,
 so 'abused, line rate' measures the machine as much as the server; 'control' says how
-much. The gate is the 'abused' window. The server's VmRSS (/proc/PID/status) is sampled
+much. The gate is the 'abused' window. The server's RSS (VmRSS, read with psutil) is sampled
 every 50 ms; which abusers the server dropped, why and when, comes from its log. Figures
 are medians over the rounds of each window's median; the load average before and after
 is reported, as the machine may be shared.
@@ -38,7 +38,7 @@ stopped, on failure and Ctrl-C too; no /dev/shm/shmrl_* file is left.
 """
 from __future__ import annotations
 
-# Only the standard library and numpy at module level (like tools/bench.py).
+# Only the standard library, numpy and shmrl's codec (no torch) at module level, like tools/bench.py.
 import argparse
 import json
 import math
@@ -51,16 +51,15 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import (cpu_s, finished, group_alive, median, own_shm_files, percentile,  # noqa: E402
-                   started, status_kib)
+from bench import finished, median, percentile, print_method, started  # tools/bench.py: the report's frame
+from processes import cpu_s, group_alive, own_shm_files, rss_kib  # tools/processes.py
+from shmrl import rllink
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
@@ -75,12 +74,7 @@ WAIT_S = 60.0  # the longest any single wait may take before the tool gives up
 
 def frame(msg: dict) -> bytes:
     """A frame as RLlib 2.48's client writes one (json.dumps, 8-digit length header)."""
-    body = json.dumps(msg).encode()
-    return b"%08d" % len(body) + body
-
-
-def rss_kib(pid: int) -> int | None:
-    return status_kib(pid, "VmRSS")
+    return rllink.frame(rllink.encode_json(msg))
 
 
 # ---------------------------------------------------------------- the server
@@ -257,8 +251,7 @@ def exchange(sock: socket.socket, data: bytes, kind: str) -> float:
     """Send one request frame, read its reply frame; the round trip in seconds."""
     t0 = time.perf_counter()
     sock.sendall(data)
-    n = int(recv_exactly(sock, 8))
-    body = recv_exactly(sock, n)
+    body = recv_exactly(sock, rllink.parse_header(recv_exactly(sock, rllink.HEADER_LEN)))
     rtt = time.perf_counter() - t0
     if REPLY_OF[kind] not in body[:40]:
         raise ConnectionError(f"{kind}: unexpected reply {body[:60]!r}")
@@ -289,7 +282,7 @@ def good_client(args) -> int:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         exchange(sock, frame({"type": "PING"}), "PING")
         sock.sendall(frame({"type": "GET_CONFIG"}))
-        config = json.loads(recv_exactly(sock, int(recv_exactly(sock, 8))))
+        config = json.loads(recv_exactly(sock, rllink.parse_header(recv_exactly(sock, rllink.HEADER_LEN))))
         steps = int(config["env_steps_per_sample"])
         frames = {"PING": frame({"type": "PING"}), "GET_STATE": frame({"type": "GET_STATE"}),
                   "EPISODES_AND_GET_STATE": episode_frame(steps, np.random.default_rng(0))}
@@ -584,11 +577,11 @@ def window_plan(args) -> list[tuple[str, float]]:
     return plan
 
 
-def abuse(args) -> dict:
+def method_text(args) -> str:
+    """How abuse() measures, for the report: the same sentence whatever the outcome."""
     max_frame = args.max_frame_bytes
     rate = f"{args.endless_mib_s:g} MiB/s" if args.endless_mib_s else "line rate"
-    result = started(
-        "abuse",
+    return (
         f"`python -m shmrl.run --sims 0 --tcp-port 0 --max-frame-bytes {max_frame}` (its TCP defaults: "
         f"10 s frame timeout, no idle timeout, 64 MiB max_out_bytes, 1024 connections, no auth) in its "
         f"own process group. A good client (its own interpreter, one connection, raw sockets, RLlib "
@@ -606,7 +599,13 @@ def abuse(args) -> dict:
            if args.line_rate_seconds else "")
         + ". A last 'unloaded' window follows. Per window: median, p99, max RTT per request kind; "
         "figures: medians over rounds of window medians; ratio: window / unloaded. The gate is the "
-        "'abused' window. Server VmRSS every 50 ms; drops and reasons from its log.",
+        "'abused' window. Server VmRSS every 50 ms; drops and reasons from its log.")
+
+
+def abuse(args) -> dict:
+    max_frame = args.max_frame_bytes
+    result = started(
+        "abuse", method_text(args),
         rounds=args.rounds, abuse_seconds=args.abuse_seconds, unloaded_seconds=args.unloaded_seconds,
         line_rate_seconds=args.line_rate_seconds, idle=args.idle, endless_mib_s=args.endless_mib_s,
         nonreader_rps=args.nonreader_rps, gap_ms=args.gap_ms, train_every=args.train_every,
@@ -682,6 +681,12 @@ def abuse(args) -> dict:
                 for name in left:  # --sims 0 makes none; never leave one behind if it did
                     os.unlink(f"/dev/shm/{name}")
             tmp.cleanup()
+    return finished(summarize(args, result, rounds, drops, after, rss_before, rss_after))
+
+
+def summarize(args, result: dict, rounds: list[dict], drops: list[dict], after: dict, rss_before: float,
+              rss_after: float) -> dict:
+    """The figures over rounds, the memory, the drops by window and role, and the gates."""
     result["rounds"] = rounds
     result["after"] = window_stats(after)
     result["drops"] = drops
@@ -724,7 +729,7 @@ def abuse(args) -> dict:
         result["line_rate_within_max_ratio"] = all(s["abused, line rate"]["ratio"] <= args.max_ratio
                                                    for s in summary.values())
     result["ok"] = result["ok_rtt"] and result["memory"]["bounded"]
-    return finished(result)
+    return result
 
 
 def show(r: dict) -> None:
@@ -869,10 +874,7 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         show(result)
-        print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
-                            subsequent_indent="    ", break_on_hyphens=False))
-        print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
-              f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")
+        print_method(result)
     return 0 if result["ok"] else 1
 
 

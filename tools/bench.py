@@ -20,9 +20,9 @@ torch would only take memory here).
 """
 from __future__ import annotations
 
-# Only the standard library and numpy at module level: the fork server that starts the
-# simulators imports this file as __mp_main__, and its children should carry no more
-# than shmrl.run's simulators do.
+# Only the standard library and numpy at module level (psutil where it is used): the fork
+# server that starts the simulators imports this file as __mp_main__, and its children
+# should carry no more than shmrl.run's simulators do.
 import argparse
 import json
 import math
@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+# tools/processes.py: stopping what a tool starts, and what processes cost (psutil)
+from processes import cpu_s, interrupt_group, own_shm_files, popen_group, process_tree, read_logdir, stop_process
 
 ENV_ID = "CartPole-v1"         # the default --env of throughput and transport; the one of sync and memory
 WAIT_S = 60.0                 # the longest any single wait may take before the bench gives up
@@ -77,6 +80,14 @@ def finished(result: dict) -> dict:
     return result
 
 
+def print_method(result: dict) -> None:
+    """The foot of every table: how it was measured, when, and the machine's load."""
+    print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
+                        subsequent_indent="    ", break_on_hyphens=False))
+    print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
+          f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")
+
+
 def run_policy(env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: int = 256):
     """The env's spec, shmrl.run's configuration of it (its preset) and the policy network
     that shmrl.run publishes for it (numpy and the ONNX template only: no torch)."""
@@ -98,21 +109,6 @@ def policy_text(env: str = ENV_ID) -> str:
             (f" after a CNN (--cnn {config.cnn}) on {', '.join(images)}" if images else ""))
     return (f"shmrl.run's own {env} policy network ({body}, "
             f"{params:,} weights; PolicyNet.initial_weights, new seeds for new weights)")
-
-
-def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL: a subprocess of ours never outlives the bench."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-
-
-def own_shm_files(pid: int) -> list[str]:
-    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(f"shmrl_{pid}_"))
 
 
 def run_worker(args: list[str]) -> subprocess.Popen:
@@ -274,7 +270,7 @@ def throughput(args) -> dict:
         f"into --repeat {args.repeat} consecutive windows; the figure is the median window. "
         f"In-process limit: the same env + OnnxPolicy + shmrl.sim's sampler in a plain loop "
         f"(no episode recording, no transport), one process per core, windows on a common "
-        f"clock, rates summed per window, median window. CPU use (/proc/PID/stat, process_time) "
+        f"clock, rates summed per window, median window. CPU use (psutil's cpu_times, process_time) "
         f"is measured in the same windows: steps per cpu-second discounts the time the bench's "
         f"processes lost to other processes (not contention on the host or in caches).",
         sims=args.sims, seconds=args.seconds, warmup=args.warmup, repeat=args.repeat,
@@ -325,19 +321,6 @@ def pipeline_throughput(n: int, weights, args, transport: str = "shm") -> dict:
             "learner_cpu_cores": median(learner_cpu), "sims_cpu_cores": median(sims_cpu),
             "steps_per_sim_cpu_s": median(r / c for r, c in zip(rates, sims_cpu) if c > 0),
             "steps_per_cpu_s": median(r / (c + l) for r, c, l in zip(rates, sims_cpu, learner_cpu))}
-
-
-def cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system) used so far by ``pids`` (/proc/PID/stat)."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
-        except (OSError, ValueError, IndexError):
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def in_process_limit(weights, args) -> dict:
@@ -643,7 +626,6 @@ def print_transport(r: dict) -> None:
 # ---------------------------------------------------------------- solve
 
 def solve_bench(args) -> dict:
-    sys.path.insert(0, str(HERE.parent))
     from solve import solve  # tools/solve.py: one timed `python -m shmrl.run` per seed
 
     command = " ".join(["python -m shmrl.run", "--sims", str(args.sims), "--seed S --logdir TMP", *args.extra])
@@ -654,11 +636,7 @@ def solve_bench(args) -> dict:
         seeds=args.seeds, sims=args.sims, extra=args.extra, timeout=args.timeout)
     runs = []
     for seed in args.seeds:
-        try:
-            r = solve(seed, args.sims, args.extra, args.timeout)
-        except subprocess.TimeoutExpired:
-            r = {"seed": seed, "exit": None, "wall_s": args.timeout, "solved": False,
-                 "env_steps": None, "return_mean": None}
+        r = solve(seed, args.sims, args.extra, args.timeout)  # past the timeout: stopped, not solved
         runs.append(r)
         if not args.json:
             print(f"  seed {seed}: {'solved' if r['solved'] else 'NOT solved'} in {r['wall_s']:.2f} s",
@@ -776,13 +754,13 @@ def memory(args) -> dict:
         "memory",
         f"`python -m shmrl.run --sims {args.sims} --max-env-steps 10000000 --stop-return 1e9 --logdir TMP` "
         f"in its own process group; when it prints 'update    3 |', the memory of the learner and "
-        f"every descendant (ppid chains in /proc/*/stat), from /proc/PID/smaps_rollup; then SIGINT to "
+        f"every descendant (psutil: children, memory_full_info from /proc/PID/smaps_rollup); then SIGINT to "
         f"the group. PSS (proportional set size, the headline): each resident page divided by the "
         f"number of processes that map it (shared libraries, the pages the forked simulators share "
         f"with their fork server, the shared-memory rings), so the PSS of all processes adds up to "
         f"the memory the run really occupies. USS (unique set size, Private_Clean + Private_Dirty): "
         f"pages mapped by that process alone, about what its exit would give back; what one more "
-        f"simulator costs is near its USS. RSS (VmRSS, /proc/PID/status): every resident page the "
+        f"simulator costs is near its USS. RSS (/proc/PID/statm, as VmRSS): every resident page the "
         f"process maps, shared ones whole, so summed over processes it counts each shared library "
         f"once per process: kept beside for comparison only. Per role (learner, simulators, fork "
         f"server, resource tracker): the sum over its processes and, per process, the median. "
@@ -816,8 +794,7 @@ def memory_run(sims: int) -> dict:
         cmd = [sys.executable, "-m", "shmrl.run", "--sims", str(sims), "--max-env-steps", "10000000",
                "--stop-return", "1e9", "--logdir", logdir, "--log-every", "0"]
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)  # its own group: SIGINT it like Ctrl-C
+        proc = popen_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # SIGINT it like Ctrl-C
         left = []
         try:
             lines = line_reader(proc)
@@ -832,9 +809,7 @@ def memory_run(sims: int) -> dict:
                 print(f"warning: shmrl.run left {left} in /dev/shm; removing them", file=sys.stderr)
                 for name in left:
                     os.unlink(f"/dev/shm/{name}")
-        rows = [json.loads(x) for x in (Path(logdir) / "metrics.jsonl").read_text().splitlines() if x]
-        summary_path = Path(logdir) / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary, rows = read_logdir(logdir)
     return {"processes": processes, "exit_code": exit_code, "shm_files_left": left,
             "first_sample_s": summary.get("first_sample_s"),
             "pss_total_mib": sum(p["pss_mib"] for p in processes),
@@ -889,106 +864,6 @@ def by_role(processes: list[dict]) -> dict[str, dict]:
             out[role][f"{m}_mib"] = sum(x[f"{m}_mib"] for x in xs)
             out[role][f"{m}_per_process_mib"] = median(x[f"{m}_mib"] for x in xs)
     return out
-
-
-def process_tree(root: int) -> list[dict]:
-    """The root and every descendant, with a role, and its PSS, USS and RSS in MiB."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # comm may hold ") "
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop(0)
-        todo.extend(sorted(children.get(pid, [])))
-        rss, smaps = status_kib(pid, "VmRSS"), smaps_rollup_kib(pid)
-        if rss is None or smaps is None:
-            continue  # gone meanwhile
-        out.append({"pid": pid, "role": role_of(pid, root), "pss_mib": smaps["Pss"] / 1024,
-                    "uss_mib": (smaps["Private_Clean"] + smaps["Private_Dirty"]) / 1024,
-                    "rss_mib": rss / 1024})
-    return out
-
-
-def role_of(pid: int, root: int) -> str:
-    if pid == root:
-        return "learner"
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "?"
-    if comm.startswith("shmrl-sim"):
-        return f"simulator {comm[len('shmrl-sim'):]}"
-    if "forkserver" in cmdline:
-        return "fork server"
-    if "resource_tracker" in cmdline:
-        return "resource tracker"
-    return comm
-
-
-def status_kib(pid: int, field: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def smaps_rollup_kib(pid: int) -> dict[str, int] | None:
-    """The kB fields of /proc/PID/smaps_rollup (Rss, Pss, Private_Clean, Private_Dirty, ...),
-    None if the process is gone or the kernel has no smaps_rollup."""
-    out = {}
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            parts = line.split()
-            if len(parts) == 3 and parts[0].endswith(":") and parts[2] == "kB":
-                out[parts[0][:-1]] = int(parts[1])
-    except (OSError, ValueError):
-        return None
-    return out if {"Pss", "Private_Clean", "Private_Dirty"} <= out.keys() else None
-
-
-def interrupt_group(proc: subprocess.Popen, timeout: float = 15.0) -> int | None:
-    """Ctrl-C to the run's process group, SIGKILL if it is not gone within ``timeout``;
-    the run's exit status (130 expected after SIGINT)."""
-    for sig in (signal.SIGINT, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)  # the group outlives its leader while members remain
-        except ProcessLookupError:
-            pass
-        try:
-            code = proc.wait(timeout)
-            break
-        except subprocess.TimeoutExpired:
-            print(f"warning: shmrl.run still running {timeout:g} s after {sig.name}", file=sys.stderr)
-    else:
-        return None
-    if sig is signal.SIGKILL:
-        return code
-    deadline = time.monotonic() + timeout  # the simulators and the fork server end after it
-    while group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if group_alive(proc.pid):
-        os.killpg(proc.pid, signal.SIGKILL)
-    return code
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, belongs to someone else
-        return True
 
 
 def print_memory(r: dict) -> None:
@@ -1154,10 +1029,7 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     else:
         show(result)
-        print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
-                            subsequent_indent="    ", break_on_hyphens=False))
-        print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
-              f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")
+        print_method(result)
     return 0
 
 

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from processes import read_logdir, run_shmrl  # tools/processes.py
+
 HERE = Path(__file__).resolve().parent
 # The runs import the shmrl of this checkout, whatever the current directory.
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
@@ -46,32 +48,11 @@ QUICK = {"c4_steps": 4096, "spread_steps": 13000, "games": 50, "timeout": 120.0,
 def run(args: list[str], timeout: float) -> tuple[int | None, float, dict, list[dict], str]:
     """``python -m shmrl.run ARGS --logdir TMP``: (exit status, wall s, summary, metrics
     rows, log folder); the folder is the caller's to remove."""
-    sys.path.insert(0, str(HERE))
-    from bench import group_alive, interrupt_group, own_shm_files  # tools/bench.py
-
     logdir = tempfile.mkdtemp(prefix="shmrl-ma-")
-    cmd = [sys.executable, "-m", "shmrl.run", *args, "--logdir", logdir, "--no-tensorboard"]
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=ENV)
-    code = None
-    try:
-        _, err = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        err = ""
-    finally:
-        if proc.poll() is None or group_alive(proc.pid):
-            interrupt_group(proc)
-        for name in own_shm_files(proc.pid):
-            os.unlink(f"/dev/shm/{name}")
-    wall = time.time() - t0
+    code, wall, err = run_shmrl([*args, "--logdir", logdir, "--no-tensorboard"], timeout, env=ENV)
     if code not in (0, 1):
         sys.stderr.write(err[-3000:])
-    summary_path, metrics_path = Path(logdir) / "summary.json", Path(logdir) / "metrics.jsonl"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    return code, wall, summary, rows, logdir
+    return (code, wall, *read_logdir(logdir), logdir)
 
 
 def evaluate(policy: Path, games: int, seed: int, stochastic: bool) -> dict:

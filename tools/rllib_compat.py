@@ -54,10 +54,11 @@ import threading
 import time
 from pathlib import Path
 
+import venvs  # tools/venvs.py: the baselines' virtualenvs
+from processes import read_logdir  # tools/processes.py
+from venvs import SetupError
+
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_VENV = Path("~/.cache/shmrl/rllib-2.48-venv").expanduser()
-# onnx: torch's legacy ONNX exporter (see _legacy_onnx_export) needs the onnx package.
-VENV_PACKAGES = ["ray[rllib]==2.48.0", "torch==2.13.0", "gymnasium", "onnxruntime", "onnx"]
 MARK = "RLLIB_COMPAT "          # prefix of the machine-readable lines of the ray-side driver
 CAPTURE_PORT_OFFSET = 100       # with --capture, the server listens on P + 100 behind a proxy on P
 QUICK = {"client": {"stop_return": 100.0, "timeout": 180.0},
@@ -66,47 +67,38 @@ QUICK = {"client": {"stop_return": 100.0, "timeout": 180.0},
 QUICK_CLIENT_EXTRA = ["--max-env-steps", "100000"]   # for shmrl.run: a quick client run always ends
 
 
-class SetupError(RuntimeError):
-    pass
-
-
 # --------------------------------------------------------------------------- processes
+# psutil is imported where it is used: this file also runs in the RLlib virtualenv, which lacks it.
 
-def _proc_stat(pid: int) -> tuple[int, int, int, int, int] | None:
-    """(ppid, pgrp, session, rss pages, cpu ticks) of a live process, None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[1]), int(fields[2]), int(fields[3]), int(fields[21]), int(fields[11]) + int(fields[12])
-    except (OSError, IndexError, ValueError):
-        return None
+def _family(leaders: list[int]) -> list:
+    """Every live process (psutil.Process) in the sessions of ``leaders`` or descended from
+    them: Ray's raylet, GCS and workers move to sessions of their own."""
+    import psutil
+
+    roots = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid in leaders or os.getsid(proc.pid) in leaders:
+                roots.append(proc)
+        except (ProcessLookupError, PermissionError):
+            continue
+    family = {}
+    for proc in roots:
+        family[proc.pid] = proc
+        try:
+            family.update((child.pid, child) for child in proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            continue
+    family.pop(os.getpid(), None)
+    return list(family.values())
 
 
-def _busy_ticks() -> int:
-    """CPU ticks spent busy on the whole machine (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    return user + nice + system + irq + softirq + steal
+def _busy_cpu_s() -> float:
+    """CPU seconds spent busy on the whole machine (all cores) since boot."""
+    import psutil
 
-
-def _all_pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _family(leaders: list[int]) -> set[int]:
-    """Every live process in the sessions of ``leaders`` or descended from them."""
-    stats = {pid: s for pid in _all_pids() if (s := _proc_stat(pid))}
-    family = {pid for pid, (_, _, sid, _, _) in stats.items() if sid in leaders}
-    family |= {pid for pid in leaders if pid in stats}
-    grew = True
-    while grew:
-        grew = False
-        for pid, (ppid, *_) in stats.items():
-            if ppid in family and pid not in family:
-                family.add(pid)
-                grew = True
-    family.discard(os.getpid())
-    return family
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
 
 
 class Children:
@@ -117,8 +109,8 @@ class Children:
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
         self.peak_rss_mb = 0.0
-        self._cpu_ticks: dict[int, int] = {}  # pid -> CPU ticks last seen (approximate: sampled each second)
-        self._busy0, self._t0 = _busy_ticks(), time.monotonic()
+        self._cpu_s: dict[int, float] = {}  # pid -> CPU seconds last seen (approximate: sampled each second)
+        self._busy0, self._t0 = _busy_cpu_s(), time.monotonic()
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
         self._sampler.start()
@@ -140,27 +132,32 @@ class Children:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def _sample_rss(self):
-        page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
+        import psutil
+
         while not self._stop.wait(1.0):
-            leaders = [p.pid for p in self.procs.values()]
             total = 0
-            for pid in _family(leaders):
-                if s := _proc_stat(pid):
-                    total += s[3]
-                    self._cpu_ticks[pid] = s[4]
-            self.peak_rss_mb = max(self.peak_rss_mb, total * page_mb)
+            for proc in _family([p.pid for p in self.procs.values()]):
+                try:
+                    with proc.oneshot():
+                        total += proc.memory_info().rss
+                        cpu = proc.cpu_times()
+                    self._cpu_s[proc.pid] = cpu.user + cpu.system
+                except psutil.Error:
+                    continue
+            self.peak_rss_mb = max(self.peak_rss_mb, total / 2**20)
 
     def cpu_report(self) -> dict:
         """CPU seconds used by our processes and by everything else since the start."""
-        hz = os.sysconf("SC_CLK_TCK")
-        ours = sum(self._cpu_ticks.values()) / hz
-        busy = (_busy_ticks() - self._busy0) / hz
+        ours = sum(self._cpu_s.values())
+        busy = _busy_cpu_s() - self._busy0
         span = time.monotonic() - self._t0
         return {"own_cpu_s": round(ours, 1), "other_cpu_s": round(max(0.0, busy - ours), 1),
                 "span_s": round(span, 1), "cores": os.cpu_count(), "loadavg_end": os.getloadavg()[0]}
 
     def stop_all(self, grace: float = 5.0) -> list[int]:
         """SIGTERM every session, then SIGKILL whatever is left; returns pids that survived."""
+        import psutil
+
         self._stop.set()
         leaders = [p.pid for p in self.procs.values()]
         family = _family(leaders)
@@ -169,43 +166,51 @@ class Children:
                 os.killpg(p.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
                 pass
-        for pid in family:  # descendants that moved to a session of their own
+        for proc in family:  # descendants that moved to a session of their own
             try:
-                os.kill(pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
+                proc.terminate()
+            except psutil.Error:
                 pass
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_proc_stat(pid) for pid in family | set(leaders)):
-            for p in self.procs.values():
-                p.poll()
-            time.sleep(0.1)
-        family |= _family(leaders)
-        for pid in family | set(leaders):
+        self._reap(grace, family)
+        family = {proc.pid: proc for proc in [*family, *_family(leaders)]}
+        for proc in family.values():
             try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                proc.kill()
+            except psutil.Error:
                 pass
+        self._reap(2.0, family.values())
+        return sorted(pid for pid, proc in family.items() if _running(proc))
+
+    def _reap(self, timeout: float, family) -> None:
+        """Wait up to ``timeout`` s for our children (through Popen, which keeps their exit
+        codes) and for the rest of ``family`` to end."""
+        import psutil
+
+        deadline = time.monotonic() + timeout
         for p in self.procs.values():
             try:
-                p.wait(2.0)
+                p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        time.sleep(0.2)
-        # Zombies (state Z) are gone for our purpose; report only real survivors.
-        return sorted(pid for pid in family if _proc_stat(pid) and _state(pid) != "Z")
+        ours = {p.pid for p in self.procs.values()}
+        psutil.wait_procs([proc for proc in family if proc.pid not in ours],
+                          timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _state(pid: int) -> str:
+def _running(proc) -> bool:
+    """Alive and not a zombie (a zombie is gone for our purpose)."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def is_listening(port: int) -> bool:
     """Whether anything listens on TCP ``port``, read from /proc/net (never connects: RLlib's
-    server accepts exactly one client, and a probe would use it up)."""
+    server accepts exactly one client, and a probe would use it up). Not psutil: RLlib's
+    client, in its own virtualenv, waits with this too."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -214,7 +219,7 @@ def is_listening(port: int) -> bool:
             continue
         for row in rows:
             cols = row.split()
-            if len(cols) > 3 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+            if len(cols) > 3 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                 return True
     return False
 
@@ -228,36 +233,6 @@ def wait_listening(port: int, timeout: float, alive=lambda: True) -> bool:
             return False
         time.sleep(0.05)
     return False
-
-
-# --------------------------------------------------------------------------- the venv
-
-def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def ensure_venv(venv: Path, log=print) -> Path:
-    """The venv's python, with ray[rllib] 2.48.0 and torch 2.13.0 installed (created if missing)."""
-    py = venv_python(venv)
-    check = ("import ray, torch, onnxruntime, onnx, gymnasium; "
-             "assert ray.__version__ == '2.48.0', ray.__version__; "
-             "assert torch.__version__.startswith('2.13.0'), torch.__version__")
-    # Once made, only the installed versions are looked at (importing ray and torch takes seconds).
-    installed = ("from importlib.metadata import version as v; import onnxruntime, onnx, gymnasium; "
-                 "assert v('ray') == '2.48.0' and v('torch').startswith('2.13.0')")
-    if py.exists() and subprocess.run([str(py), "-c", installed], capture_output=True).returncode == 0:
-        return py
-    log(f"creating the RLlib 2.48 virtualenv in {venv} (takes minutes) ...")
-    python3 = shutil.which("python3") or sys.executable
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    if not py.exists():
-        subprocess.run([python3, "-m", "venv", str(venv)], check=True)
-    # torch pinned: an unpinned torch pulls a CUDA build of several GB.
-    subprocess.run([str(py), "-m", "pip", "install", "-q", *VENV_PACKAGES], check=True)
-    r = subprocess.run([str(py), "-c", check], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SetupError(f"the virtualenv {venv} does not work:\n{r.stderr}")
-    return py
 
 
 # --------------------------------------------------------------------------- byte capture
@@ -500,7 +475,7 @@ def rllib_client_main(a) -> int:
 
 def run_client(a, kids: Children, work: Path) -> dict:
     """shmrl's learner (TCP, no local simulators) <- RLlib's own _dummy_client."""
-    py = ensure_venv(a.venv)
+    py = venvs.RLLIB.ensure(a.venv)
     port = a.port
     server_port = port + CAPTURE_PORT_OFFSET if a.capture else port
     for p in {port, server_port}:
@@ -535,8 +510,7 @@ def run_client(a, kids: Children, work: Path) -> dict:
     rc = learner.poll()
     if proxy:
         proxy.close()
-    summary_path = logdir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary, _ = read_logdir(logdir)
     if failure is None and rc != 0:
         failure = f"shmrl.run exited with code {rc}"
     out = {"mode": "client", "server": "shmrl.run --sims 0 --tcp-port", "client": "RLlib 2.48 _dummy_client",
@@ -553,9 +527,64 @@ def run_client(a, kids: Children, work: Path) -> dict:
     return out
 
 
+class DriverLog:
+    """What RLlib's driver prints, read by a thread: its machine-readable events (MARK lines:
+    ready, config, iter, stalled, result), RLlib's first traceback and its connection errors."""
+
+    def __init__(self):
+        self.events: dict[str, dict] = {}
+        self.iters: list[dict] = []
+        self.errors: dict[str, list[str]] = {"traceback": [], "connection_errors": []}
+        self.listener_died = threading.Event()
+
+    def read(self, driver: subprocess.Popen, path: Path, t0: float, show_iters: bool) -> None:
+        """Copy the driver's output to ``path`` and note what it says (the thread's target)."""
+        with open(path, "wb") as log:
+            for line in driver.stdout:
+                log.write(line)
+                log.flush()
+                text = line.decode("utf-8", "replace")
+                self.note_error(text)
+                if not text.startswith(MARK):
+                    continue
+                ev = json.loads(text[len(MARK):])
+                self.events[ev["kind"]] = ev
+                if ev["kind"] == "iter":
+                    self.iters.append(ev)
+                    if show_iters:
+                        print(f"  iter {ev['iter']:3d} | steps {ev['env_steps']:8d} | return "
+                              f"{ev['return_mean']:7.1f} | train {ev['time_total_s']:7.1f} s | "
+                              f"wall {time.time() - t0:7.1f} s", flush=True)
+
+    def note_error(self, text: str) -> None:
+        """Keep RLlib's first traceback and its 'Messaging/connection error' lines (what
+        RLlib said when it rejected a client's bytes), without Ray's colour codes."""
+        clean = re.sub(r"\x1b\[[0-9;]*m", "", text).rstrip()
+        if "Messaging/connection error" in clean and len(self.errors["connection_errors"]) < 10:
+            self.errors["connection_errors"].append(clean)
+        tb = self.errors["traceback"]
+        bare = re.sub(r"^\(\S+ pid=\d+\) ", "", clean)  # without Ray's "(Actor pid=N) " prefix
+        if "Exception in thread" in bare and "_client_message_listener" in bare and not self.listener_died.is_set():
+            tb.clear()  # the traceback that follows is the one that matters
+            self.listener_died.set()
+        if not tb:
+            if bare.startswith("Traceback (most recent call last)"):
+                tb.append(clean)
+        elif len(tb) < 80 and tb[-1] != "":
+            tb.append(clean)
+            if bare and not bare[0].isspace() and not bare.startswith(("Traceback", "During handling",
+                                                                       "The above exception")):
+                tb.append("")  # the exception line ends the traceback
+
+    def listener_dead(self) -> bool:
+        """RLlib's TCP listener thread died, and its whole traceback has been read."""
+        tb = self.errors["traceback"]
+        return self.listener_died.is_set() and bool(tb) and tb[-1] == ""
+
+
 def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
     """RLlib 2.48's PPO TCP server <- shmrl.sim (``server``) or RLlib's _dummy_client (``baseline``)."""
-    py = ensure_venv(a.venv)
+    py = venvs.RLLIB.ensure(a.venv)
     port = a.port
     server_port = port + CAPTURE_PORT_OFFSET if a.capture else port
     for p in {port, server_port, server_port - 1}:
@@ -570,52 +599,9 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
     driver_dir.mkdir()
     t0 = time.time()
     driver = kids.start("rllib-server", driver_cmd, driver_dir, pipe=True)
-    events: dict[str, dict] = {}
-    iters: list[dict] = []
-    ready = threading.Event()
-    errors: dict[str, list[str]] = {"traceback": [], "connection_errors": []}
-    listener_died = threading.Event()
-
-    def note_error(text: str):
-        """Keep RLlib's first traceback and its 'Messaging/connection error' lines (what
-        RLlib said when it rejected a client's bytes), without Ray's colour codes."""
-        clean = re.sub(r"\x1b\[[0-9;]*m", "", text).rstrip()
-        if "Messaging/connection error" in clean and len(errors["connection_errors"]) < 10:
-            errors["connection_errors"].append(clean)
-        tb = errors["traceback"]
-        bare = re.sub(r"^\(\S+ pid=\d+\) ", "", clean)  # without Ray's "(Actor pid=N) " prefix
-        if "Exception in thread" in bare and "_client_message_listener" in bare and not listener_died.is_set():
-            tb.clear()  # the traceback that follows is the one that matters
-            listener_died.set()
-        if not tb:
-            if bare.startswith("Traceback (most recent call last)"):
-                tb.append(clean)
-        elif len(tb) < 80 and tb[-1] != "":
-            tb.append(clean)
-            if bare and not bare[0].isspace() and not bare.startswith(("Traceback", "During handling",
-                                                                       "The above exception")):
-                tb.append("")  # the exception line ends the traceback
-
-    def read_driver():
-        with open(kids.logdir / "rllib-server.log", "wb") as log:
-            for line in driver.stdout:
-                log.write(line)
-                log.flush()
-                text = line.decode("utf-8", "replace")
-                note_error(text)
-                if text.startswith(MARK):
-                    ev = json.loads(text[len(MARK):])
-                    events[ev["kind"]] = ev
-                    if ev["kind"] == "iter":
-                        iters.append(ev)
-                        if not a.json:
-                            print(f"  iter {ev['iter']:3d} | steps {ev['env_steps']:8d} | return "
-                                  f"{ev['return_mean']:7.1f} | train {ev['time_total_s']:7.1f} s | "
-                                  f"wall {time.time() - t0:7.1f} s", flush=True)
-                    if ev["kind"] == "ready":
-                        ready.set()
-
-    reader = threading.Thread(target=read_driver, daemon=True)
+    log = DriverLog()
+    reader = threading.Thread(target=log.read, args=(driver, kids.logdir / "rllib-server.log", t0, not a.json),
+                              daemon=True)
     reader.start()
     deadline = t0 + a.timeout
     if client_kind == "shmrl":
@@ -638,10 +624,10 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
     t_client = time.time()
     client = kids.start("client", client_cmd, client_cwd)
     failure = None
-    while "result" not in events:
+    while "result" not in log.events:
         if driver.poll() is not None:
             reader.join(5.0)
-            if "result" not in events:
+            if "result" not in log.events:
                 failure = f"RLlib's driver exited with code {driver.returncode}"
             break
         if time.time() > deadline:
@@ -650,21 +636,21 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
         if client.poll() is not None:
             failure = f"the client ({client_kind}) exited with code {client.returncode} while RLlib was training"
             break
-        if listener_died.is_set() and errors["traceback"] and errors["traceback"][-1] == "":
+        if log.listener_dead():
             # RLlib's listener thread is dead for good: that port never answers again.
-            failure = f"RLlib's TCP listener thread died: {errors['traceback'][-2]}"
+            failure = f"RLlib's TCP listener thread died: {log.errors['traceback'][-2]}"
             break
         time.sleep(0.2)
     wall = time.time() - t0
-    if "result" in events:
+    if "result" in log.events:
         try:
             driver.wait(max(1.0, min(30.0, deadline - time.time())))  # let it shut Ray down
         except subprocess.TimeoutExpired:
             pass  # stop_all() ends it
     if proxy:
         proxy.close()
-    res = events.get("result", {})
-    last = iters[-1] if iters else {}
+    res = log.events.get("result", {})
+    last = log.iters[-1] if log.iters else {}
     out = {"mode": "server" if client_kind == "shmrl" else "baseline",
            "server": "RLlib 2.48 PPO + TcpClientInferenceEnvRunner",
            "client": "shmrl.sim --connect" if client_kind == "shmrl" else "RLlib 2.48 _dummy_client",
@@ -673,18 +659,18 @@ def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
            "wall_s": wall, "client_started_after_s": t_client - t0,
            "train_s": res.get("train_s", last.get("time_total_s")),
            "driver_wall_s": res.get("wall_s", last.get("wall_s")),
-           "startup_s": events.get("ready", {}).get("startup_s"),
+           "startup_s": log.events.get("ready", {}).get("startup_s"),
            "env_steps": res.get("env_steps", last.get("env_steps")),
            "return_mean": res.get("return_mean", last.get("return_mean")),
            "iterations": res.get("iterations", last.get("iter")),
-           "rllib_config": events.get("config", {}).get("config")}
+           "rllib_config": log.events.get("config", {}).get("config")}
     if not res.get("solved") and failure is None:
         failure = ("RLlib received no env steps for several iterations (its listener thread died?)"
-                   if "stalled" in events else "RLlib stopped before the stop return (iteration or env-step budget)")
-    if errors["connection_errors"]:
-        out["rllib_connection_errors"] = errors["connection_errors"]
-    if errors["traceback"]:
-        out["rllib_first_traceback"] = "\n".join(errors["traceback"]).rstrip()
+                   if "stalled" in log.events else "RLlib stopped before the stop return (iteration or env-step budget)")
+    if log.errors["connection_errors"]:
+        out["rllib_connection_errors"] = log.errors["connection_errors"]
+    if log.errors["traceback"]:
+        out["rllib_first_traceback"] = "\n".join(log.errors["traceback"]).rstrip()
     if failure:
         out["failure"] = failure
         out["driver_log_tail"] = kids.log_tail("rllib-server", 40)
@@ -713,7 +699,9 @@ def _fmt_main(r: dict, f) -> str:
             f"peak RSS {f(r.get('peak_rss_mb'), '.0f')} MB")
 
 
-def main(argv=None) -> int:
+def build_parser():
+    """The command line (client, server and baseline, and the hidden subcommands that run
+    in the RLlib virtualenv) and its subcommands' parsers (--quick sets their defaults)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", action="store_true",
                    help="only create the RLlib 2.48 virtualenv (--venv after it, or the default), then exit")
@@ -726,7 +714,7 @@ def main(argv=None) -> int:
         s.add_argument("--quick", action="store_true",
                        help="seconds, not minutes: low targets and budgets (see above); flags given still win")
         s.add_argument("--port", type=int, default=5600, help="TCP port the client connects to (default: %(default)s)")
-        s.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="RLlib 2.48 virtualenv (default: %(default)s)")
+        s.add_argument("--venv", type=Path, default=venvs.RLLIB.folder, help="RLlib 2.48 virtualenv (default: %(default)s)")
         s.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default: %(default)s)")
         s.add_argument("--stop-return", type=float, default=450.0, help="target mean return (default: %(default)s)")
         s.add_argument("--json", action="store_true", help="print one JSON object instead of a table line")
@@ -750,15 +738,20 @@ def main(argv=None) -> int:
     h = sub.add_parser("_rllib-client")  # hidden: runs inside the venv
     h.add_argument("--port", type=int, required=True)
     h.add_argument("--wait", type=float, default=600.0)
+    return p, sub
+
+
+def main(argv=None) -> int:
+    p, sub = build_parser()
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["--setup"]:  # python tools/rllib_compat.py --setup [--venv DIR]
         s = argparse.ArgumentParser(prog="python tools/rllib_compat.py --setup")
         s.add_argument("--setup", action="store_true")
-        s.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="RLlib 2.48 virtualenv (default: %(default)s)")
+        s.add_argument("--venv", type=Path, default=venvs.RLLIB.folder, help="RLlib 2.48 virtualenv (default: %(default)s)")
         v = s.parse_args(argv).venv
         try:
-            print(f"RLlib 2.48 virtualenv ready: {ensure_venv(v, log=lambda m: print(m, file=sys.stderr, flush=True))}")
+            print(f"RLlib 2.48 virtualenv ready: {venvs.RLLIB.ensure(v)}")
         except (SetupError, subprocess.CalledProcessError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -37,33 +36,11 @@ import sys
 import time
 from pathlib import Path
 
+import venvs  # tools/venvs.py: the baselines' virtualenvs
+
 HERE = Path(__file__).resolve()
-DEFAULT_VENV = Path("~/.cache/shmrl/sb3-venv").expanduser()
-# torch pinned: an unpinned torch pulls a CUDA build of several GB.
-VENV_PACKAGES = ["torch==2.13.0", "stable-baselines3>=2.3", "gymnasium"]
 ZOO_STEPS = 100_000
 QUICK = {"seeds": [0], "stop_return": 100.0, "sims": 2, "max_env_steps": 50_000, "timeout": 180.0}
-
-
-def ensure_venv(venv: Path) -> Path:
-    """The venv's python with stable-baselines3 and torch 2.13.0 (created if missing)."""
-    py = venv / "bin" / "python"
-    check = ("import stable_baselines3, torch, gymnasium; "
-             "assert torch.__version__.startswith('2.13.0'), torch.__version__")
-    # Once made, only the installed versions are looked at (importing torch takes seconds).
-    installed = ("from importlib.metadata import version as v; v('stable-baselines3'), v('gymnasium'); "
-                 "assert v('torch').startswith('2.13.0')")
-    if py.exists() and subprocess.run([str(py), "-c", installed], capture_output=True).returncode == 0:
-        return py
-    print(f"creating the stable-baselines3 virtualenv in {venv} (takes minutes) ...", file=sys.stderr)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    if not py.exists():
-        subprocess.run([shutil.which("python3") or sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", *VENV_PACKAGES], check=True)
-    r = subprocess.run([str(py), "-c", check], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"the virtualenv {venv} does not work:\n{r.stderr}")
-    return py
 
 
 def sb3_main(a) -> int:
@@ -115,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--sims", type=int, default=8, help="shmrl.run --sims (default: %(default)s)")
     p.add_argument("--stop-return", type=float, default=475.0)
-    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="SB3 virtualenv (default: %(default)s)")
+    p.add_argument("--venv", type=Path, default=venvs.SB3.folder, help="SB3 virtualenv (default: %(default)s)")
     p.add_argument("--max-env-steps", type=int, default=ZOO_STEPS,
                    help="env steps after which a run counts as not solved, for each (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
@@ -136,13 +113,12 @@ def main(argv=None) -> int:
         p.set_defaults(**QUICK)
     a = p.parse_args(argv)
     if a.setup:
-        print(f"stable-baselines3 virtualenv ready: {ensure_venv(a.venv)}")
+        print(f"stable-baselines3 virtualenv ready: {venvs.SB3.ensure(a.venv)}")
         return 0
-    sys.path.insert(0, str(HERE.parent))
     from solve import solve  # tools/solve.py: one timed `python -m shmrl.run` per seed
 
     signal.signal(signal.SIGTERM, _terminate)
-    py = ensure_venv(a.venv)
+    py = venvs.SB3.ensure(a.venv)
     extra = ["--stop-return", str(a.stop_return), "--max-env-steps", str(a.max_env_steps), *a.extra]
     runs = {"sb3": [], "shmrl": []}
     for seed in a.seeds:  # in turns, so that both see the machine in the same state

@@ -14,52 +14,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
+
+from processes import read_logdir, run_shmrl  # tools/processes.py
 
 QUICK = {"seeds": [0], "sims": 2, "timeout": 120.0}   # --quick; and --stop-return 100 for shmrl.run
 QUICK_EXTRA = ["--stop-return", "100"]
 
 
 def solve(seed: int, sims: int, extra: list[str], timeout: float) -> dict:
-    """One timed ``python -m shmrl.run``; raises subprocess.TimeoutExpired after ``timeout``
-    s, with the run stopped and its shared memory gone."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench import group_alive, interrupt_group, own_shm_files  # tools/bench.py: stops a run's whole group
-
+    """One timed ``python -m shmrl.run``; a run past ``timeout`` s is stopped, with its
+    simulators and shared memory, and counts as not solved."""
     with tempfile.TemporaryDirectory() as logdir:
-        cmd = [sys.executable, "-m", "shmrl.run", "--sims", str(sims), "--seed", str(seed),
-               "--logdir", logdir, *extra]
-        t0 = time.time()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # its own group: stopped whole if need be
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        finally:
-            # Also on a timeout, an error or Ctrl-C here: the run stops as after Ctrl-C (its
-            # simulators with it), or is killed, and leaves no segment behind.
-            if proc.poll() is None or group_alive(proc.pid):
-                interrupt_group(proc)
-            for name in own_shm_files(proc.pid):
-                os.unlink(f"/dev/shm/{name}")
-        wall = time.time() - t0
-        summary_path = Path(logdir) / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    if proc.returncode not in (0, 1):
+        code, wall, err = run_shmrl(["--sims", str(sims), "--seed", str(seed), "--logdir", logdir, *extra], timeout)
+        summary, _ = read_logdir(logdir)
+    if code is None:
+        return {"seed": seed, "exit": None, "wall_s": timeout, "solved": False, "env_steps": None,
+                "return_mean": None}
+    if code not in (0, 1):
         sys.stderr.write(err)
-    return {"seed": seed, "exit": proc.returncode, "wall_s": wall,
+    return {"seed": seed, "exit": code, "wall_s": wall,
             "solved": summary.get("solved", False), "env_steps": summary.get("env_steps"),
             "return_mean": summary.get("return_mean")}
 
 
 def _terminate(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through solve()'s finally: the run is stopped
+    raise SystemExit(128 + signum)  # unwinds through run_shmrl()'s finally: the run is stopped
 
 
 def main(argv=None) -> int:
@@ -82,9 +65,6 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         try:
             r = solve(seed, args.sims, args.extra, args.timeout)
-        except subprocess.TimeoutExpired:
-            r = {"seed": seed, "exit": None, "wall_s": args.timeout, "solved": False,
-                 "env_steps": None, "return_mean": None}
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130

@@ -30,7 +30,6 @@ import argparse
 import csv
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -39,11 +38,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import venvs  # tools/venvs.py: the baselines' virtualenvs
+from processes import popen_group, read_logdir  # tools/processes.py
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
-DEFAULT_VENV = Path("~/.cache/shmrl/zoo-venv").expanduser()
-# torch pinned: an unpinned torch pulls a CUDA build of several GB.
-VENV_PACKAGES = ["torch==2.13.0", "rl_zoo3", "gymnasium[mujoco,atari]", "opencv-python-headless"]
 TIMES = (30, 60, 120, 180, 300)         # seconds at which returns are reported
 STEPS = (100_000, 300_000, 1_000_000)   # env steps at which returns are reported
 # An ALE game's env step is 4 emulator frames on both sides (zoo's AtariWrapper, shmrl's
@@ -53,24 +52,6 @@ ATARI_FRAME_SKIP = 4
 
 def frames_per_step(env: str) -> int:
     return ATARI_FRAME_SKIP if env.startswith("ALE/") else 1
-
-
-def ensure_venv(venv: Path) -> Path:
-    """The venv's python with rl_zoo3, MuJoCo and torch 2.13.0 (created if missing)."""
-    py = venv / "bin" / "python"
-    check = ("import rl_zoo3, mujoco, ale_py, cv2, torch; "
-             "assert torch.__version__.startswith('2.13.0'), torch.__version__")
-    if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
-        return py
-    print(f"creating the rl-zoo3 virtualenv in {venv} (takes minutes) ...", file=sys.stderr, flush=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    if not py.exists():
-        subprocess.run([shutil.which("python3") or sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", *VENV_PACKAGES], check=True)
-    r = subprocess.run([str(py), "-c", check], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"the virtualenv {venv} does not work:\n{r.stderr}")
-    return py
 
 
 def zoo_env(env: str) -> str:
@@ -100,12 +81,11 @@ def zoo_config(py: Path, env: str, folder: Path) -> Path:
 def stop_after(cmd: list, seconds: float, cwd: Path, log: Path) -> float:
     """Run ``cmd`` in its own session; SIGINT after ``seconds`` (then SIGKILL if needed).
     Returns the launch time (time.time()). The child starts with SIGINT at its default even
-    if this tool was started with it ignored (``nohup ... &`` from a script): Python then
-    ignores it too, and rl-zoo3 would train on until the SIGKILL."""
+    if this tool was started with it ignored (popen_group): else rl-zoo3 would train on
+    until the SIGKILL."""
     t0 = time.time()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = popen_group(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
@@ -184,19 +164,17 @@ def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str
     cmd = [sys.executable, "-m", "shmrl.run", "--env", env, "--seed", str(seed), "--logdir",
            str(logdir), "--stop-return", str(stop_return), "--log-every", "30", *extra]
     stop_after(cmd, seconds, REPO, folder / "shmrl.log")
-    path = logdir / "metrics.jsonl"
-    if not path.exists():
+    if not (logdir / "metrics.jsonl").exists():
         raise RuntimeError(f"shmrl wrote no metrics; its log:\n{(folder / 'shmrl.log').read_text()[-3000:]}")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    summary, rows = read_logdir(logdir)
     curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
              for r in rows if r["return_mean"] == r["return_mean"]]      # not before the first episode
     env_steps = rows[-1]["env_steps"] if rows else None
-    summary = logdir / "summary.json"
-    if summary.exists():   # where it stopped: the steps and return after the last update's row
-        s = json.loads(summary.read_text())
-        env_steps = s["env_steps"]
-        if s["return_mean"] == s["return_mean"]:
-            curve.append({"wall_s": s["wall_s"], "env_steps": s["env_steps"], "return_mean": s["return_mean"]})
+    if summary:   # where it stopped: the steps and return after the last update's row
+        env_steps = summary["env_steps"]
+        if summary["return_mean"] == summary["return_mean"]:
+            curve.append({"wall_s": summary["wall_s"], "env_steps": summary["env_steps"],
+                          "return_mean": summary["return_mean"]})
     return {"curve": curve, "env_steps_per_s": rows[-1]["env_steps_per_s"] if rows else None,
             "env_steps": env_steps,
             "command": " ".join(["python -m shmrl.run --env", env, *extra])}
@@ -269,7 +247,7 @@ def main(argv=None) -> int:
                    help="also run SB3 with rl-zoo3's settings, in turns (default: %(default)s)")
     p.add_argument("--shmrl", action=argparse.BooleanOptionalAction, default=True,
                    help="run shmrl (default: %(default)s); --no-shmrl runs SB3 alone")
-    p.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="rl-zoo3 virtualenv (default: %(default)s)")
+    p.add_argument("--venv", type=Path, default=venvs.ZOO.folder, help="rl-zoo3 virtualenv (default: %(default)s)")
     p.add_argument("--python", type=Path, help="a python that has rl_zoo3 and mujoco, instead of --venv")
     p.add_argument("--plot", type=Path, help="write both curves of every run to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -284,7 +262,7 @@ def main(argv=None) -> int:
         a.envs, a.seeds, a.seconds = ["InvertedPendulum-v5"], [0], 12.0
     py = None
     if a.sb3 or a.setup:
-        py = a.python or ensure_venv(a.venv)
+        py = a.python or venvs.ZOO.ensure(a.venv)
         if a.setup:
             print(f"rl-zoo3 virtualenv ready: {py}")
             return 0
