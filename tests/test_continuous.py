@@ -12,7 +12,8 @@ import shmrl
 from shmrl.envs import Box, EnvSpec, Pendulum, env_spec
 from shmrl.episode import EpisodeBatch
 from shmrl.eval import evaluate
-from shmrl.learner import Learner
+from shmrl.serving import Serving
+from shmrl.trainer import update
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy, init_mlp_weights, with_log_std
 from shmrl.spaces import Sampler, action_layout
@@ -92,7 +93,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
     weights = named(with_log_std(init_mlp_weights([3, 64, 64, 1], 1.0, np.random.default_rng(0)), [-0.7]))
     ppo = PPO(net, PPOConfig(), initial_weights=weights)
     server = InProcServer()
-    learner = Learner(spec, [server], policy=net.template, initial_weights=weights,
+    learner = Serving(spec, [server], policy=net.template, initial_weights=weights,
                       env_steps_per_sample=256, train_batch_size=256)
     client = server.connect(timeout=10)
     thread = threading.Thread(target=run_simulator, args=(client, "Pendulum-v1"), kwargs=dict(max_messages=1),
@@ -110,7 +111,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
         with torch.no_grad():
             logp, _ = ppo.log_prob(ppo.forward(batch.obs, values=False)[0], torch.from_numpy(batch.actions))
         np.testing.assert_allclose(np.exp(logp.numpy() - batch.logp), 1.0, atol=1e-4)
-        learner.train(ppo, chunks, version)   # publishes: releases the simulator's request
+        update(learner, {None: ppo}, chunks, version)   # publishes: releases the simulator's request
         thread.join(10)
         assert not thread.is_alive()
     finally:

@@ -6,7 +6,9 @@ import pytest
 
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.learner import EpisodeStore, Learner
+from shmrl.serving import Serving
+from shmrl.store import EpisodeStore
+from shmrl.trainer import update
 from shmrl.net import PolicyNet
 from shmrl.ppo import PPO, PPOConfig
 from shmrl.sim import run_simulator
@@ -75,7 +77,7 @@ def test_store_drops_stale_chunks_and_takes_the_oldest_first():
 def learner_and_server():
     server = InProcServer()
     ppo = PPO(PolicyNet(SPEC, 64), PPOConfig(epochs=2, minibatch_size=64))
-    learner = Learner(SPEC, [server], policy=ppo.net.template, initial_weights=ppo.published_weights(),
+    learner = Serving(SPEC, [server], policy=ppo.net.template, initial_weights=ppo.published_weights(),
                       env_steps_per_sample=32, train_batch_size=64)
     yield learner, server, ppo
     learner.stop()
@@ -108,7 +110,7 @@ def test_handshake_and_on_policy_wait(learner_and_server):
     assert "next" not in replies and learner.hub.all_waiting()
     batches, version = batch
     assert sum(b.num_steps for b in batches) == 32 and version == 1
-    learner.train(ppo, batches, version)
+    update(learner, {None: ppo}, batches, version)
     learner.poll(0.05)                                   # sends the new weights
     t.join(5)
     assert replies["pong"]["type"] == "PONG"
@@ -151,7 +153,7 @@ def test_simulator_loop_learns_in_process():
     """Simulators in threads + the learner: the return climbs well above random (~22)."""
     server = InProcServer()
     ppo = PPO(PolicyNet(SPEC, 64), PPOConfig(lr=3e-3, epochs=6, minibatch_size=256), seed=0)
-    learner = Learner(SPEC, [server], policy=ppo.net.template, initial_weights=ppo.published_weights(),
+    learner = Serving(SPEC, [server], policy=ppo.net.template, initial_weights=ppo.published_weights(),
                       env_steps_per_sample=256, train_batch_size=512)
     clients = [server.connect(timeout=10) for _ in range(2)]
 
@@ -169,7 +171,7 @@ def test_simulator_loop_learns_in_process():
             learner.poll(0.05)
             batch = learner.next_batch(timeout=0)
             if batch:
-                learner.train(ppo, *batch)
+                update(learner, {None: ppo}, *batch)
         assert learner.store.return_mean() > 100
     finally:
         learner.stop()

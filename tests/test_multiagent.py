@@ -16,10 +16,13 @@ import shmrl  # noqa: E402
 from shmrl import rllink  # noqa: E402
 from shmrl.envs import resolve_env  # noqa: E402
 from shmrl.episode import Episode, EpisodeBatch, MultiAgentBatch  # noqa: E402
-from shmrl.learner import EpisodeStore, Hub, Learner, MultiStore  # noqa: E402
+from shmrl.hub import Hub  # noqa: E402
+from shmrl.serving import Serving  # noqa: E402
+from shmrl.store import MultiStore  # noqa: E402
 from shmrl.multiagent import MultiAgentSampler, PolicySet, play, policy_mapper  # noqa: E402
 from shmrl.onnx_policy import encode_onnx_file  # noqa: E402
-from shmrl.run import RunConfig, policy_net, resolve_config  # noqa: E402
+from shmrl.run import RunConfig, resolve_config  # noqa: E402
+from shmrl.trainer import policy_net  # noqa: E402
 
 
 class Relay(ParallelEnv):
@@ -284,7 +287,7 @@ def test_the_league_keeps_the_last_snapshots_frozen():
     specs = spec.policy_specs(policy_mapper("shared"))
     cfg = resolve_config(RunConfig(env=FirstWins, hidden=16), spec)
     net = policy_net(cfg, specs["shared"])
-    learner = Learner(spec, [], policy={"shared": net.template}, initial_weights={"shared": net.initial_weights(0)},
+    learner = Serving(spec, [], policy={"shared": net.template}, initial_weights={"shared": net.initial_weights(0)},
                       env_steps_per_sample=64, train_batch_size=64, policy_specs=specs, league_size=2,
                       league_every=1)
     try:

@@ -12,11 +12,13 @@ import shmrl
 from shmrl import checkpoint
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.learner import EpisodeStore
+from shmrl.store import EpisodeStore
 from shmrl.net import OBS_CLIP, PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.ppo import PPO, PPOConfig
-from shmrl.run import parse_args, policy_net, resolve_config, saved_policy
+from shmrl.resume import saved_policy
+from shmrl.run import parse_args, resolve_config
+from shmrl.trainer import policy_net
 from shmrl.stats import RunningMeanStd, discounted_sums
 
 

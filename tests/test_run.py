@@ -40,7 +40,7 @@ def test_a_failure_in_the_serving_thread_ends_the_run_as_failed(monkeypatch, tmp
     """The learner's serving thread dying (a bug, a transport that broke) used to leave the
     run waiting forever for batches; now the run ends with exit 3 and says why."""
     import shmrl
-    from shmrl.learner import EpisodeStore
+    from shmrl.store import EpisodeStore
 
     def broken_add(self, conn_id, batch):
         raise RuntimeError("injected: the store is broken")

@@ -268,7 +268,9 @@ def test_rings_take_every_frame_of_the_run(env, hidden, envs_per_sim, steps):
     from shmrl.envs import env_spec, make_vec_env
     from shmrl.episode import Rollout
     from shmrl.onnx_policy import encode_onnx_file
-    from shmrl.run import RunConfig, policy_net, resolve_config, ring_bytes
+    from shmrl.run import RunConfig, resolve_config
+    from shmrl.serving import ring_bytes
+    from shmrl.trainer import policy_net
     from shmrl.sim import make_sampler
     from shmrl.transport.ring import Ring
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from shmrl import rllink
-from shmrl.learner import Learner
+from shmrl.serving import Serving
 from shmrl.net import PolicyNet
 from shmrl.transport.inproc import InProcServer
 from shmrl.transport.tcp import ConnectionClosed, TcpClient
@@ -246,7 +246,7 @@ def test_a_client_waiting_for_its_reply_is_never_timed_out(net):
 def test_an_on_policy_batch_waits_on_a_silent_client_at_most_the_timeout(timeout, caplog):
     server = InProcServer()
     net = PolicyNet(SPEC, 16)
-    learner = Learner(SPEC, [server], policy=net.template, initial_weights=net.initial_weights(0),
+    learner = Serving(SPEC, [server], policy=net.template, initial_weights=net.initial_weights(0),
                       env_steps_per_sample=32, train_batch_size=64, batch_wait_timeout=timeout)
     learner.start()
     sent = threading.Thread()

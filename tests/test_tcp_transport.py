@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmrl.envs import env_spec, make_env
-from shmrl.learner import EpisodeStore, Hub
+from shmrl.hub import Hub
+from shmrl.store import EpisodeStore
 from shmrl.rllink import ProtocolError
 from shmrl.transport.tcp import ConnectionClosed, TcpClient, TcpServer, parse_address
 

@@ -81,7 +81,8 @@ def run_policy(env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: i
     """The env's spec, shmrl.run's configuration of it (its preset) and the policy network
     that shmrl.run publishes for it (numpy and the ONNX template only: no torch)."""
     from shmrl.envs import env_spec
-    from shmrl.run import RunConfig, policy_net, resolve_config
+    from shmrl.run import RunConfig, resolve_config
+    from shmrl.trainer import policy_net
 
     spec = env_spec(env)
     config = resolve_config(RunConfig(env=env, envs_per_sim=envs_per_sim,
@@ -143,8 +144,9 @@ class Pipeline:
                  transport: str = "shm"):
         """``transport``: "shm" (rings) or "tcp-binary" (loopback TCP, the simulators
         agreeing on the binary codec as shmrl.run's do with --transport tcp)."""
-        from shmrl.learner import EpisodeStore, Hub
-        from shmrl.run import heartbeat_period, ring_bytes
+        from shmrl.hub import Hub
+        from shmrl.serving import heartbeat_period, ring_bytes
+        from shmrl.store import EpisodeStore
         from shmrl.supervisor import Supervisor
         from shmrl.transport.shm import ShmServer
         from shmrl.transport.tcp import TcpServer
