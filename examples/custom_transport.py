@@ -17,6 +17,7 @@ from shmrl.envs import env_spec
 from shmrl.net import PolicyNet
 from shmrl.ppo import PPO, PPOConfig
 from shmrl.serving import Serving
+from shmrl.store import DEFAULT_POLICY
 from shmrl.sim import run_simulator
 from shmrl.trainer import update
 from shmrl.transport.inproc import InProcServer
@@ -34,7 +35,7 @@ def main() -> None:
     inproc, tcp = InProcServer(), TcpServer("127.0.0.1", args.tcp_port)
     print(f"RLlink clients may attach to {tcp.address[0]}:{tcp.address[1]}")
     ppo = PPO(PolicyNet(spec, hidden=64), PPOConfig())
-    learner = Serving(spec, [inproc, tcp], policy=ppo.net.template, initial_weights=ppo.published_weights(),
+    learner = Serving([inproc, tcp], {DEFAULT_POLICY: spec}, {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: ppo.published_weights()},
                       env_steps_per_sample=256, train_batch_size=512)
     clients = [inproc.connect() for _ in range(2)]
 
@@ -52,7 +53,7 @@ def main() -> None:
         while learner.updates < args.updates:
             batch = learner.next_batch(timeout=1.0)
             if batch:
-                update(learner, {None: ppo}, *batch)   # the trainer's update: PPO, then publish
+                update(learner, {DEFAULT_POLICY: ppo}, *batch)   # the trainer's update: PPO, then publish
                 print(f"update {learner.updates}: return {learner.store.return_mean():.1f}, "
                       f"{learner.store.steps_received} env steps", flush=True)
     finally:

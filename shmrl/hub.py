@@ -15,7 +15,7 @@ from shmrl import rllink
 from shmrl.envs import EnvSpec
 from shmrl.episode import EpisodeBatch, MultiAgentBatch
 from shmrl.spaces import MASK_KEY
-from shmrl.store import EpisodeStore
+from shmrl.store import DEFAULT_POLICY, EpisodeStore
 
 log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
@@ -51,22 +51,25 @@ def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> s
     return layout.check(actions, mask)
 
 
-def check_multiagent(batch, policy_specs: dict | None) -> str | None:
-    """Why a message's chunks do not fit the run (single- or multi-agent, its policies and
-    their envs), or None."""
-    multi = isinstance(batch, MultiAgentBatch)
-    if policy_specs is None:
-        return "multi-agent episodes (module_id) sent to a single-agent run" if multi else None
-    if not multi:
-        return None if not batch.num_chunks else \
-            "single-agent episodes sent to a multi-agent run: every chunk needs agent_id and module_id"
+def chunks_by_policy(batch, policy_specs: dict, multiagent: bool, state_size: int = 0) -> tuple[dict, str | None]:
+    """A message's chunks by policy id, and why they do not fit the run (its kind, its
+    policies and their envs) or None. The boundary of the codec: a multi-agent message's
+    chunks are by module id; a single-agent run's are its one policy's."""
+    sent_multi = isinstance(batch, MultiAgentBatch)
+    if sent_multi != multiagent:
+        if multiagent and not batch.num_chunks:
+            return {}, None
+        return {}, ("multi-agent episodes (module_id) sent to a single-agent run" if sent_multi else
+                    "single-agent episodes sent to a multi-agent run: every chunk needs agent_id and module_id")
+    if not multiagent:
+        return {DEFAULT_POLICY: batch}, check_episodes(batch, policy_specs[DEFAULT_POLICY], state_size)
     for pid, sub in batch.policies.items():
         if pid not in policy_specs:
-            return f"chunks for policy {pid!r}, which this run does not train (its policies: {sorted(policy_specs)})"
-        why = check_episodes(sub, policy_specs[pid])
+            return {}, f"chunks for policy {pid!r}, which this run does not train (its policies: {sorted(policy_specs)})"
+        why = check_episodes(sub, policy_specs[pid], state_size)
         if why:
-            return f"policy {pid!r}: {why}"
-    return None
+            return {}, f"policy {pid!r}: {why}"
+    return batch.policies, None
 
 
 class Hub:
@@ -80,14 +83,16 @@ class Hub:
     ``max_pending_steps`` already wait for the learner (that bounds the policy lag).
     """
 
-    def __init__(self, spec: EnvSpec, store: EpisodeStore, env_steps_per_sample: int,
+    def __init__(self, policy_specs: dict[str, EnvSpec], store: EpisodeStore, env_steps_per_sample: int,
                  on_policy: bool = True, max_pending_steps: int | None = None,
-                 auth_token: str | None = None, state_size: int = 0, policy_specs: dict | None = None,
+                 auth_token: str | None = None, state_size: int = 0, multiagent: bool = False,
                  extra_config: dict | None = None):
-        """``policy_specs``: a multi-agent run's policies (policy id -> EnvSpec of its agents);
-        ``extra_config``: more fields for SET_CONFIG (a multi-agent run's policy map)."""
-        self.spec, self.store, self.state_size = spec, store, state_size
-        self.policy_specs = policy_specs
+        """``policy_specs``: the run's policies (policy id -> EnvSpec of its agents; a
+        single-agent run's one is ``DEFAULT_POLICY``); ``multiagent``: the clients speak in
+        agents and modules (RLlib's multi-agent messages); ``extra_config``: more fields
+        for SET_CONFIG (a multi-agent run's policy map)."""
+        self.policy_specs, self.store, self.state_size = policy_specs, store, state_size
+        self.multiagent = multiagent
         self.auth_token = auth_token
         self.authenticated: set[str] = set()     # with an auth token: connections that showed it
         self.max_pending_steps = max_pending_steps
@@ -102,13 +107,14 @@ class Hub:
         self.names: dict[str, str] = {}          # conn_id -> the client_name its PING gave
         self.stepped: dict[str, int] = {}        # conn_id -> env steps its last HEARTBEAT reported
 
-    def set_state(self, weights_seq_no: int, onnx_file) -> None:
-        """Publish new weights and release every client waiting for them. ``onnx_file``: a
-        multi-agent run's is a dict of SET_STATE ``policies`` entries."""
-        # The single-agent message keeps its bytes (key order included): RLlib's JSON.
-        self.state_msg = {"type": T.SET_STATE.value,
-                          ("policies" if isinstance(onnx_file, dict) else "onnx_file"): onnx_file,
-                          "weights_seq_no": weights_seq_no}
+    def set_state(self, weights_seq_no: int, policies: dict) -> None:
+        """Publish new weights and release every client waiting for them. ``policies``: the
+        SET_STATE ``policies`` entries (policy id -> onnx_file, weights_seq_no[, frozen])."""
+        if self.multiagent:
+            self.state_msg = {"type": T.SET_STATE.value, "policies": policies, "weights_seq_no": weights_seq_no}
+        else:   # RLlib's single-agent message, its bytes (key order included) as RLlib's JSON has them
+            self.state_msg = {"type": T.SET_STATE.value, "onnx_file": policies[DEFAULT_POLICY]["onnx_file"],
+                              "weights_seq_no": weights_seq_no}
         waiting, self.waiting, self.waiting_since = self.waiting, [], None
         for conn_id in waiting:
             self._reply(conn_id, self.state_msg)
@@ -147,13 +153,11 @@ class Hub:
             self._reply(conn_id, self.state_msg)
         else:  # EPISODES, EPISODES_AND_GET_STATE
             batch = msg["episodes"]
-            reason = check_multiagent(batch, self.policy_specs)
-            if reason is None and self.policy_specs is None:
-                reason = check_episodes(batch, self.spec, self.state_size)
+            chunks, reason = chunks_by_policy(batch, self.policy_specs, self.multiagent, self.state_size)
             if reason:
                 self._drop(conn_id, reason, batch.num_steps)
                 return
-            self.store.add(conn_id, batch)
+            self.store.add(conn_id, chunks)
             if kind == T.EPISODES_AND_GET_STATE.value:
                 self.sampling.add(conn_id)
                 full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps

@@ -35,7 +35,7 @@ def run_state(serving, supervisor, clock: Clock) -> dict:
     store = serving.store
     state = {"return_mean": store.return_mean(), "episodes": store.episodes_completed,
              "env_steps_per_s": clock.steps_per_s(store.steps_received), **counts(serving, supervisor)}
-    if hasattr(store, "policies"):   # a multi-agent run: mean returns per policy and per agent
+    if serving.multiagent:   # mean returns per policy and per agent
         state.update(return_by_policy=store.policy_return_means(), return_by_agent=store.agent_return_means())
     return state
 
@@ -48,7 +48,7 @@ def metrics_row(stats: dict, serving, supervisor, clock: Clock) -> dict:
     """One update's line of metrics.jsonl (and of TensorBoard)."""
     row = {"update": stats["update"], **run_state(serving, supervisor, clock),
            **{k: stats[k] for k in UPDATE_STATS}, "elapsed_s": time.time() - clock.t_start}
-    if "policies" in stats:   # a multi-agent update: each policy's losses, "<id>/pi_loss"
+    if serving.multiagent:   # each policy's losses too, "<id>/pi_loss"
         row["policies"] = {f"{pid}/{k}": v for pid, st in stats["policies"].items() for k, v in st.items()}
     return row
 

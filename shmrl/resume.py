@@ -1,11 +1,12 @@
-"""What a checkpoint holds of a run, and how a run resumes from one.
+"""What a checkpoint and the log folder hold of a run's policies, and how a run resumes.
 
 A checkpoint (``shmrl.checkpoint``: weights.npz + state.json) keeps each policy's PPO
-state and published weights, the reward statistics, the episode store's counters and the
-weights version. The layout is the one shmrl has always written: a single-agent run's
-arrays at the top (``params``, ``policy/<name>``, ``reward_stats.*``), a multi-agent run's
-under ``policies/<id>/``. Only this module knows that; the trainer works on a set of
-policies either way.
+state, published weights and reward statistics, the episode store's counters and the
+weights version. The trainer works on a set of policies; the layout is the one shmrl
+has always written, and only this module maps between them: a single-agent run's one
+policy at the top (``params``, ``policy/<name>``, ``reward_stats.*``; its counts are
+the run's; ``policy.onnx``), a multi-agent run's under ``policies/<id>/``
+(``policy-<id>.onnx``).
 """
 from __future__ import annotations
 
@@ -14,33 +15,37 @@ from pathlib import Path
 
 from shmrl import checkpoint
 from shmrl.config import ConfigError
+from shmrl.store import DEFAULT_POLICY
 
 log = logging.getLogger("shmrl.run")
 
 
-def policy_prefix(pid: str | None) -> str:
-    """Where policy ``pid``'s arrays are in a checkpoint (None: a single-agent run's)."""
-    return "" if pid is None else f"policies/{pid}/"
+def policy_prefix(pid: str, multiagent: bool) -> str:
+    """Where policy ``pid``'s arrays are in a checkpoint."""
+    return f"policies/{pid}/" if multiagent else ""
 
 
-def policy_arrays(arrays: dict, pid: str | None) -> dict:
-    """Policy ``pid``'s arrays in a checkpoint, under the names PPO uses."""
-    prefix = policy_prefix(pid)
+def policy_file(pid: str, multiagent: bool) -> str:
+    """The log folder's ONNX model of policy ``pid``."""
+    return f"policy-{pid}.onnx" if multiagent else "policy.onnx"
+
+
+def policy_arrays(arrays: dict, prefix: str) -> dict:
+    """The arrays under ``prefix``, by the names below it."""
     return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
 
 
-def saved_policy(arrays: dict, pid: str | None = None) -> dict:
-    """The published weights of policy ``pid`` in a checkpoint's arrays (``policy/<name>``
-    within its arrays; None: a single-agent run's)."""
-    prefix = policy_prefix(pid) + "policy/"
-    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+def saved_policy(arrays: dict, prefix: str = "") -> dict:
+    """The published weights in a checkpoint's arrays of the policy at ``prefix``
+    (``policy_prefix``; by default a single-agent run's)."""
+    return policy_arrays(arrays, prefix + "policy/")
 
 
-def load_resume_checkpoint(resume: str, env: str, hidden: int, nets: dict) -> tuple:
+def load_resume_checkpoint(resume: str, env: str, hidden: int, nets: dict, multiagent: bool) -> tuple:
     """(path, arrays, state) of the newest intact checkpoint in the folder ``resume``,
-    checked against this run's env (its name) and networks (policy id -> PolicyNet; None
-    as the id: a single-agent run's) before anything is started or written: a run that
-    cannot resume must leave the folder it would resume as it found it."""
+    checked against this run's env (its name) and networks (policy id -> PolicyNet) before
+    anything is started or written: a run that cannot resume must leave the folder it
+    would resume as it found it."""
     try:
         path, arrays, state, damaged = checkpoint.load_latest(Path(resume))
     except checkpoint.CheckpointError as e:
@@ -52,24 +57,40 @@ def load_resume_checkpoint(resume: str, env: str, hidden: int, nets: dict) -> tu
         raise ConfigError(f"--resume {resume}: its checkpoint was trained on {saved_env}, not "
                           f"{env}; a run resumes on the env it was trained on")
     for pid, net in nets.items():
-        why = net.check(saved_policy(arrays, pid))
+        why = net.check(saved_policy(arrays, policy_prefix(pid, multiagent)))
         if why:
             raise ConfigError(f"--resume {resume}: {path} does not fit a network of --hidden {hidden} "
                               f"for {net.spec.env_id}: {why}; was it saved with other layer sizes?")
     return path, arrays, state
 
 
+def ppo_state(state: dict, pid: str, multiagent: bool) -> dict:
+    """Policy ``pid``'s PPO values in a checkpoint's state."""
+    return state["ppo"][pid] if multiagent else state["ppo"]
+
+
+def restore_store(store, state: dict, arrays: dict, multiagent: bool) -> None:
+    """Let the episode ``store`` go on from a checkpoint's counters and reward statistics."""
+    counters = state["counters"]
+    if not multiagent:   # the one policy's counts and returns are the run's
+        counters = {**counters, "policies": {DEFAULT_POLICY: counters}}
+    store.restore(counters, {pid: policy_arrays(arrays, policy_prefix(pid, multiagent)) for pid in store.policies})
+
+
 def save_checkpoint(logdir: Path, update: int, weights_seq_no: int, store, ppos: dict, config: dict,
-                    keep: int) -> Path:
-    """Write a checkpoint of PPO state ``ppos`` (policy id -> PPO; None as the id: a
-    single-agent run's), the episode ``store`` and the run's ``config`` (JSON)."""
+                    keep: int, multiagent: bool) -> Path:
+    """Write a checkpoint of PPO state ``ppos`` (policy id -> PPO), the episode ``store``
+    and the run's ``config`` (JSON)."""
     arrays, ppo_values = {}, {}
     for pid, ppo in ppos.items():
         a, ppo_values[pid] = ppo.get_state()
-        stats = store.reward_stats if pid is None else store.policies[pid].reward_stats
+        stats = store.policies[pid].reward_stats
         if stats is not None:
             a.update(stats.get_state("reward_stats"))
-        arrays.update({policy_prefix(pid) + k: v for k, v in a.items()})
+        arrays.update({policy_prefix(pid, multiagent) + k: v for k, v in a.items()})
+    counters = store.counters()
+    if not multiagent:
+        del counters["policies"]
     return checkpoint.save(Path(logdir), update, arrays, keep=keep, state={
-        "weights_seq_no": weights_seq_no, "config": {**config, "auth_token": None},
-        "counters": store.counters(), "ppo": ppo_values.get(None, ppo_values)})
+        "weights_seq_no": weights_seq_no, "config": {**config, "auth_token": None}, "counters": counters,
+        "ppo": ppo_values if multiagent else ppo_values[DEFAULT_POLICY]})

@@ -20,11 +20,10 @@ import time
 
 from shmrl.config import ConfigError
 from shmrl.envs import EnvSpec
-from shmrl.episode import EpisodeBatch
 from shmrl.hub import Hub
 from shmrl.onnx_graph import ModelTemplate
 from shmrl.onnx_policy import encode_onnx_file
-from shmrl.store import EpisodeStore, MultiStore
+from shmrl.store import EpisodeStore
 
 log = logging.getLogger("shmrl.learner")
 
@@ -41,47 +40,47 @@ class Serving:
     waiting, and chunks more than ``max_policy_lag`` versions old are dropped as stale.
     """
 
-    def __init__(self, spec: EnvSpec, servers: list, *, policy: ModelTemplate, initial_weights: dict,
-                 env_steps_per_sample: int, train_batch_size: int,
-                 on_policy: bool = True, max_policy_lag: int = 2, auth_token: str | None = None,
-                 window: int = 100, first_weights_seq_no: int = 1, housekeeping=None,
-                 reward_gamma: float | None = None, batch_wait_timeout: float | None = None,
-                 state_size: int = 0, policy_specs: dict | None = None,
-                 extra_config: dict | None = None, league_size: int = 0, league_every: int = 10):
-        """Publishes ``initial_weights`` (into the graph ``policy``) at once, as version
-        ``first_weights_seq_no``: clients can sample before the trainer (torch) is even
-        loaded. ``housekeeping(learner)``, if given, runs in the serving thread after every
-        round of requests (the supervisor watches the simulators from there).
-        ``reward_gamma``: scale rewards by the running std of discounted returns (see
-        ``EpisodeStore``). ``batch_wait_timeout``: once a client waits for new weights, the
-        batch waits at most this long for the clients still sampling (one that went silent,
-        heartbeat or not, must not stall everyone), then trains on what it has.
-        ``state_size``: the floats of a recurrent policy's state (0: none).
+    def __init__(self, servers: list, policy_specs: dict[str, EnvSpec], templates: dict[str, ModelTemplate],
+                 initial_weights: dict[str, dict], *, env_steps_per_sample: int, train_batch_size: int,
+                 multiagent: bool = False, on_policy: bool = True, max_policy_lag: int = 2,
+                 auth_token: str | None = None, window: int = 100, first_weights_seq_no: int = 1,
+                 housekeeping=None, reward_gamma: float | None = None, batch_wait_timeout: float | None = None,
+                 state_size: int = 0, extra_config: dict | None = None, league_size: int = 0,
+                 league_every: int = 10):
+        """Serves the policies ``policy_specs`` (policy id -> EnvSpec; a single-agent run's
+        one is ``DEFAULT_POLICY``) and publishes their ``initial_weights`` (into the graphs
+        ``templates``, by policy id) at once, as version ``first_weights_seq_no``: clients
+        can sample before the trainer (torch) is even loaded. Each policy has its own
+        chunks, PPO and ONNX model, all published together. ``multiagent``: the clients
+        speak RLlib's multi-agent messages (see ``Hub``).
 
-        A multi-agent run (``shmrl.multiagent``) gives ``policy_specs`` (policy id -> EnvSpec),
-        and ``policy`` and ``initial_weights`` as dicts by policy id: each policy has its own
-        store, PPO and ONNX model, all published together in SET_STATE's ``policies``. With
-        ``league_size``, every ``league_every`` updates a frozen copy of each policy joins
-        the league (``policy@version``), which keeps the last ``league_size`` of them."""
-        self.spec, self.servers = spec, servers
+        ``housekeeping(serving)``, if given, runs in the serving thread after every round
+        of requests (the supervisor watches the simulators from there). ``reward_gamma``:
+        scale rewards by the running std of discounted returns (see ``PolicyChunks``).
+        ``batch_wait_timeout``: once a client waits for new weights, the batch waits at
+        most this long for the clients still sampling (one that went silent, heartbeat or
+        not, must not stall everyone), then trains on what it has. ``state_size``: the
+        floats of a recurrent policy's state (0: none). With ``league_size``, every
+        ``league_every`` updates a frozen copy of each policy joins the league
+        (``policy@version``), which keeps the last ``league_size`` of them."""
+        self.servers, self.multiagent = servers, multiagent
         self.train_batch_size = train_batch_size
         self.max_policy_lag = max_policy_lag
-        self.multi = policy_specs is not None
-        self.store = (MultiStore(policy_specs, window, reward_gamma) if self.multi
-                      else EpisodeStore(window, reward_gamma))
-        self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy,
+        self.store = EpisodeStore(policy_specs, window, reward_gamma)
+        self.hub = Hub(policy_specs, self.store, env_steps_per_sample, on_policy,
                        max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token,
-                       state_size=state_size, policy_specs=policy_specs, extra_config=extra_config)
+                       state_size=state_size, multiagent=multiagent, extra_config=extra_config)
         self.league_size, self.league_every = league_size, max(1, league_every)
         self.league: dict = {}          # "policy@version" -> (version, ONNX file): frozen snapshots
         self.model_seqs: dict = {}      # policy id -> the version its current model was published at
-        self.policy = policy
+        self.templates = templates
+        self.model_bytes: dict[str, bytes] = {}   # policy id -> its current ONNX model
+        self._files: dict[str, str] = {}           # policy id -> the same, as SET_STATE's onnx_file
         self.housekeeping = housekeeping
         self.batch_wait_timeout = batch_wait_timeout
         self.short_batches = 0                     # trained without a client that was too slow
         self.weights_seq_no = first_weights_seq_no - 1
         self.updates = 0
-        self.model_bytes = b""
         self._batches: queue.Queue = queue.Queue(maxsize=1)
         self._published: queue.Queue = queue.Queue()
         self._batch_out = False                    # a batch was handed over, no new weights yet
@@ -108,8 +107,8 @@ class Serving:
         except BlockingIOError:
             pass
         while not self._published.empty():
-            version, onnx_file = self._published.get_nowait()
-            self.hub.set_state(version, onnx_file)
+            version, policies = self._published.get_nowait()
+            self.hub.set_state(version, policies)
             self._batch_out = False
         n = self._serve_requests()
         if self.housekeeping is not None:
@@ -207,26 +206,20 @@ class Serving:
             os.close(fd)
 
     # ------------------------------------------------------------ the training thread
-    def next_batch(self, timeout: float) -> tuple[list[EpisodeBatch], int] | None:
-        """The chunks of the next update and the weights version they were taken at, or None."""
+    def next_batch(self, timeout: float) -> tuple[dict, int] | None:
+        """The chunks of the next update (policy id -> its batches) and the weights version
+        they were taken at, or None."""
         try:
             return self._batches.get(timeout=timeout)
         except queue.Empty:
             return None
 
     def publish(self, weights: dict) -> None:
-        """Export ``weights`` as the next version; the serving thread sends it out. A
-        multi-agent run's ``weights`` are by policy id (those not given stay as they were)."""
+        """Export ``weights`` (by policy id; those not given stay as they were) as the next
+        version; the serving thread sends it out."""
         self.weights_seq_no += 1
-        if not self.multi:
-            self.model_bytes = self.policy.publish(weights)
-            self._published.put((self.weights_seq_no, encode_onnx_file(self.model_bytes)))
-            self._wake()
-            return
-        if not isinstance(self.model_bytes, dict):
-            self.model_bytes, self._files = {}, {}
         for pid, w in weights.items():
-            self.model_bytes[pid] = self.policy[pid].publish(w)
+            self.model_bytes[pid] = self.templates[pid].publish(w)
             self._files[pid] = encode_onnx_file(self.model_bytes[pid])
             self.model_seqs[pid] = self.weights_seq_no
         if self.league_size and self.updates and self.updates % self.league_every == 0:
@@ -242,8 +235,7 @@ class Serving:
         self._wake()
 
 
-
-def open_transports(config, spec, net, launcher=None) -> tuple[list, list[str], object]:
+def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list[str], object]:
     """The learner's servers, the address each local simulator connects to, and the
     shared-memory server (None if the simulators use TCP or there are none). With a remote
     ``launcher`` (Ray) the TCP server also listens, on the address this node has in the
@@ -252,7 +244,7 @@ def open_transports(config, spec, net, launcher=None) -> tuple[list, list[str], 
     remote = launcher is not None and launcher.remote
     if config.sims and config.transport == "shm":
         from shmrl.transport.shm import ShmServer
-        shm = ShmServer(config.sims, **ring_bytes(config, spec, net))
+        shm = ShmServer(config.sims, **ring_bytes(config, spec, nets))
         servers.append(shm)
         addresses = [f"shm:{shm.address(i)}" for i in range(config.sims)]
     if config.tcp_port is not None or (config.sims and config.transport == "tcp") or remote:
@@ -306,21 +298,21 @@ def listen_error(config, e: Exception) -> str:
 
 
 
-def ring_bytes(config, spec, net) -> dict:
+def ring_bytes(config, spec, nets: dict) -> dict:
     """Ring capacities that take every frame of this run: a simulator's EPISODES message
     (``env_steps_per_sample`` rounded up to whole steps of its envs) and a SET_STATE of
-    this policy."""
+    its policies (``nets``: policy id -> PolicyNet)."""
     import numpy as np
 
     from shmrl import rllink
     from shmrl.transport.shm import ShmServer, ring_bytes_for
 
     steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
-    specs, nets, extra = [spec], [net], 0
-    if isinstance(net, dict):   # multi-agent: each step may be any agent's; every policy and snapshot in a reply
+    specs, nets, extra = [spec], list(nets.values()), 0
+    if getattr(spec, "multiagent", False):   # each step may be any agent's; every policy and snapshot in a reply
         specs = list(spec.agent_specs.values())
         steps += config.envs_per_sim * len(spec.agents)   # a turn may end past the sample size
-        nets = list(net.values()) * (1 + config.league)
+        nets = nets * (1 + config.league)
         extra = 256                                       # agent and module ids
     request = 0
     for s in specs:

@@ -1,8 +1,11 @@
 """The episode store: chunks waiting for the next update, the returns of complete
 episodes, and where every env step went (received, trained, dropped, lost).
 
-Only the serving thread (``shmrl.serving``) adds to it and takes from it; the training
-thread reads its counts and writes ``steps_trained`` once its update is done.
+A run trains a set of policies (a single-agent run: one, ``DEFAULT_POLICY``); the store
+keeps each policy's chunks, episode glue, returns and reward statistics, and the run's
+counts and return window over all of them. Only the serving thread (``shmrl.serving``)
+adds to it and takes from it; the training thread reads its counts and writes
+``steps_trained`` once its update is done.
 """
 from __future__ import annotations
 
@@ -11,14 +14,20 @@ from collections import deque
 
 import numpy as np
 
-from shmrl.episode import EpisodeBatch, MultiAgentBatch, obs_row_bytes
+from shmrl.episode import EpisodeBatch, obs_row_bytes
 from shmrl.stats import RunningMeanStd, discounted_sums
 
 PENDING_AT_CHECKPOINT = "not yet trained when the checkpoint was taken"
+DEFAULT_POLICY = "default"   # a single-agent run's one policy (RLlib's default module)
 
 
-class EpisodeStore:
-    """Batches of chunks waiting for the next update, and the returns of complete episodes.
+def count(counter: dict, key, n: int) -> None:
+    counter[key] = counter.get(key, 0) + n
+
+
+class PolicyChunks:
+    """One policy's chunks waiting for the next update, and the returns of its complete
+    episodes.
 
     Continuation chunks are glued to the episode they continue by id when the client
     sends one, else by their first observation being the last one of an open chunk on
@@ -36,12 +45,8 @@ class EpisodeStore:
         self.lengths: deque = deque(maxlen=window)
         self.episodes_completed = 0
         self.steps_received = 0
-        self.steps_taken = 0       # handed to the trainer (by the serving thread)
-        self.steps_trained = 0     # trained on (by the training thread, once its update is done)
-        self.steps_dropped: dict[str, int] = {}
-        self.steps_lost = 0        # stepped by a simulator that died before sending them: never received
+        self.steps_trained = 0
         self.steps_by_conn: dict[str, int] = {}
-        self.first_steps_at: float | None = None   # time.time() when the first env steps arrived
         # glue key -> (return, length, discounted return) of an episode so far
         self._open: dict[tuple, tuple[float, int, float]] = {}
         self.reward_gamma = reward_gamma
@@ -49,15 +54,17 @@ class EpisodeStore:
         self.window = window
         self.returns_by_agent: dict = {}   # multi-agent chunks: agent id -> its recent returns
 
-    def add(self, conn_id: str, batch: EpisodeBatch) -> None:
-        """Take a message's chunks: their steps wait for training, their returns complete
-        episodes (one Python step per chunk, none per env step)."""
+    def add(self, conn_id: str, batch: EpisodeBatch) -> list[tuple[float, int]]:
+        """Take chunks: their steps wait for training, their returns complete episodes (one
+        Python step per chunk, none per env step). Returns the (return, length) of each
+        episode they complete."""
         ids = batch.episode_ids
         obs, first, last = batch.obs, batch.obs_first.tolist(), batch.obs_last.tolist()
         before = [self._open.pop((conn_id, "id", ids[i]) if ids is not None and ids[i] is not None
                                  else (conn_id, "obs", obs_row_bytes(obs, first[i])), (0.0, 0, 0.0))
                   for i in range(batch.num_chunks)]
         discounted = self._discounted_returns(batch, [b[2] for b in before])
+        completed = []
         for i, (ret, length, done) in enumerate(zip(batch.chunk_returns().tolist(), batch.lengths.tolist(),
                                                      batch.is_done.tolist())):
             ret, length = ret + before[i][0], length + before[i][1]
@@ -66,18 +73,18 @@ class EpisodeStore:
                     self.returns_by_agent.setdefault(batch.agent_ids[i], deque(maxlen=self.window)).append(ret)
                 self.returns.append(ret)
                 self.lengths.append(length)
-                self.episodes_completed += 1
+                completed.append((ret, length))
             else:
                 eid = ids[i] if ids is not None else None
                 key = (conn_id, "id", eid) if eid is not None else (conn_id, "obs", obs_row_bytes(obs, last[i]))
                 self._open[key] = (ret, length, discounted[i])
+        self.episodes_completed += len(completed)
         if batch.num_steps:
-            if self.first_steps_at is None:
-                self.first_steps_at = time.time()
             self.pending.append(batch)
             self.pending_steps += batch.num_steps
             self.steps_received += batch.num_steps
-            self.steps_by_conn[conn_id] = self.steps_by_conn.get(conn_id, 0) + batch.num_steps
+            count(self.steps_by_conn, conn_id, batch.num_steps)
+        return completed
 
     def _discounted_returns(self, batch: EpisodeBatch, carries: list[float]) -> list[float]:
         """Each chunk's discounted return at its last step, going on from ``carries`` (its
@@ -103,16 +110,11 @@ class EpisodeStore:
         for key in [k for k in self._open if k[0] == conn_id]:
             del self._open[key]
 
-    def drop(self, reason: str, steps: int) -> None:
-        """Count steps received but not trained on (never silently lost)."""
-        self.steps_received += steps
-        self.steps_dropped[reason] = self.steps_dropped.get(reason, 0) + steps
-
-    def take(self, version: int = 0, max_lag: int | None = None, max_steps: int | None = None) -> list[EpisodeBatch]:
+    def take(self, version: int, max_lag: int | None, max_steps: int | None, dropped: dict) -> list[EpisodeBatch]:
         """The oldest pending batches, up to ``max_steps`` steps (the last one may go over;
         None: all), without the chunks sampled with weights more than ``max_lag`` versions
-        older than ``version``, which are dropped as stale. Chunks without a version
-        (RLlib's client sends none) count as current."""
+        older than ``version``, which are counted into ``dropped`` as stale. Chunks without
+        a version (RLlib's client sends none) count as current."""
         if max_lag is not None:
             fresh = []
             for batch in self.pending:
@@ -120,7 +122,7 @@ class EpisodeStore:
                 stale = (seq >= 0) & (version - seq > max_lag)
                 if stale.any():
                     n_stale = int(batch.lengths[stale].sum())
-                    self.steps_dropped["stale"] = self.steps_dropped.get("stale", 0) + n_stale
+                    count(dropped, "stale", n_stale)
                     self.pending_steps -= n_stale
                     batch = batch.select(~stale)
                 if batch.num_steps:
@@ -132,35 +134,25 @@ class EpisodeStore:
             n += 1
         taken, self.pending = self.pending[:n], self.pending[n:]
         self.pending_steps -= steps
-        self.steps_taken += steps
         return taken
 
-    @property
-    def in_flight(self) -> int:
-        """Steps taken for an update that has not finished (or never will: the run ended)."""
-        return self.steps_taken - self.steps_trained
-
     def counters(self) -> dict:
-        """The counts and the return window, for a checkpoint. Steps not yet trained on
-        (pending or in flight) count as dropped: a run resumed from it never trains on them."""
-        dropped = dict(self.steps_dropped)
-        untrained = self.pending_steps + self.in_flight
-        if untrained:
-            dropped[PENDING_AT_CHECKPOINT] = dropped.get(PENDING_AT_CHECKPOINT, 0) + untrained
+        """This policy's counts and return window, for a checkpoint (the run's keys)."""
         return {"steps_received": self.steps_received, "steps_trained": self.steps_trained,
-                "steps_dropped": dropped, "steps_lost": self.steps_lost,
-                "steps_by_conn": dict(self.steps_by_conn), "episodes_completed": self.episodes_completed,
+                "steps_dropped": {PENDING_AT_CHECKPOINT: self.steps_received - self.steps_trained}
+                if self.steps_received > self.steps_trained else {},
+                "steps_lost": 0, "steps_by_conn": dict(self.steps_by_conn),
+                "episodes_completed": self.episodes_completed,
                 "returns": list(self.returns), "lengths": list(self.lengths)}
 
-    def restore(self, counters: dict, arrays: dict | None = None) -> None:
-        """Continue from ``counters()`` of an earlier run (and the reward statistics among
-        its checkpoint's ``arrays``, if this store keeps them)."""
-        if self.reward_stats is not None and arrays is not None and "reward_stats.mean" in arrays:
+    def restore(self, counters: dict, arrays: dict) -> None:
+        """Continue from ``counters()`` of an earlier run, and the reward statistics among
+        its checkpoint's ``arrays`` (this policy's), if this store keeps them."""
+        if self.reward_stats is not None and "reward_stats.mean" in arrays:
             self.reward_stats.set_state(arrays, "reward_stats")
-        for key in ("steps_received", "steps_trained", "steps_lost", "episodes_completed"):
-            setattr(self, key, int(counters[key]))
-        self.steps_taken = self.steps_trained
-        self.steps_dropped = {k: int(v) for k, v in counters["steps_dropped"].items()}
+        self.steps_received = int(counters["steps_received"])
+        self.steps_trained = int(counters["steps_trained"])
+        self.episodes_completed = int(counters["episodes_completed"])
         self.steps_by_conn = {k: int(v) for k, v in counters["steps_by_conn"].items()}
         self.returns.extend(counters["returns"])
         self.lengths.extend(counters["lengths"])
@@ -169,69 +161,115 @@ class EpisodeStore:
         returns = list(self.returns)   # one C-level copy: the serving thread may append
         return float(np.mean(returns)) if returns else float("nan")
 
-    def agent_return_means(self) -> dict:
-        return {str(a): float(np.mean(list(r))) for a, r in list(self.returns_by_agent.items()) if r}
 
+class EpisodeStore:
+    """The chunks of every policy of the run (``policies``: policy id -> PolicyChunks), the
+    run's counts and its return window over every episode. ``take`` hands over each
+    policy's chunks at once."""
 
-class MultiStore(EpisodeStore):
-    """The episode stores of a multi-agent run: one per policy (its pending chunks, glue,
-    return window and reward statistics), with the run's counts and one return window of
-    every agent's episodes here. ``take`` hands over every policy's pending chunks as one
-    MultiAgentBatch."""
+    def __init__(self, policy_ids=(DEFAULT_POLICY,), window: int = 100, reward_gamma: float | None = None):
+        self.policies = {pid: PolicyChunks(window, reward_gamma) for pid in policy_ids}
+        self.returns: deque = deque(maxlen=window)
+        self.lengths: deque = deque(maxlen=window)
+        self.episodes_completed = 0
+        self.steps_received = 0
+        self.steps_taken = 0       # handed to the trainer (by the serving thread)
+        self.steps_trained = 0     # trained on (by the training thread, once its update is done)
+        self.steps_dropped: dict[str, int] = {}
+        self.steps_lost = 0        # stepped by a simulator that died before sending them: never received
+        self.steps_by_conn: dict[str, int] = {}
+        self.first_steps_at: float | None = None   # time.time() when the first env steps arrived
 
-    def __init__(self, policies, window: int = 100, reward_gamma: float | None = None):
-        super().__init__(window)
-        self.policies = {pid: EpisodeStore(window, reward_gamma) for pid in policies}
-
-    def add(self, conn_id: str, batch: MultiAgentBatch) -> None:
-        for pid, sub in batch.policies.items():
-            store = self.policies[pid]
-            done_before = store.episodes_completed
-            store.add(conn_id, sub)
-            new = store.episodes_completed - done_before
-            if new:
-                self.returns.extend(list(store.returns)[-new:])
-                self.episodes_completed += new
-        steps = batch.num_steps
+    def add(self, conn_id: str, chunks: dict[str, EpisodeBatch]) -> None:
+        """Take a message's chunks, by policy id."""
+        steps = 0
+        for pid, batch in chunks.items():
+            for ret, length in self.policies[pid].add(conn_id, batch):
+                self.returns.append(ret)
+                self.lengths.append(length)
+                self.episodes_completed += 1
+            steps += batch.num_steps
         if steps:
             if self.first_steps_at is None:
                 self.first_steps_at = time.time()
-            self.pending_steps += steps
             self.steps_received += steps
-            self.steps_by_conn[conn_id] = self.steps_by_conn.get(conn_id, 0) + steps
+            count(self.steps_by_conn, conn_id, steps)
+
+    @property
+    def pending_steps(self) -> int:
+        return sum(policy.pending_steps for policy in self.policies.values())
 
     def forget(self, conn_id: str) -> None:
-        for store in self.policies.values():
-            store.forget(conn_id)
+        """A connection closed: its open episodes will never complete."""
+        for policy in self.policies.values():
+            policy.forget(conn_id)
 
-    def take(self, version: int = 0, max_lag: int | None = None, max_steps: int | None = None) -> list:
+    def drop(self, reason: str, steps: int) -> None:
+        """Count steps received but not trained on (never silently lost)."""
+        self.steps_received += steps
+        count(self.steps_dropped, reason, steps)
+
+    def take(self, version: int = 0, max_lag: int | None = None,
+             max_steps: int | None = None) -> dict[str, list[EpisodeBatch]]:
+        """Each policy's oldest pending batches (see ``PolicyChunks.take``), by policy id;
+        policies with none are left out. ``max_steps`` bounds a lone policy's batch: the
+        chunks of several policies (one multi-agent message holds all of theirs) go together."""
+        max_steps = max_steps if len(self.policies) == 1 else None
         taken = {}
-        for pid, store in self.policies.items():
-            batches = store.take(version, max_lag)
+        for pid, policy in self.policies.items():
+            batches = policy.take(version, max_lag, max_steps, self.steps_dropped)
             if batches:
-                taken[pid] = EpisodeBatch.concat(batches)
-        steps = sum(b.num_steps for b in taken.values())
-        stale = sum(store.steps_dropped.pop("stale", 0) for store in self.policies.values())
-        if stale:
-            self.steps_dropped["stale"] = self.steps_dropped.get("stale", 0) + stale
-        self.pending_steps = sum(store.pending_steps for store in self.policies.values())
-        self.steps_taken += steps
-        return [MultiAgentBatch(taken)] if taken else []
+                taken[pid] = batches
+                self.steps_taken += sum(b.num_steps for b in batches)
+        return taken
+
+    def trained(self, chunks: dict[str, EpisodeBatch]) -> None:
+        """An update on ``chunks`` (by policy id) is done (training thread only)."""
+        for pid, batch in chunks.items():
+            self.policies[pid].steps_trained += batch.num_steps
+        self.steps_trained += sum(batch.num_steps for batch in chunks.values())
+
+    @property
+    def in_flight(self) -> int:
+        """Steps taken for an update that has not finished (or never will: the run ended)."""
+        return self.steps_taken - self.steps_trained
 
     def counters(self) -> dict:
-        return {**super().counters(), "policies": {pid: store.counters() for pid, store in self.policies.items()}}
+        """The counts and return windows, for a checkpoint, with each policy's under
+        ``policies``. Steps not yet trained on (pending or in flight) count as dropped: a run
+        resumed from it never trains on them."""
+        dropped = dict(self.steps_dropped)
+        untrained = self.pending_steps + self.in_flight
+        if untrained:
+            count(dropped, PENDING_AT_CHECKPOINT, untrained)
+        return {"steps_received": self.steps_received, "steps_trained": self.steps_trained,
+                "steps_dropped": dropped, "steps_lost": self.steps_lost,
+                "steps_by_conn": dict(self.steps_by_conn), "episodes_completed": self.episodes_completed,
+                "returns": list(self.returns), "lengths": list(self.lengths),
+                "policies": {pid: policy.counters() for pid, policy in self.policies.items()}}
 
-    def restore(self, counters: dict, arrays: dict | None = None) -> None:
-        super().restore(counters)
-        for pid, store in self.policies.items():
-            saved = counters.get("policies", {}).get(pid)
+    def restore(self, counters: dict, arrays: dict[str, dict]) -> None:
+        """Continue from ``counters()`` of an earlier run, and each policy's reward
+        statistics among ``arrays`` (by policy id)."""
+        for key in ("steps_received", "steps_trained", "steps_lost", "episodes_completed"):
+            setattr(self, key, int(counters[key]))
+        self.steps_taken = self.steps_trained
+        self.steps_dropped = {k: int(v) for k, v in counters["steps_dropped"].items()}
+        self.steps_by_conn = {k: int(v) for k, v in counters["steps_by_conn"].items()}
+        self.returns.extend(counters["returns"])
+        self.lengths.extend(counters["lengths"])
+        for pid, policy in self.policies.items():
+            saved = counters["policies"].get(pid)
             if saved is not None:
-                store.restore(saved, None if arrays is None else
-                              {k.split("/", 2)[2]: v for k, v in arrays.items() if k.startswith(f"policies/{pid}/")})
+                policy.restore(saved, arrays.get(pid, {}))
 
-    def agent_return_means(self) -> dict:
-        return {a: r for store in self.policies.values() for a, r in store.agent_return_means().items()}
+    def return_mean(self) -> float:
+        returns = list(self.returns)   # one C-level copy: the serving thread may append
+        return float(np.mean(returns)) if returns else float("nan")
 
     def policy_return_means(self) -> dict:
-        return {pid: store.return_mean() for pid, store in self.policies.items()}
+        return {pid: policy.return_mean() for pid, policy in self.policies.items()}
 
+    def agent_return_means(self) -> dict:
+        return {str(a): float(np.mean(list(r))) for policy in self.policies.values()
+                for a, r in list(policy.returns_by_agent.items()) if r}

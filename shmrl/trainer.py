@@ -22,8 +22,10 @@ import numpy as np
 from shmrl.config import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError
 from shmrl.episode import EpisodeBatch
 from shmrl.report import Clock, metrics_row, progress_line, run_summary
-from shmrl.resume import load_resume_checkpoint, policy_arrays, save_checkpoint, saved_policy
+from shmrl.resume import (load_resume_checkpoint, policy_arrays, policy_file, policy_prefix, ppo_state,
+                          restore_store, save_checkpoint, saved_policy)
 from shmrl.serving import Serving, open_transports
+from shmrl.store import DEFAULT_POLICY
 
 log = logging.getLogger("shmrl.run")
 
@@ -43,13 +45,14 @@ def policy_net(config, spec):
 
 @dataclass
 class Setup:
-    """A run before anything starts: its settings resolved, its env, its policies (policy
-    id -> PolicyNet and first weights; a single-agent run's one policy has the id None)."""
+    """A run before anything starts: its settings resolved, its env, its set of policies
+    (by policy id; a single-agent run's one policy is ``DEFAULT_POLICY``)."""
     config: object
     spec: object
-    policy_specs: dict | None    # a multi-agent run's: policy id -> EnvSpec
-    nets: dict
-    first_weights: dict
+    multiagent: bool             # the env has agents, the clients send RLlib's multi-agent messages
+    policy_specs: dict           # policy id -> EnvSpec of its agents
+    nets: dict                   # policy id -> PolicyNet
+    first_weights: dict          # policy id -> its weights to publish first
     first_seq: int
     resumed: tuple | None        # (path, arrays, state) of the checkpoint it goes on from
 
@@ -61,8 +64,9 @@ def set_up(config) -> Setup:
 
     spec = env_spec(config.env)
     config = resolve_config(config, spec)
-    policy_specs = None
-    if getattr(spec, "multiagent", False):
+    multiagent = getattr(spec, "multiagent", False)
+    policy_specs = {DEFAULT_POLICY: spec}
+    if multiagent:
         from shmrl.multiagent import policy_mapper
 
         try:
@@ -74,12 +78,11 @@ def set_up(config) -> Setup:
     if config.logdir is None:
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
         config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    nets = ({None: policy_net(config, spec)} if policy_specs is None
-            else {pid: policy_net(config, s) for pid, s in policy_specs.items()})
-    resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets)
+    nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
+    resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent)
                if config.resume else None)
     if resumed:
-        first_weights = {pid: saved_policy(resumed[1], pid) for pid in nets}
+        first_weights = {pid: saved_policy(resumed[1], policy_prefix(pid, multiagent)) for pid in nets}
         first_seq = resumed[2]["weights_seq_no"] + 1
     else:
         first_weights = {pid: net.initial_weights(config.seed + i) for i, (pid, net) in enumerate(nets.items())}
@@ -90,28 +93,27 @@ def set_up(config) -> Setup:
         config.tensorboard = tensorboard_available()
     elif config.tensorboard and not tensorboard_available():
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
-    return Setup(config, spec, policy_specs, nets, first_weights, first_seq, resumed)
+    return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed)
 
 
 def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
     """The serving side, its first weights published (before torch is even imported)."""
-    config, multi = setup.config, setup.policy_specs is not None
-    templates = {pid: net.template for pid, net in setup.nets.items()}
-    serving = Serving(setup.spec, servers, initial_weights=setup.first_weights if multi else setup.first_weights[None],
-                      policy=templates if multi else templates[None],
-                      policy_specs=setup.policy_specs, league_size=config.league, league_every=config.league_every,
-                      extra_config=None if not multi else {
-                          "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0},
+    config = setup.config
+    serving = Serving(servers, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
+                      setup.first_weights, multiagent=setup.multiagent,
                       env_steps_per_sample=config.env_steps_per_sample, train_batch_size=config.train_batch_size,
                       on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
                       auth_token=config.auth_token, first_weights_seq_no=setup.first_seq,
                       housekeeping=supervisor.check if supervisor else None,
                       reward_gamma=config.gamma if config.normalize_reward else None,
                       batch_wait_timeout=config.hang_timeout,
-                      state_size=0 if multi else setup.nets[None].state_size)
+                      state_size=max(net.state_size for net in setup.nets.values()),
+                      league_size=config.league, league_every=config.league_every,
+                      extra_config=None if not setup.multiagent else {
+                          "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
     if setup.resumed:
         path, arrays, state = setup.resumed
-        serving.store.restore(state["counters"], arrays)
+        restore_store(serving.store, state, arrays, setup.multiagent)
         serving.updates = state["update"]
         print(f"resuming from {path} (update {state['update']}, {serving.store.steps_received} env steps, "
               f"weights {setup.first_seq - 1})", flush=True)
@@ -139,44 +141,38 @@ def make_ppos(setup: Setup) -> dict:
     if setup.resumed:
         _, arrays, state = setup.resumed
         for pid, ppo in ppos.items():
-            ppo.set_state(policy_arrays(arrays, pid), state["ppo"] if pid is None else state["ppo"][pid])
+            ppo.set_state(policy_arrays(arrays, policy_prefix(pid, setup.multiagent)),
+                          ppo_state(state, pid, setup.multiagent))
     return ppos
 
 
-def update(serving: Serving, ppos: dict, batches: list, version: int, progress: float = 0.0) -> dict | None:
-    """One PPO update of every policy on its chunks of ``batches`` (taken at weights
-    ``version``), then publish the new weights (and observation statistics). ``progress``:
-    the fraction of the step budget trained. The stats are each policy's, and their means
-    weighted by steps."""
+def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: float = 0.0) -> dict | None:
+    """One PPO update of each policy on its chunks (``batches``: policy id -> its batches,
+    taken at weights ``version``), then publish the new weights (and observation
+    statistics). ``progress``: the fraction of the step budget trained. The stats are
+    their means weighted by steps, and each policy's under ``policies``."""
     t0 = time.perf_counter()
-    multi = None not in ppos
-    if not batches:   # releases any client held back; nothing to learn from
-        serving.publish({} if multi else ppos[None].published_weights())
-        return None
-    chunks = batches[0].policies if multi else {None: EpisodeBatch.concat(batches)}
-    store = serving.store
+    chunks = {pid: EpisodeBatch.concat(b) for pid, b in batches.items()}
     per_policy, lags = {}, []
     for pid, sub in chunks.items():
         ppo = ppos[pid]
         seq = sub.weights_seq_no
         lags.extend((version - seq[seq >= 0]).tolist())
-        scale = ppo.config.reward_scale * (store if pid is None else store.policies[pid]).reward_scale()
+        scale = ppo.config.reward_scale * serving.store.policies[pid].reward_scale()
         per_policy[pid] = {**ppo.update(ppo.make_batch(sub, reward_scale=scale), progress),
                            "batch_steps": sub.num_steps, "reward_scale": scale}
         ppo.update_obs_stats(sub)
+    serving.store.trained(chunks)   # only this thread writes steps_trained
+    if chunks:
+        serving.updates += 1
+    serving.publish({pid: ppos[pid].published_weights() for pid in chunks})   # none: releases clients held back
+    if not chunks:
+        return None
     total = sum(p["batch_steps"] for p in per_policy.values())
-    store.steps_trained += total   # only this thread writes it
-    serving.updates += 1
-    weights = {pid: ppos[pid].published_weights() for pid in chunks}
-    serving.publish(weights if multi else weights[None])
-    if multi:
-        stats = {k: sum(p[k] * p["batch_steps"] for p in per_policy.values()) / total
-                 for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale")}
-        stats["policies"] = per_policy
-    else:
-        stats = per_policy[None]
+    stats = {k: sum(p[k] * p["batch_steps"] for p in per_policy.values()) / total
+             for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale")}
     stats.update(update=serving.updates, batch_steps=total, policy_lag=float(np.mean(lags)) if lags else 0.0,
-                 train_s=time.perf_counter() - t0, weights_seq_no=serving.weights_seq_no)
+                 train_s=time.perf_counter() - t0, weights_seq_no=serving.weights_seq_no, policies=per_policy)
     return stats
 
 
@@ -219,7 +215,7 @@ def checkpoint(setup: Setup, serving: Serving, ppos: dict) -> Path:
 
     config = setup.config
     return save_checkpoint(Path(config.logdir), serving.updates, serving.weights_seq_no, serving.store, ppos,
-                           saved_config(config), config.keep_checkpoints)
+                           saved_config(config), config.keep_checkpoints, setup.multiagent)
 
 
 def train_run(config, t_start: float, launcher=None) -> tuple[int, dict]:
@@ -233,7 +229,7 @@ def train_run(config, t_start: float, launcher=None) -> tuple[int, dict]:
     setup = set_up(config)
     config, logdir = setup.config, Path(setup.config.logdir)
     try:
-        servers, addresses, shm = open_transports(config, setup.spec, nets_arg(setup), launcher)
+        servers, addresses, shm = open_transports(config, setup.spec, setup.nets, launcher)
     except ShmSpaceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED, {}
@@ -287,11 +283,6 @@ def train_run(config, t_start: float, launcher=None) -> tuple[int, dict]:
     return status, summary
 
 
-def nets_arg(setup: Setup):
-    """The nets as ``open_transports`` takes them (one, or by policy id)."""
-    return setup.nets[None] if setup.policy_specs is None else setup.nets
-
-
 def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, status: int, error) -> dict:
     """Write the policy, a checkpoint and summary.json, and say how the run ended."""
     from shmrl.run import saved_config   # (moving to shmrl.config)
@@ -299,11 +290,8 @@ def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, statu
     config, logdir = setup.config, Path(setup.config.logdir)
     result = {**run_summary(serving, supervisor, clock, status, error, setup.resumed and setup.resumed[0]),
               "config": saved_config(config)}
-    if isinstance(serving.model_bytes, dict):   # multi-agent: policy-<id>.onnx each
-        for pid, model in serving.model_bytes.items():
-            (logdir / f"policy-{pid}.onnx").write_bytes(model)
-    else:
-        (logdir / "policy.onnx").write_bytes(serving.model_bytes)
+    for pid, model in serving.model_bytes.items():
+        (logdir / policy_file(pid, setup.multiagent)).write_bytes(model)
     if ppos is not None:
         result["checkpoint"] = str(checkpoint(setup, serving, ppos))
     (logdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -16,6 +16,7 @@ from conftest import alive, descendants, shm_entries
 from shmrl.envs import env_spec
 from shmrl.episode import EpisodeBatch
 from shmrl.serving import Serving
+from shmrl.store import DEFAULT_POLICY
 from shmrl.net import PolicyNet
 from shmrl.supervisor import Supervisor
 from shmrl.transport.shm import ShmClient, ShmServer
@@ -223,7 +224,7 @@ def test_supervisor_counts_the_steps_a_dead_simulator_never_sent(no_shm_leftover
     try:
         supervisor = Supervisor([f"shm:{server.address(0)}"], env="CartPole-v1", seed=0, shm_server=server)
         net = PolicyNet(env_spec("CartPole-v1"), 64)
-        learner = Serving(net.spec, [server], policy=net.template, initial_weights=net.initial_weights(0),
+        learner = Serving([server], {DEFAULT_POLICY: net.spec}, {DEFAULT_POLICY: net.template}, {DEFAULT_POLICY: net.initial_weights(0)},
                           env_steps_per_sample=64, train_batch_size=10_000)
         doomed = fork.Process(target=sends_60_of_100, args=(server.address(0),), name="doomed")
         doomed.start()
