@@ -65,7 +65,8 @@ def chunks_by_policy(batch, policy_specs: dict, multiagent: bool, state_size: in
         return {DEFAULT_POLICY: batch}, check_episodes(batch, policy_specs[DEFAULT_POLICY], state_size)
     for pid, sub in batch.policies.items():
         if pid not in policy_specs:
-            return {}, f"chunks for policy {pid!r}, which this run does not train (its policies: {sorted(policy_specs)})"
+            return {}, (f"chunks for policy {pid!r}, which this run does not train "
+                        f"(its policies: {sorted(policy_specs)})")
         why = check_episodes(sub, policy_specs[pid], state_size)
         if why:
             return {}, f"policy {pid!r}: {why}"

@@ -219,34 +219,49 @@ def checkpoint(setup: Setup, serving: Serving, ppos: dict) -> Path:
 
 
 def train_run(config, t_start: float, launcher=None) -> tuple[int, dict]:
-    """Run one training job; returns (exit status, summary). Whatever happens (Ctrl-C and
+    """Run one training job (the simulators of ``config``, and external clients when it
+    opens a TCP port); returns (exit status, summary). Whatever happens (Ctrl-C and
     SIGTERM included) every process it started is stopped, every segment it made is
     unlinked, and the summary and a checkpoint are written."""
-    from shmrl.metrics import MetricsLog
     from shmrl.supervisor import Supervisor
     from shmrl.transport.ring import ShmSpaceError
 
     setup = set_up(config)
-    config, logdir = setup.config, Path(setup.config.logdir)
+    config = setup.config
     try:
         servers, addresses, shm = open_transports(config, setup.spec, setup.nets, launcher)
     except ShmSpaceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED, {}
+    supervisor = None if not addresses else Supervisor(
+        addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim, auth_token=config.auth_token,
+        shm_server=shm, hang_timeout=config.hang_timeout, nice=config.sim_nice, launcher=launcher)
+    return train_on(setup, servers, supervisor, t_start)
+
+
+def train_with_servers(config, servers: list) -> tuple[int, dict]:
+    """Train as ``python -m shmrl.run`` does, on the clients that come through ``servers``
+    (transports of your own: see examples/custom_transport.py) instead of simulators it
+    starts; returns (exit status, summary). Every server is closed at the end."""
+    return train_on(set_up(config), servers, None, time.time())
+
+
+def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[int, dict]:
+    """The run's life: serve, start the simulators, loop, and always finish (see
+    ``train_run``)."""
+    from shmrl.metrics import MetricsLog
+
+    logdir = Path(setup.config.logdir)
     try:  # the last thing that can refuse the run: nothing is written before it
         logdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         for server in servers:
             server.close()
         raise ConfigError(f"--logdir {logdir}: cannot create it: {e.strerror or e}") from None
-    status, error = EXIT_FAILED, None
-    serving = supervisor = ppos = metrics = None
+    status, error, summary = EXIT_FAILED, None, {}
+    serving = ppos = metrics = None
     clock = Clock(t_start, 0)
     try:
-        if addresses:
-            supervisor = Supervisor(addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim,
-                                    auth_token=config.auth_token, shm_server=shm, hang_timeout=config.hang_timeout,
-                                    nice=config.sim_nice, launcher=launcher)
         serving = make_serving(setup, servers, supervisor)
         clock = Clock(t_start, serving.store.steps_received)
         serving.start()
@@ -259,7 +274,7 @@ def train_run(config, t_start: float, launcher=None) -> tuple[int, dict]:
         launch_error = supervisor.joined() if supervisor else None
         if launch_error is not None:
             raise RunFailed(f"could not start the simulators: {launch_error!r}")
-        metrics = MetricsLog(logdir, append=bool(setup.resumed), tensorboard=config.tensorboard)
+        metrics = MetricsLog(logdir, append=bool(setup.resumed), tensorboard=setup.config.tensorboard)
         status = loop(setup, serving, ppos, supervisor, metrics, clock)
     except RunFailed as e:
         error = str(e)
@@ -274,7 +289,8 @@ def train_run(config, t_start: float, launcher=None) -> tuple[int, dict]:
         if supervisor is not None:
             supervisor.stop()
         try:
-            summary = finish(setup, serving, supervisor, ppos, clock, status, error) if serving is not None else {}
+            if serving is not None:
+                summary = finish(setup, serving, supervisor, ppos, clock, status, error)
         finally:
             if metrics:
                 metrics.close()

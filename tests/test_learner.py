@@ -1,18 +1,20 @@
 """The Hub, the episode store and the simulator loop, over the in-process transport."""
+import math
 import threading
 
 import numpy as np
 import pytest
 
+import shmrl
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.serving import Serving
-from shmrl.store import DEFAULT_POLICY, EpisodeStore
-from shmrl.trainer import update
 from shmrl.net import PolicyNet
 from shmrl.ppo import PPO, PPOConfig
+from shmrl.serving import Serving
 from shmrl.sim import run_simulator
 from shmrl.spaces import Discrete, Sampler, action_layout
+from shmrl.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.trainer import train_with_servers, update
 from shmrl.transport.inproc import InProcServer
 
 SPEC = env_spec("CartPole-v1")
@@ -77,8 +79,8 @@ def test_store_drops_stale_chunks_and_takes_the_oldest_first():
 def learner_and_server():
     server = InProcServer()
     ppo = PPO(PolicyNet(SPEC, 64), PPOConfig(epochs=2, minibatch_size=64))
-    learner = Serving([server], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: ppo.published_weights()},
-                      env_steps_per_sample=32, train_batch_size=64)
+    learner = Serving([server], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: ppo.net.template},
+                      {DEFAULT_POLICY: ppo.published_weights()}, env_steps_per_sample=32, train_batch_size=64)
     yield learner, server, ppo
     learner.stop()
     server.close()
@@ -149,37 +151,33 @@ def test_episodes_that_do_not_fit_the_env_close_only_that_connection(learner_and
     assert out["pong"]["type"] == "PONG"
 
 
-def test_simulator_loop_learns_in_process():
-    """Simulators in threads + the learner: the return climbs well above random (~22)."""
+def test_simulator_loop_learns_in_process(tmp_path):
+    """Simulators in threads behind the in-process transport, trained by shmrl's own loop
+    (train_with_servers): the return climbs well above random (~22)."""
     server = InProcServer()
-    ppo = PPO(PolicyNet(SPEC, 64), PPOConfig(lr=3e-3, epochs=6, minibatch_size=256), seed=0)
-    learner = Serving([server], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: ppo.published_weights()},
-                      env_steps_per_sample=256, train_batch_size=512)
     clients = [server.connect(timeout=10) for _ in range(2)]
 
     def simulate(client, seed):
         try:
             run_simulator(client, seed=seed)
         except ConnectionError:
-            pass  # the test closed the connection
+            pass  # the run closed the server
 
     threads = [threading.Thread(target=simulate, args=(c, i), daemon=True) for i, c in enumerate(clients)]
     for t in threads:
         t.start()
     try:
-        while learner.updates < 30:
-            learner.poll(0.05)
-            batch = learner.next_batch(timeout=0)
-            if batch:
-                update(learner, {DEFAULT_POLICY: ppo}, *batch)
-        assert learner.store.return_mean() > 100
+        config = shmrl.Config(sims=0, seed=0, hidden=64, lr=3e-3, epochs=6, minibatch_size=256, train_batch_size=512,
+                              env_steps_per_sample=256, max_env_steps=30 * 512 + 1, stop_return=math.inf,
+                              torch_threads=1, tensorboard=False, logdir=str(tmp_path), log_every=0)
+        status, summary = train_with_servers(config, [server])   # closes the server when done
     finally:
-        learner.stop()
-        for c in clients:
-            server.drop(c.conn_id, "test over")
+        server.close()
         for t in threads:
             t.join(10)
-        server.close()
+    assert status == 1 and summary["updates"] == 30 and summary["error"] is None   # the step budget
+    assert summary["return_mean"] > 100
+    assert not any(t.is_alive() for t in threads)
 
 
 def test_sampler_matches_softmax_probabilities_and_logp():

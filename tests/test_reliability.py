@@ -224,8 +224,8 @@ def test_supervisor_counts_the_steps_a_dead_simulator_never_sent(no_shm_leftover
     try:
         supervisor = Supervisor([f"shm:{server.address(0)}"], env="CartPole-v1", seed=0, shm_server=server)
         net = PolicyNet(env_spec("CartPole-v1"), 64)
-        learner = Serving([server], {DEFAULT_POLICY: net.spec}, {DEFAULT_POLICY: net.template}, {DEFAULT_POLICY: net.initial_weights(0)},
-                          env_steps_per_sample=64, train_batch_size=10_000)
+        learner = Serving([server], {DEFAULT_POLICY: net.spec}, {DEFAULT_POLICY: net.template},
+                          {DEFAULT_POLICY: net.initial_weights(0)}, env_steps_per_sample=64, train_batch_size=10_000)
         doomed = fork.Process(target=sends_60_of_100, args=(server.address(0),), name="doomed")
         doomed.start()
         doomed.join(10)
@@ -377,8 +377,8 @@ def test_dev_shm_filling_up_after_the_check_is_the_same_clear_error_never_a_sigb
 
 # ---------------------------------------------------------------- access
 
-WIRE_MODULES = ["rllink.py", "episode.py", "hub.py", "store.py", "serving.py", "resume.py", "sim.py", "onnx_policy.py", "checkpoint.py",
-                "transport/tcp.py", "transport/shm.py", "transport/ring.py", "transport/inproc.py"]
+WIRE_MODULES = ["rllink.py", "episode.py", "hub.py", "store.py", "serving.py", "resume.py", "sim.py", "onnx_policy.py",
+                "checkpoint.py", "transport/tcp.py", "transport/shm.py", "transport/ring.py", "transport/inproc.py"]
 
 
 def test_no_pickle_on_any_wire(net, caplog, tmp_path):  # noqa: F811
