@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+
 class Clock:
     """The run's times: since the process started (``t_start``) and since learning began."""
 
@@ -30,14 +31,13 @@ def counts(serving, supervisor) -> dict:
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
 
-def run_state(serving, supervisor, clock: Clock) -> dict:
-    """What both a metrics row and the summary report of the run so far."""
+def returns(serving) -> dict:
+    """The mean return of the last episodes; a multi-agent run's also per policy and agent."""
     store = serving.store
-    state = {"return_mean": store.return_mean(), "episodes": store.episodes_completed,
-             "env_steps_per_s": clock.steps_per_s(store.steps_received), **counts(serving, supervisor)}
-    if serving.multiagent:   # mean returns per policy and per agent
-        state.update(return_by_policy=store.policy_return_means(), return_by_agent=store.agent_return_means())
-    return state
+    means = {"return_mean": store.return_mean()}
+    if serving.multiagent:
+        means.update(return_by_policy=store.policy_return_means(), return_by_agent=store.agent_return_means())
+    return means
 
 
 UPDATE_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "train_s", "batch_steps",
@@ -46,8 +46,10 @@ UPDATE_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "train
 
 def metrics_row(stats: dict, serving, supervisor, clock: Clock) -> dict:
     """One update's line of metrics.jsonl (and of TensorBoard)."""
-    row = {"update": stats["update"], **run_state(serving, supervisor, clock),
-           **{k: stats[k] for k in UPDATE_STATS}, "elapsed_s": time.time() - clock.t_start}
+    store, means = serving.store, returns(serving)
+    row = {"update": stats["update"], "return_mean": means["return_mean"], "episodes": store.episodes_completed,
+           "env_steps_per_s": clock.steps_per_s(store.steps_received), **{k: stats[k] for k in UPDATE_STATS},
+           **counts(serving, supervisor), "elapsed_s": time.time() - clock.t_start, **means}
     if serving.multiagent:   # each policy's losses too, "<id>/pi_loss"
         row["policies"] = {f"{pid}/{k}": v for pid, st in stats["policies"].items() for k, v in st.items()}
     return row
@@ -71,11 +73,13 @@ def _k(n: int) -> str:
 
 
 def run_summary(serving, supervisor, clock: Clock, status: int, error: str | None, resumed_from) -> dict:
-    """summary.json: the run's state at its end, and how it ended."""
-    store = serving.store
+    """summary.json but the configuration: the run's state at its end (the parts of a
+    metrics row that are not one update's), and how it ended."""
+    store, means = serving.store, returns(serving)
     return {"solved": status == 0, "exit_status": status, "error": error, "wall_s": time.time() - clock.t_start,
-            **run_state(serving, supervisor, clock),
+            "return_mean": means["return_mean"], "episodes": store.episodes_completed, **counts(serving, supervisor),
+            "env_steps_per_s": clock.steps_per_s(store.steps_received),
             "first_sample_s": store.first_steps_at - clock.t_start if store.first_steps_at else None,
             "updates": serving.updates, "weights_seq_no": serving.weights_seq_no,
             "simulator_recovery_s": supervisor.recovery_s if supervisor else [],
-            "resumed_from": str(resumed_from) if resumed_from else None}
+            "resumed_from": str(resumed_from) if resumed_from else None, **means}
