@@ -152,6 +152,9 @@ def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: 
     statistics). ``progress``: the fraction of the step budget trained. The stats are
     their means weighted by steps, and each policy's under ``policies``."""
     t0 = time.perf_counter()
+    if not batches:   # nothing to learn from: a new version releases any client held back
+        serving.publish({})
+        return None
     chunks = {pid: EpisodeBatch.concat(b) for pid, b in batches.items()}
     per_policy, lags = {}, []
     for pid, sub in chunks.items():
@@ -163,11 +166,8 @@ def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: 
                            "batch_steps": sub.num_steps, "reward_scale": scale}
         ppo.update_obs_stats(sub)
     serving.store.trained(chunks)   # only this thread writes steps_trained
-    if chunks:
-        serving.updates += 1
-    serving.publish({pid: ppos[pid].published_weights() for pid in chunks})   # none: releases clients held back
-    if not chunks:
-        return None
+    serving.updates += 1
+    serving.publish({pid: ppos[pid].published_weights() for pid in chunks})
     total = sum(p["batch_steps"] for p in per_policy.values())
     stats = {k: sum(p[k] * p["batch_steps"] for p in per_policy.values()) / total
              for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale")}
