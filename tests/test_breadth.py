@@ -20,7 +20,7 @@ from conftest import descendants, shm_entries
 from shmrl import checkpoint
 from shmrl.envs import Box, Discrete, env_spec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.learner import check_episodes
+from shmrl.hub import check_episodes
 from shmrl.run import parse_args
 
 

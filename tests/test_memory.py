@@ -13,7 +13,7 @@ from shmrl import rllink
 from shmrl.actor import Actor
 from shmrl.envs import Box, Discrete, EnvSpec, env_spec, make_vec_env
 from shmrl.episode import Episode, EpisodeBatch, Rollout
-from shmrl.learner import check_episodes
+from shmrl.hub import check_episodes
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.config import PPOSettings, with_defaults

@@ -16,10 +16,13 @@ import shmrl  # noqa: E402
 from shmrl import rllink  # noqa: E402
 from shmrl.envs import resolve_env  # noqa: E402
 from shmrl.episode import Episode, EpisodeBatch, MultiAgentBatch  # noqa: E402
-from shmrl.learner import EpisodeStore, Hub, Learner, MultiStore  # noqa: E402
+from shmrl.hub import Hub  # noqa: E402
+from shmrl.serving import Serving  # noqa: E402
+from shmrl.store import EpisodeStore  # noqa: E402
 from shmrl.multiagent import MultiAgentSampler, PolicySet, play, policy_mapper  # noqa: E402
 from shmrl.onnx_policy import encode_onnx_file  # noqa: E402
-from shmrl.run import RunConfig, policy_net, resolve_config  # noqa: E402
+from shmrl.config import Config, resolve_config  # noqa: E402
+from shmrl.trainer import policy_net  # noqa: E402
 
 
 class Relay(ParallelEnv):
@@ -101,7 +104,7 @@ class FirstWins(AECEnv):
 
 def model_for(env, agent, seed=0) -> bytes:
     _, spec = resolve_env(env)
-    cfg = resolve_config(RunConfig(env=env, hidden=16), spec)
+    cfg = resolve_config(Config(env=env, hidden=16), spec)
     net = policy_net(cfg, spec.agent_specs[agent])
     return net.template.publish(net.initial_weights(seed))
 
@@ -196,8 +199,8 @@ class FakeServer:
 def test_a_chunk_for_an_unknown_policy_closes_only_that_connection():
     _, spec = resolve_env(Relay)
     specs = spec.policy_specs(policy_mapper("shared"))
-    store = MultiStore(specs)
-    hub = Hub(spec, store, 64, on_policy=False, policy_specs=specs)
+    store = EpisodeStore(specs)
+    hub = Hub(specs, store, 64, on_policy=False, multiagent=True)
     hub.set_state(1, {"shared": {"onnx_file": "x", "weights_seq_no": 1}})
     server = FakeServer()
 
@@ -282,10 +285,10 @@ def test_self_play_evaluation_counts_wins():
 def test_the_league_keeps_the_last_snapshots_frozen():
     _, spec = resolve_env(FirstWins)
     specs = spec.policy_specs(policy_mapper("shared"))
-    cfg = resolve_config(RunConfig(env=FirstWins, hidden=16), spec)
+    cfg = resolve_config(Config(env=FirstWins, hidden=16), spec)
     net = policy_net(cfg, specs["shared"])
-    learner = Learner(spec, [], policy={"shared": net.template}, initial_weights={"shared": net.initial_weights(0)},
-                      env_steps_per_sample=64, train_batch_size=64, policy_specs=specs, league_size=2,
+    learner = Serving([], specs, {"shared": net.template}, {"shared": net.initial_weights(0)}, multiagent=True,
+                      env_steps_per_sample=64, train_batch_size=64, league_size=2,
                       league_every=1)
     try:
         for update in range(1, 5):

@@ -12,12 +12,14 @@ import shmrl
 from shmrl import checkpoint
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.learner import EpisodeStore
+from shmrl.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.net import OBS_CLIP, PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
-from shmrl.run import parse_args, policy_net, resolve_config, saved_policy
+from shmrl.resume import restore_store, saved_policy
+from shmrl.run import parse_args, resolve_config
+from shmrl.trainer import policy_net
 from shmrl.stats import RunningMeanStd, discounted_sums
 
 
@@ -98,12 +100,13 @@ def test_reward_scaling_follows_each_stream_across_its_chunks():
         return EpisodeBatch.from_episodes([ep.finalize()])
 
     store = EpisodeStore(reward_gamma=gamma)
-    store.reward_stats.count = 0.0
+    policy = store.policies[DEFAULT_POLICY]
+    policy.reward_stats.count = 0.0
     for conn, lo, hi, done in (("a", 0, 25, False), ("b", 0, 10, False), ("a", 25, 40, True), ("b", 10, 40, True)):
-        store.add(conn, chunk(conn, lo, hi, done))
+        store.add(conn, {DEFAULT_POLICY: chunk(conn, lo, hi, done)})
     returns = np.concatenate([naive_discounted(rewards[c][None], gamma, [0.0])[0] for c in ("a", "b")])
-    np.testing.assert_allclose(store.reward_stats.var, returns.var(), rtol=1e-6)
-    assert store.reward_scale() == pytest.approx(1 / np.sqrt(returns.var() + 1e-8))
+    np.testing.assert_allclose(policy.reward_stats.var, returns.var(), rtol=1e-6)
+    assert policy.reward_scale() == pytest.approx(1 / np.sqrt(returns.var() + 1e-8))
     assert list(store.returns) == pytest.approx([rewards["a"].sum(), rewards["b"].sum()])   # raw returns
 
 
@@ -124,9 +127,9 @@ def test_observation_and_reward_statistics_survive_a_checkpoint(tmp_path, no_shm
     for name, value in ppo.published_weights().items():
         np.testing.assert_array_equal(value, policy[name])
     store = EpisodeStore(reward_gamma=config.gamma)
-    store.restore(state["counters"], arrays)
-    assert store.reward_scale() == pytest.approx(1 / np.sqrt(arrays["reward_stats.var"] + 1e-8))
-    assert store.reward_scale() != 1.0
+    restore_store(store, state, arrays, multiagent=False)
+    scale = store.policies[DEFAULT_POLICY].reward_scale()
+    assert scale == pytest.approx(1 / np.sqrt(arrays["reward_stats.var"] + 1e-8)) and scale != 1.0
 
 
 def test_a_preset_is_picked_up_and_a_flag_overrides_it():

@@ -15,7 +15,8 @@ import pytest
 from conftest import alive, descendants, shm_entries
 from shmrl.envs import env_spec
 from shmrl.episode import EpisodeBatch
-from shmrl.learner import Learner
+from shmrl.serving import Serving
+from shmrl.store import DEFAULT_POLICY
 from shmrl.net import PolicyNet
 from shmrl.supervisor import Supervisor
 from shmrl.transport.shm import ShmClient, ShmServer
@@ -169,7 +170,7 @@ def test_time_a_simulator_waits_for_a_cpu_is_not_taken_for_a_hang(monkeypatch):
                      launcher=launcher)
     sim = sup.sims[0]
     sim.proc, sim.steps_seen, sim.progress_at, sim.waited_at = object(), 7, 100.0, 2.0
-    learner = SimpleNamespace(hub=SimpleNamespace(waiting=set()))
+    serving = SimpleNamespace(held=lambda conn_id: False)
     asked = []
 
     def waited(pid):
@@ -178,14 +179,14 @@ def test_time_a_simulator_waits_for_a_cpu_is_not_taken_for_a_hang(monkeypatch):
 
     monkeypatch.setattr(supervisor, "run_queue_wait_s", waited)
     wait_now = 6.5          # 5 s without a step, 4.5 of them waiting for a CPU: 0.5 s it could run
-    assert sup._trouble(sim, learner, now=105.0) is None
+    assert sup._trouble(sim, serving, now=105.0) is None
     wait_now = 6.8          # 6 s without a step, 4.8 waiting: 1.2 s it could run, past the timeout
-    why = sup._trouble(sim, learner, now=106.0)
+    why = sup._trouble(sim, serving, now=106.0)
     assert why.startswith("hung: no env step for 6.0 s, 4.8 s of them waiting for a CPU"), why
     assert asked == [4321, 4321]        # the slot's own client process
     # Without schedstat (or waiting for nothing) every second counts, as before.
     monkeypatch.setattr(supervisor, "run_queue_wait_s", lambda pid: 2.0)
-    assert sup._trouble(sim, learner, now=101.5).startswith("hung: no env step for 1.5 s")
+    assert sup._trouble(sim, serving, now=101.5).startswith("hung: no env step for 1.5 s")
 
 
 def test_run_queue_wait_is_read_for_a_live_process_and_zero_for_none():
@@ -224,8 +225,8 @@ def test_supervisor_counts_the_steps_a_dead_simulator_never_sent(no_shm_leftover
     try:
         supervisor = Supervisor([f"shm:{server.address(0)}"], env="CartPole-v1", seed=0, shm_server=server)
         net = PolicyNet(env_spec("CartPole-v1"), 64)
-        learner = Learner(net.spec, [server], policy=net.template, initial_weights=net.initial_weights(0),
-                          env_steps_per_sample=64, train_batch_size=10_000)
+        learner = Serving([server], {DEFAULT_POLICY: net.spec}, {DEFAULT_POLICY: net.template},
+                          {DEFAULT_POLICY: net.initial_weights(0)}, env_steps_per_sample=64, train_batch_size=10_000)
         doomed = fork.Process(target=sends_60_of_100, args=(server.address(0),), name="doomed")
         doomed.start()
         doomed.join(10)
@@ -378,8 +379,8 @@ def test_dev_shm_filling_up_after_the_check_is_the_same_clear_error_never_a_sigb
 
 # ---------------------------------------------------------------- access
 
-WIRE_MODULES = ["rllink.py", "episode.py", "learner.py", "sim.py", "onnx_policy.py", "checkpoint.py",
-                "transport/tcp.py", "transport/shm.py", "transport/ring.py", "transport/inproc.py"]
+WIRE_MODULES = ["rllink.py", "episode.py", "hub.py", "store.py", "serving.py", "resume.py", "sim.py", "onnx_policy.py",
+                "checkpoint.py", "transport/tcp.py", "transport/shm.py", "transport/ring.py", "transport/inproc.py"]
 
 
 def test_no_pickle_on_any_wire(net, caplog, tmp_path):  # noqa: F811
@@ -429,10 +430,11 @@ def test_no_pickle_on_any_wire(net, caplog, tmp_path):  # noqa: F811
 def test_tcp_listens_on_loopback_unless_told_otherwise(start_run):
     """The learner's TCP port (--tcp-port, and --transport tcp for local simulators) is
     reachable from this machine only, unless --tcp-host says otherwise."""
-    from shmrl.run import RunConfig, parse_args
+    from shmrl.config import Config
+    from shmrl.run import parse_args
     from shmrl.transport.tcp import TcpServer
 
-    assert parse_args(["--sims", "0", "--tcp-port", "0"]).tcp_host == RunConfig().tcp_host == "127.0.0.1"
+    assert parse_args(["--sims", "0", "--tcp-port", "0"]).tcp_host == Config().tcp_host == "127.0.0.1"
     with TcpServer(port=0) as server:                           # the class's own default too
         assert server.address[0] == "127.0.0.1"
     run = start_run("--sims", 0, "--tcp-port", 0, "--stop-return", 1e9)

@@ -40,7 +40,7 @@ def test_a_failure_in_the_serving_thread_ends_the_run_as_failed(monkeypatch, tmp
     """The learner's serving thread dying (a bug, a transport that broke) used to leave the
     run waiting forever for batches; now the run ends with exit 3 and says why."""
     import shmrl
-    from shmrl.learner import EpisodeStore
+    from shmrl.store import EpisodeStore
 
     def broken_add(self, conn_id, batch):
         raise RuntimeError("injected: the store is broken")
@@ -165,7 +165,8 @@ def test_learner_killed_simulators_exit_and_next_run_sweeps_its_segments(start_r
 
 
 def test_a_training_batch_is_the_same_however_many_simulators_share_it():
-    from shmrl.run import parse_args, resolve_config, RunConfig
+    from shmrl.config import Config, resolve_config
+    from shmrl.run import parse_args
 
     for sims, per_message in ((8, 256), (4, 512), (3, 683), (0, 2048)):
         argv = ["--sims", sims] + (["--tcp-port", 0] if sims == 0 else [])
@@ -173,4 +174,4 @@ def test_a_training_batch_is_the_same_however_many_simulators_share_it():
         assert (config.train_batch_size, config.env_steps_per_sample) == (2048, per_message), sims
     assert parse_args(["--sims", 4, "--env-steps-per-sample", 100]).env_steps_per_sample == 100
     assert parse_args(["--train-batch-size", 4096]).env_steps_per_sample == 512
-    assert resolve_config(RunConfig(env="Pendulum-v1", sims=2)).env_steps_per_sample == 2048
+    assert resolve_config(Config(env="Pendulum-v1", sims=2)).env_steps_per_sample == 2048

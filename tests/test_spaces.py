@@ -12,7 +12,9 @@ from gymnasium import spaces as gs
 from shmrl import rllink
 from shmrl.envs import EnvSpec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.learner import Learner, check_episodes
+from shmrl.hub import check_episodes
+from shmrl.serving import Serving
+from shmrl.store import DEFAULT_POLICY
 from shmrl.net import MASKED_LOGIT, PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.config import PPOSettings, with_defaults
@@ -146,8 +148,8 @@ def test_a_bad_dict_observation_closes_only_its_connection(caplog):
     spec = robot_spec()
     net = PolicyNet(spec, 16)
     server = InProcServer(codec="json")
-    learner = Learner(spec, [server], policy=net.template, initial_weights=net.initial_weights(0),
-                      env_steps_per_sample=8, train_batch_size=10_000)
+    learner = Serving([server], {DEFAULT_POLICY: spec}, {DEFAULT_POLICY: net.template},
+                      {DEFAULT_POLICY: net.initial_weights(0)}, env_steps_per_sample=8, train_batch_size=10_000)
     good, evil = server.connect(timeout=5), server.connect(timeout=5)
     bad = robot_batch(np.random.default_rng(4))
     bad.obs = {**bad.obs, "camera": bad.obs["camera"][:, :, :4]}
