@@ -9,6 +9,19 @@ from pathlib import Path
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """A run of the suite or of a folder (``python -m pytest -q``) leaves the tests marked
+    ``slow`` out, so that it stays within minutes; ``-m slow`` runs only those, ``-m "slow
+    or not slow"`` all; a run that names test files or tests runs every test in them."""
+    names_files = any(not os.path.isdir(arg.split("::")[0]) for arg in config.args)
+    if config.option.markexpr or names_files:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 def load_tool(name: str):
     """tools/NAME.py as a module (tools/ is not a package: each tool is a script)."""
     path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
