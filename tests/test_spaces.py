@@ -1,14 +1,13 @@
 """The space layer: every observation and action space shmrl trains, through both codecs,
 validation, the ONNX graph, the sampler, PPO's log-probabilities and action masks."""
 import os
-import threading
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from gymnasium import spaces as gs
 
+from conftest import need, request_while_serving
 from shmrl import rllink
 from shmrl.envs import EnvSpec
 from shmrl.episode import Episode, EpisodeBatch
@@ -18,6 +17,8 @@ from shmrl.onnx_policy import OnnxPolicy
 from shmrl.ppo import PPO, PPOConfig
 from shmrl.spaces import Sampler, action_layout, from_gym, obs_layout
 from shmrl.transport.inproc import InProcServer
+
+gs = need("gymnasium", "gym").spaces
 
 # A robot with a camera, its joints, a mode and a mask over its three moves.
 ROBOT_OBS = gs.Dict({
@@ -150,28 +151,15 @@ def test_a_bad_dict_observation_closes_only_its_connection(caplog):
     good, evil = server.connect(timeout=5), server.connect(timeout=5)
     bad = robot_batch(np.random.default_rng(4))
     bad.obs = {**bad.obs, "camera": bad.obs["camera"][:, :, :4]}
-    out = {}
-
-    def run_evil():
-        evil.request({"type": "PING"})
-        try:
-            evil.request({"type": "EPISODES_AND_GET_STATE", "episodes": bad, "timesteps": bad.num_steps})
-        except ConnectionError as e:
-            out["evil"] = e
-
-    t = threading.Thread(target=run_evil, daemon=True)
-    t.start()
     try:
-        while "evil" not in out:
-            learner.poll(0.05)
-        g = threading.Thread(target=lambda: out.update(pong=good.request({"type": "PING"})), daemon=True)
-        g.start()
-        while "pong" not in out:
-            learner.poll(0.05)
+        closed = request_while_serving(learner, evil, {"type": "PING"}, {
+            "type": "EPISODES_AND_GET_STATE", "episodes": bad, "timesteps": bad.num_steps}, what="the bad client closed")
+        pong = request_while_serving(learner, good, {"type": "PING"}, what="the good client's PONG")
     finally:
         learner.stop()
         server.close()
-    assert "obs 'camera' has shape (12, 4, 3)" in caplog.text and out["pong"]["type"] == "PONG"
+    assert isinstance(closed, ConnectionError), closed
+    assert "obs 'camera' has shape (12, 4, 3)" in caplog.text and pong["type"] == "PONG"
     assert learner.store.steps_dropped == {"does not fit the environment": bad.num_steps}
 
 
