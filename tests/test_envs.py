@@ -1,7 +1,7 @@
-import gymnasium
 import numpy as np
 import pytest
 
+from conftest import need
 from shmrl.envs import CartPole, LoopVecEnv, VecCartPole, env_spec, make_env, make_vec_env
 
 
@@ -13,7 +13,7 @@ def balancing_action(obs) -> int:
 def step_beside_gymnasium(env_id: str, mine, seed: int, next_action, atol: float) -> tuple[int, bool, bool]:
     """Reset ``mine`` and gymnasium's ``env_id`` with ``seed`` and step both with the same
     actions until the episode ends, checking each step; returns (steps, terminated, truncated)."""
-    ref = gymnasium.make(env_id)
+    ref = need("gymnasium", "gym").make(env_id)
     ref_obs, _ = ref.reset(seed=seed)
     obs, _ = mine.reset(seed=seed)
     np.testing.assert_array_equal(obs, ref_obs)  # same seeding, same reset distribution
