@@ -1,3 +1,7 @@
+"""What every test file shares: the slow set left out of the default run, bounded waits
+(``wait_until`` and what is built on it: ``Run.wait_until``, ``all_gone``, ``serve_until``),
+``python -m shmrl.run`` in a process of its own (``start_run``), a run's summary and
+metrics, the process and /dev/shm checks, and ``need`` for the optional env families."""
 import importlib.util
 import json
 import os

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import descendants, metrics_rows, shm_entries, summary_of
+from conftest import descendants, metrics_rows, need, shm_entries, summary_of
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "external_client.py"
 
@@ -76,6 +76,7 @@ def test_external_client_example_imports_nothing_from_shmrl():
 def test_the_external_client_trains_a_dict_observation_with_a_mask_and_a_two_part_action(start_run, tmp_path):
     """The JSON path end to end: one JSON object per step for the Dict observation, one
     list per step for the Tuple(Discrete, Box) action, the mask applied inside the graph."""
+    need("gymnasium", "gym")                    # the run describes the forager's spaces with it
     logdir = tmp_path / "logs"
     (tmp_path / "examples").mkdir()                      # importable from the run's working directory
     shutil.copy(EXAMPLE, tmp_path / "examples" / "external_client.py")

@@ -130,6 +130,7 @@ def test_observation_and_reward_statistics_survive_a_checkpoint(tmp_path, no_shm
 
 
 def test_a_preset_is_picked_up_and_a_flag_overrides_it():
+    need("mujoco", "mujoco")                     # the command line checks gym:HalfCheetah-v5 exists
     cheetah = parse_args(["--env", "gym:HalfCheetah-v5"])               # the continuous family
     assert cheetah.normalize_obs and cheetah.normalize_reward and cheetah.lr_anneal
     cartpole = parse_args([])                                           # CartPole-v1's own table
