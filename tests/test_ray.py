@@ -137,7 +137,9 @@ def test_a_node_that_dies_takes_its_simulators_and_they_come_back_on_the_other(
     back = run.wait_until(all_back, 30, "the dead node's simulators back")
     assert max(back) <= 10, back
     assert not any(alive(pid) for pid in doomed)
-    time.sleep(1.0)                                           # and sample: a few more updates
+    updates = len([line for line in run.output().splitlines() if line.startswith("update ")])
+    run.wait_until(lambda out: len([line for line in out.splitlines() if line.startswith("update ")]) >= updates + 2,
+                   30, "two more updates after the restarts")          # and sample on
     os.killpg(run.proc.pid, signal.SIGINT)
     assert run.proc.wait(30) == 130, run.output()[-5000:]
     s = summary_of(tmp_path / "run")
