@@ -22,6 +22,7 @@ from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer
+from conftest import need
 from test_envs import step_beside_gymnasium
 
 
@@ -122,6 +123,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
 
 
 def test_pendulum_spaces_are_gymnasiums():
+    need("gymnasium", "gym")
     ours, theirs = env_spec("Pendulum-v1"), env_spec("gym:Pendulum-v1")
     assert ours.observation_space == theirs.observation_space
     assert ours.action_space == theirs.action_space and ours.continuous and ours.policy_outputs == 2

@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("pettingzoo")
+from conftest import need, summary_of
+need("pettingzoo", "pettingzoo")
 from gymnasium import spaces as gs  # noqa: E402
 from pettingzoo import AECEnv, ParallelEnv  # noqa: E402
 
@@ -330,7 +331,6 @@ def test_a_parallel_env_trains_per_agent_policies_and_resumes(tmp_path, no_shm_l
 def test_the_external_client_trains_two_agents_over_json(start_run, tmp_path):
     """The JSON path of the README's example: chunks with agent_id and module_id from a
     client that imports nothing of shmrl, SET_STATE with one model per policy."""
-    import re
     import shutil
     import subprocess
     import sys
@@ -343,8 +343,7 @@ def test_the_external_client_trains_two_agents_over_json(start_run, tmp_path):
     run = start_run("--sims", 0, "--tcp-port", 0, "--env", "examples.external_client:pair_spaces",
                     "--policy-map", "per-agent", "--stop-return", 6.5, "--max-env-steps", 60_000,
                     "--train-batch-size", 1000, "--env-steps-per-sample", 500, "--lr", 3e-3, "--logdir", logdir)
-    run.wait_for("listening for RLlink clients on", timeout=30)
-    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    port = run.tcp_port()
     client = subprocess.Popen([sys.executable, str(example), "--port", str(port), "--max-retries", "0",
                                "--game", "pair"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -353,7 +352,7 @@ def test_the_external_client_trains_two_agents_over_json(start_run, tmp_path):
     finally:
         client.kill()
         client.wait(5)
-    summary = json.loads((logdir / "summary.json").read_text())
+    summary = summary_of(logdir)
     assert run.proc.returncode == 0, run.output()    # random play earns 5 (left) and 2.5 (right)
     assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary
     assert summary["return_by_agent"]["left"] > 7 and summary["return_by_agent"]["right"] > 3.5
@@ -431,13 +430,11 @@ def test_eval_cli_plays_against_random_and_against_a_run_folder(tmp_path):
     ("CartPole-v1", "pz:connect_four_v3", "a single-agent policy cannot play"),
 ])
 def test_a_simulator_whose_env_does_not_fit_the_run_says_so(start_run, tmp_path, server_env, sim_env, message):
-    import re
     import subprocess
     import sys
 
     run = start_run("--sims", 0, "--tcp-port", 0, "--env", server_env, "--logdir", tmp_path / "logs")
-    run.wait_for("listening for RLlink clients on", timeout=30)
-    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    port = run.tcp_port()
     proc = subprocess.run([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", sim_env],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -1,6 +1,5 @@
 """Observation normalization in the published graph, reward scaling per client stream,
 their statistics through checkpoints, presets, and a short MuJoCo run that learns."""
-import json
 import subprocess
 import sys
 
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 import shmrl
+from conftest import metrics_rows, need
 from shmrl import checkpoint
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
@@ -67,6 +67,7 @@ def random_chunks(rng, n_chunks, obs_dim, act_dim, loc, scale):
 
 
 def test_the_published_graph_normalizes_exactly_as_the_learner_does():
+    need("mujoco", "mujoco")                     # gym:Hopper-v5's spaces
     spec = env_spec("gym:Hopper-v5")
     net = PolicyNet(spec, 64, "Tanh", normalize_obs=True)
     ppo = PPO(net, with_defaults(PPOSettings), seed=1)
@@ -133,6 +134,7 @@ def test_observation_and_reward_statistics_survive_a_checkpoint(tmp_path, no_shm
 
 
 def test_a_preset_is_picked_up_and_a_flag_overrides_it():
+    need("mujoco", "mujoco")                     # the command line checks gym:HalfCheetah-v5 exists
     cheetah = parse_args(["--env", "gym:HalfCheetah-v5"])               # the continuous family
     assert cheetah.normalize_obs and cheetah.normalize_reward and cheetah.lr_anneal
     cartpole = parse_args([])                                           # CartPole-v1's own table
@@ -146,10 +148,10 @@ def test_a_preset_is_picked_up_and_a_flag_overrides_it():
 
 
 def test_a_short_mujoco_run_learns(tmp_path, no_shm_leftovers, no_sim_leftovers):
-    pytest.importorskip("mujoco", reason="the mujoco extra is not installed (the test extra has it)")
+    need("mujoco", "mujoco")
     # A random policy balances InvertedPendulum-v5 for about 6 steps; 300 takes learning.
     summary = shmrl.train(env="gym:InvertedPendulum-v5", sims=2, stop_return=300, max_env_steps=200_000,
                           logdir=str(tmp_path))
     assert summary["solved"], summary
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     assert rows[0]["return_mean"] < 50 and rows[-1]["reward_scale"] != 1.0 and rows[-1]["lr"] < rows[0]["lr"]
