@@ -301,9 +301,6 @@ class Config(NetworkSettings, PPOSettings, SamplingSettings, MultiAgentSettings,
     ``env`` may also be a callable that makes a gymnasium-style env."""
 
 
-RunConfig = Config   # its name before config.py held it; new code says Config
-
-
 def house_defaults(cls=Config) -> dict:
     """The house default of every preset setting of ``cls`` (Config or one of its groups)."""
     return {f.name: f.metadata["house"] for f in dataclasses.fields(cls) if f.metadata["preset"]}
@@ -361,18 +358,20 @@ def value_problem(f: dataclasses.Field, value) -> str | None:
     return None
 
 
-def validate(config: Config, spec=None) -> None:
+def validate(config: Config, spec=None, servers_given: bool = False) -> None:
     """Raise ConfigError, with the flag's name, for the first setting that cannot be: a
     value out of its range (NaN, and infinity where it means nothing, included) or settings
     that contradict each other. Fields still None (the env's preset) pass; ``spec`` (the
-    env's) adds what depends on the env."""
+    env's) adds what depends on the env; ``servers_given``: the caller brings its own
+    transports (``trainer.train_with_servers``), so a run without simulators or a TCP port
+    still has clients."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.name != "env" and value is not None:
             problem = value_problem(f, value)
             if problem:
                 raise ConfigError(f"{flag_of(f)} {problem}")
-    if config.sims == 0 and config.tcp_port is None:
+    if config.sims == 0 and config.tcp_port is None and not servers_given:
         raise ConfigError("--sims 0 runs no local simulator: give --tcp-port for external clients")
     if config.ray is not None and config.sims == 0:
         raise ConfigError("--ray places simulators: give --sims N (N >= 1)")

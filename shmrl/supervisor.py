@@ -5,9 +5,11 @@ default), ``shmrl.ray_launcher.RayLauncher`` makes them Ray actors across a clus
 have the same small interface (``start``, ``exit_reason``, ``kill``, ``stop``); the
 restart policy and the accounting of lost steps stay here, whichever places them.
 
-``check`` runs in the learner's serving thread (``Learner(housekeeping=...)``), the thread
-that owns the Hub and the transports, so a dead simulator's connection is closed, its
-slot reset and a replacement started without a lock around any of them.
+``check(serving)`` runs in the learner's serving thread (``Serving(housekeeping=...)``),
+the thread that owns the Hub and the transports, so a dead simulator's connection is
+closed, its slot reset and a replacement started without a lock around any of them. It
+talks to the serving side only through its interface for launchers (``held``,
+``connection_named``, ``timed_out``, ``steps_received``, ``close``).
 
 A simulator is replaced when its process exits (a SIGKILL included: seen within one
 serving round, about 50 ms) or when it hangs: the env-step count it writes into its
@@ -153,6 +155,25 @@ class Supervisor:
                     return
                 self._start(sim, steps_received_before=0)
 
+    def start_all_in_background(self) -> threading.Thread:
+        """``start_all`` in a thread of its own (the fork server's start-up overlaps the
+        learner's import of torch); ``joined`` waits for it."""
+        def launch():
+            try:
+                self.start_all()
+            except BaseException as e:  # joined() hands it to the caller's thread
+                self._launch_error = e
+
+        self._launch_error = None
+        self._launching = threading.Thread(target=launch, name="shmrl-launcher", daemon=True)
+        self._launching.start()
+        return self._launching
+
+    def joined(self) -> BaseException | None:
+        """Wait for ``start_all_in_background`` to finish; returns what it raised, if anything."""
+        self._launching.join()
+        return self._launch_error
+
     def _start(self, sim: _Sim, steps_received_before: int) -> None:
         proc = self.launcher.start(sim, (sim.address, self.env, self.seed * 1000 + sim.index, self.envs_per_sim,
                                          sim.name, self.auth_token, self.nice))
@@ -172,7 +193,7 @@ class Supervisor:
         return [sim.proc.pid for sim in self.sims if sim.proc is not None and sim.proc.pid is not None]
 
     # ------------------------------------------------------------ watching (serving thread)
-    def check(self, learner) -> None:
+    def check(self, serving) -> None:
         """Replace every simulator that has exited or hung since the last look."""
         if self._stopping or self.failure:
             return
@@ -181,27 +202,27 @@ class Supervisor:
             with self._lock:
                 if self._stopping or sim.proc is None:
                     continue
-                reason = self._trouble(sim, learner, now)
+                reason = self._trouble(sim, serving, now)
                 if reason:
-                    self._replace(sim, reason, learner, now)
+                    self._replace(sim, reason, serving, now)
 
     def _on_shm(self, sim: _Sim) -> bool:
         """Whether ``sim`` uses its shared-memory slot (a remote launcher's may use TCP)."""
         return (self.shm is not None and sim.conn_id is not None
                 and (not self.launcher.remote or self.shm.client_pid(sim.index) is not None))
 
-    def _trouble(self, sim: _Sim, learner, now: float) -> str | None:
+    def _trouble(self, sim: _Sim, serving, now: float) -> str | None:
         reason = self.launcher.exit_reason(sim.proc)
         if reason is not None:
             return reason
         if not self._on_shm(sim):
-            return self._tcp_trouble(sim, learner, now)
+            return self._tcp_trouble(sim, serving, now)
         steps = self.shm.env_steps(sim.index)
         if steps != sim.steps_seen:
             self._back(sim, now)
         pid = self.shm.client_pid(sim.index) or (None if self.launcher.remote else getattr(sim.proc, "pid", None))
         waited = run_queue_wait_s(pid)
-        if steps != sim.steps_seen or sim.conn_id in learner.hub.waiting:
+        if steps != sim.steps_seen or serving.held(sim.conn_id):
             # Progress, or held back by the learner.
             sim.steps_seen, sim.progress_at, sim.waited_at = steps, now, waited
         elif (now - sim.progress_at) - (waited - sim.waited_at) > self.hang_timeout:
@@ -209,17 +230,17 @@ class Supervisor:
                     f"them waiting for a CPU (--hang-timeout {self.hang_timeout:g})")
         return None
 
-    def _tcp_trouble(self, sim: _Sim, learner, now: float) -> str | None:
+    def _tcp_trouble(self, sim: _Sim, serving, now: float) -> str | None:
         """A TCP simulator's connection closed (the server closes one whose HEARTBEATs stop)
         while its process lives on, or none came within ``hang_timeout`` of its start."""
-        names = learner.hub.names
-        if sim.tcp_conn is not None and names.get(sim.tcp_conn) != sim.name:
+        conn_id = serving.connection_named(sim.name)
+        if sim.tcp_conn is not None and conn_id != sim.tcp_conn:
             closed, sim.tcp_conn = sim.tcp_conn, None   # closed: its time starts now
             sim.progress_at = now
-            if any(server.timed_out(closed) for server in learner.servers):
+            if serving.timed_out(closed):
                 return f"hung: its HEARTBEATs stopped, so the server closed {closed}"
         if sim.tcp_conn is None:
-            sim.tcp_conn = next((c for c, n in names.items() if n == sim.name), None)
+            sim.tcp_conn = conn_id
             if sim.tcp_conn is not None:
                 self._back(sim, now)
         if sim.tcp_conn is not None or self.launcher.starting(sim.proc):
@@ -236,17 +257,15 @@ class Supervisor:
             log.info("simulator %s is back, %.1f s after it failed", sim.name, now - sim.failed_time)
             sim.failed_time = None
 
-    def _replace(self, sim: _Sim, reason: str, learner, now: float) -> None:
+    def _replace(self, sim: _Sim, reason: str, serving, now: float) -> None:
         proc = sim.proc
         self.launcher.kill(proc)  # a hung one goes for good
         what = f"{self.launcher.describe(proc)} {reason}"
         lost, on_shm = 0, self._on_shm(sim)
         if on_shm:
-            learner.serve_requests()  # whatever it published whole before it died still counts
-            received = learner.store.steps_by_conn.get(sim.conn_id, 0) - sim.steps_received_before
-            lost = max(0, self.shm.env_steps(sim.index) - received)
-            learner.store.steps_lost += lost
-            learner.disconnect(sim.conn_id, what)
+            # Whatever it published whole before it died still counts; the rest is lost.
+            lost = serving.close(sim.conn_id, what, stepped=self.shm.env_steps(sim.index),
+                                 received_before=sim.steps_received_before)
             self.shm.reset(sim.index)
         sim.failed_at.append(now)
         while sim.failed_at and now - sim.failed_at[0] > self.restart_window:
@@ -262,4 +281,4 @@ class Supervisor:
         else:  # over TCP the Hub counts them, from its HEARTBEATs, when its connection closes
             log.warning("%s; restarting it", what)
         sim.tcp_conn, sim.failed_time = None, now
-        self._start(sim, learner.store.steps_by_conn.get(sim.conn_id, 0) if sim.conn_id else 0)
+        self._start(sim, serving.steps_received(sim.conn_id) if sim.conn_id else 0)

@@ -6,22 +6,22 @@ test import it, since that is where the closure's globals live.
 """
 import contextlib
 import io
-import json
 import math
 import sys
 
-import gymnasium
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 import shmrl
-from conftest import descendants, shm_entries
+from conftest import descendants, metrics_rows, need, quick_cartpole, shm_entries, summary_of
 from shmrl import checkpoint
 from shmrl.envs import Box, Discrete, env_spec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.learner import check_episodes
+from shmrl.hub import check_episodes
 from shmrl.run import parse_args
+
+gymnasium = need("gymnasium", "gym")
 
 
 class Corridor:
@@ -108,17 +108,6 @@ def policy_io(path) -> tuple[int, int]:
     return session.get_inputs()[0].shape[-1], session.get_outputs()[0].shape[-1]
 
 
-def read_summary(logdir) -> dict:
-    return json.loads((logdir / "summary.json").read_text())
-
-
-def quick_cartpole(logdir, **fields) -> dict:
-    """A short CartPole run in this process: about 30 updates of 128 env steps, ~1 s."""
-    config = dict(env="CartPole-v1", sims=1, max_env_steps=4000, env_steps_per_sample=128, epochs=1,
-                  logdir=str(logdir))
-    return shmrl.train(**{**config, **fields})
-
-
 # ------------------------------------------------------------ environments
 
 def test_gym_id_takes_spaces_and_reward_threshold_from_gymnasium():
@@ -135,7 +124,7 @@ def test_gym_env_trains_from_the_command_line(start_run, tmp_path):
                     "--logdir", logdir)
     run.proc.wait(timeout=60)
     assert run.proc.returncode == 1, run.output()       # the step budget, not a failure
-    summary = read_summary(logdir)
+    summary = summary_of(logdir)
     assert summary["config"]["env"] == "gym:Acrobot-v1"
     assert summary["config"]["stop_return"] == -100.0   # gymnasium's reward threshold
     assert summary["env_steps"] >= 1024 and summary["env_steps_trained"] > 0
@@ -179,7 +168,7 @@ def test_user_factory_module_trains_from_the_command_line(start_run, tmp_path):
     run.proc.wait(timeout=60)
     # A simulator that sent the env a wrong or unclipped action would have died (exit 3).
     assert run.proc.returncode == 1, run.output()
-    summary = read_summary(logdir)
+    summary = summary_of(logdir)
     assert summary["return_mean"] == 10.0 and summary["episodes"] >= 100
     assert summary["env_steps_dropped"] == {} and summary["simulator_restarts"] == 0
     assert policy_io(logdir / "policy.onnx") == (3, 4)   # 2 means and 2 log-stds
@@ -230,14 +219,14 @@ def test_train_with_a_config_returns_the_summary_and_writes_summary_json(tmp_pat
     assert summary["solved"] and summary["exit_status"] == 0 and summary["return_mean"] >= 40
     assert 0 < summary["env_steps"] < 100_000 and 0 < summary["wall_s"] < 60 and summary["updates"] >= 1
     assert summary["config"]["stop_return"] == 40 and summary["config"]["env"] == "CartPole-v1"
-    assert read_summary(tmp_path) == summary
+    assert summary_of(tmp_path) == summary
 
 
 def test_train_with_keywords_runs_to_the_step_budget(tmp_path, no_shm_leftovers, no_sim_leftovers):
     summary = quick_cartpole(tmp_path, stop_return=math.inf, max_env_steps=1000)
     assert not summary["solved"] and summary["exit_status"] == 1
     assert 1000 <= summary["env_steps"] < 1000 + 128 and summary["config"]["env_steps_per_sample"] == 128
-    assert read_summary(tmp_path) == summary
+    assert summary_of(tmp_path) == summary
 
 
 # ------------------------------------------------------------ progress display and metrics
@@ -276,7 +265,7 @@ def test_progress_lines_depend_on_the_terminal_and_log_every_and_metrics_has_eve
     with contextlib.redirect_stdout(out):
         summary = quick_cartpole(tmp_path, stop_return=math.inf, log_every=log_every)
     assert summary["updates"] >= 20
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     assert [row["update"] for row in rows] == list(range(1, summary["updates"] + 1))
     check_progress_lines([line for line in out.getvalue().splitlines() if line.startswith("update ")], rows, every)
 

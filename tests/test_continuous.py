@@ -12,7 +12,9 @@ import shmrl
 from shmrl.envs import Box, EnvSpec, Pendulum, env_spec
 from shmrl.episode import EpisodeBatch
 from shmrl.eval import evaluate
-from shmrl.learner import Learner
+from shmrl.serving import Serving
+from shmrl.store import DEFAULT_POLICY
+from shmrl.trainer import update
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy, init_mlp_weights, with_log_std
 from shmrl.spaces import Sampler, action_layout
@@ -20,6 +22,7 @@ from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer
+from conftest import need
 from test_envs import step_beside_gymnasium
 
 
@@ -93,7 +96,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
     weights = named(with_log_std(init_mlp_weights([3, 64, 64, 1], 1.0, np.random.default_rng(0)), [-0.7]))
     ppo = PPO(net, with_defaults(PPOSettings), initial_weights=weights)
     server = InProcServer()
-    learner = Learner(spec, [server], policy=net.template, initial_weights=weights,
+    learner = Serving([server], {DEFAULT_POLICY: spec}, {DEFAULT_POLICY: net.template}, {DEFAULT_POLICY: weights},
                       env_steps_per_sample=256, train_batch_size=256)
     client = server.connect(timeout=10)
     thread = threading.Thread(target=run_simulator, args=(client, "Pendulum-v1"), kwargs=dict(max_messages=1),
@@ -105,13 +108,13 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
         assert got is not None, "no batch from the simulator"
         chunks, version = got
         assert learner.store.steps_dropped == {}
-        batch = ppo.make_batch(EpisodeBatch.concat(chunks))
+        batch = ppo.make_batch(EpisodeBatch.concat(chunks[DEFAULT_POLICY]))
         assert len(batch) == 256 and batch.actions.shape == (256, 1)
         assert np.abs(batch.actions).max() > 2.0   # sampled unclipped (the env clips what it applies)
         with torch.no_grad():
             logp, _ = ppo.log_prob(ppo.forward(batch.obs, values=False)[0], torch.from_numpy(batch.actions))
         np.testing.assert_allclose(np.exp(logp.numpy() - batch.logp), 1.0, atol=1e-4)
-        learner.train(ppo, chunks, version)   # publishes: releases the simulator's request
+        update(learner, {DEFAULT_POLICY: ppo}, chunks, version)   # publishes: releases the simulator's request
         thread.join(10)
         assert not thread.is_alive()
     finally:
@@ -120,6 +123,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
 
 
 def test_pendulum_spaces_are_gymnasiums():
+    need("gymnasium", "gym")
     ours, theirs = env_spec("Pendulum-v1"), env_spec("gym:Pendulum-v1")
     assert ours.observation_space == theirs.observation_space
     assert ours.action_space == theirs.action_space and ours.continuous and ours.policy_outputs == 2

@@ -5,13 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gymnasium
 import numpy as np
 import pytest
 
+from conftest import need, quick_cartpole
 from shmrl import eval as shmrl_eval
 from shmrl.onnx_policy import OnnxPolicy, OnnxPublisher
-from test_breadth import quick_cartpole
 from test_envs import balancing_action
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,6 +33,7 @@ def balancing() -> bytes:
 
 def gymnasium_returns(action: int, seeds=range(300)) -> list[float]:
     """Returns of gymnasium's own CartPole-v1 under a constant action."""
+    gymnasium = need("gymnasium", "gym")
     out = []
     for seed in seeds:
         env, total, done = gymnasium.make("CartPole-v1"), 0.0, False
@@ -76,6 +76,8 @@ def test_eval_of_a_balancing_policy_reports_500_with_no_spread(tmp_path, capsys)
     ("gym:Acrobot-v1", "the policy's input 'onnx::Gemm_0' takes (4,); gym:Acrobot-v1's observation 'obs' is (6,)"),
 ])
 def test_eval_refuses_a_policy_that_does_not_fit_the_env(env, message, tmp_path, capsys):
+    if env.startswith("gym:"):
+        need("gymnasium", "gym")
     (tmp_path / "policy.onnx").write_bytes(always(0))
     assert shmrl_eval.main([str(tmp_path / "policy.onnx"), "--env", env]) == 2
     err = capsys.readouterr().err
@@ -94,6 +96,7 @@ def plot(*args) -> subprocess.CompletedProcess:
 
 
 def test_plot_draws_the_learning_curves_of_runs_into_a_png(tmp_path, no_shm_leftovers, no_sim_leftovers):
+    need("matplotlib", "plot")
     runs = [tmp_path / "seed-1", tmp_path / "seed-2"]
     for seed, logdir in enumerate(runs, 1):
         quick_cartpole(logdir, seed=seed, max_env_steps=2000)
@@ -102,9 +105,7 @@ def test_plot_draws_the_learning_curves_of_runs_into_a_png(tmp_path, no_shm_left
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out} (2 runs)" in proc.stdout
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-    import matplotlib.image
-
-    pixels = matplotlib.image.imread(out)
+    pixels = need("matplotlib.image", "plot").imread(out)
     assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 20   # something drawn, not blank
 
 

@@ -1,17 +1,21 @@
 """The Hub, the episode store and the simulator loop, over the in-process transport."""
+import math
 import threading
 
 import numpy as np
 import pytest
 
+import shmrl
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.learner import EpisodeStore, Learner
 from shmrl.net import PolicyNet
 from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
+from shmrl.serving import Serving
 from shmrl.sim import run_simulator
 from shmrl.spaces import Discrete, Sampler, action_layout
+from shmrl.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.trainer import train_with_servers, update
 from shmrl.transport.inproc import InProcServer
 
 SPEC = env_spec("CartPole-v1")
@@ -29,7 +33,7 @@ def test_store_glues_continuations_by_obs_and_by_id():
     store = EpisodeStore(window=10)
 
     def add(conn_id, *eps):
-        store.add(conn_id, EpisodeBatch.from_episodes(list(eps)))
+        store.add(conn_id, {DEFAULT_POLICY: EpisodeBatch.from_episodes(list(eps))})
 
     a = chunk(0.0, 3)
     a.id = None
@@ -52,7 +56,7 @@ def test_store_glues_continuations_by_obs_and_by_id():
     assert list(store.returns)[-1] == 1.0
     steps = 3 + 2 + 2 + 4 + 2 + 1 + 1 + 4 + 1
     assert store.steps_received == store.pending_steps == steps
-    batches = store.take()
+    batches = store.take()[DEFAULT_POLICY]
     assert sum(b.num_chunks for b in batches) == 9 and store.pending_steps == 0 and store.in_flight == steps
     assert store.steps_trained == 0                 # the learner counts them once its update is done
 
@@ -62,9 +66,9 @@ def test_store_drops_stale_chunks_and_takes_the_oldest_first():
     old, new = chunk(0.0, 5, id="a"), chunk(10.0, 7, id="b")
     old.weights_seq_no, new.weights_seq_no = 1, 4
     unknown = chunk(20.0, 3, id="c")               # no version (RLlib's client): counts as current
-    store.add("c", EpisodeBatch.from_episodes([old, new, unknown]))
-    store.add("c", EpisodeBatch.from_episodes([chunk(30.0, 6, id="d")]))
-    first = store.take(version=4, max_lag=2, max_steps=5)
+    store.add("c", {DEFAULT_POLICY: EpisodeBatch.from_episodes([old, new, unknown])})
+    store.add("c", {DEFAULT_POLICY: EpisodeBatch.from_episodes([chunk(30.0, 6, id="d")])})
+    first = store.take(version=4, max_lag=2, max_steps=5)[DEFAULT_POLICY]
     assert [b.chunk(i).id for b in first for i in range(b.num_chunks)] == ["b", "c"]
     assert store.steps_dropped == {"stale": 5} and store.pending_steps == 6
     kept = first[0].chunk(0)
@@ -76,8 +80,8 @@ def test_store_drops_stale_chunks_and_takes_the_oldest_first():
 def learner_and_server():
     server = InProcServer()
     ppo = PPO(PolicyNet(SPEC, 64), with_defaults(PPOSettings, epochs=2, minibatch_size=64))
-    learner = Learner(SPEC, [server], policy=ppo.net.template, initial_weights=ppo.published_weights(),
-                      env_steps_per_sample=32, train_batch_size=64)
+    learner = Serving([server], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: ppo.net.template},
+                      {DEFAULT_POLICY: ppo.published_weights()}, env_steps_per_sample=32, train_batch_size=64)
     yield learner, server, ppo
     learner.stop()
     server.close()
@@ -108,8 +112,8 @@ def test_handshake_and_on_policy_wait(learner_and_server):
         batch = learner.next_batch(timeout=0)
     assert "next" not in replies and learner.hub.all_waiting()
     batches, version = batch
-    assert sum(b.num_steps for b in batches) == 32 and version == 1
-    learner.train(ppo, batches, version)
+    assert sum(b.num_steps for b in batches[DEFAULT_POLICY]) == 32 and version == 1
+    update(learner, {DEFAULT_POLICY: ppo}, batches, version)
     learner.poll(0.05)                                   # sends the new weights
     t.join(5)
     assert replies["pong"]["type"] == "PONG"
@@ -148,37 +152,33 @@ def test_episodes_that_do_not_fit_the_env_close_only_that_connection(learner_and
     assert out["pong"]["type"] == "PONG"
 
 
-def test_simulator_loop_learns_in_process():
-    """Simulators in threads + the learner: the return climbs well above random (~22)."""
+def test_simulator_loop_learns_in_process(tmp_path):
+    """Simulators in threads behind the in-process transport, trained by shmrl's own loop
+    (train_with_servers): the return climbs well above random (~22)."""
     server = InProcServer()
-    ppo = PPO(PolicyNet(SPEC, 64), with_defaults(PPOSettings, lr=3e-3, epochs=6, minibatch_size=256), seed=0)
-    learner = Learner(SPEC, [server], policy=ppo.net.template, initial_weights=ppo.published_weights(),
-                      env_steps_per_sample=256, train_batch_size=512)
     clients = [server.connect(timeout=10) for _ in range(2)]
 
     def simulate(client, seed):
         try:
             run_simulator(client, seed=seed)
         except ConnectionError:
-            pass  # the test closed the connection
+            pass  # the run closed the server
 
     threads = [threading.Thread(target=simulate, args=(c, i), daemon=True) for i, c in enumerate(clients)]
     for t in threads:
         t.start()
     try:
-        while learner.updates < 30:
-            learner.poll(0.05)
-            batch = learner.next_batch(timeout=0)
-            if batch:
-                learner.train(ppo, *batch)
-        assert learner.store.return_mean() > 100
+        config = shmrl.Config(sims=0, seed=0, hidden=64, lr=3e-3, epochs=6, minibatch_size=256, train_batch_size=512,
+                              env_steps_per_sample=256, max_env_steps=30 * 512 + 1, stop_return=math.inf,
+                              torch_threads=1, tensorboard=False, logdir=str(tmp_path), log_every=0)
+        status, summary = train_with_servers(config, [server])   # closes the server when done
     finally:
-        learner.stop()
-        for c in clients:
-            server.drop(c.conn_id, "test over")
+        server.close()
         for t in threads:
             t.join(10)
-        server.close()
+    assert status == 1 and summary["updates"] == 30 and summary["error"] is None   # the step budget
+    assert summary["return_mean"] > 100
+    assert not any(t.is_alive() for t in threads)
 
 
 def test_sampler_matches_softmax_probabilities_and_logp():

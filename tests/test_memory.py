@@ -13,7 +13,7 @@ from shmrl import rllink
 from shmrl.actor import Actor
 from shmrl.envs import Box, Discrete, EnvSpec, env_spec, make_vec_env
 from shmrl.episode import Episode, EpisodeBatch, Rollout
-from shmrl.learner import check_episodes
+from shmrl.hub import check_episodes
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.config import PPOSettings, with_defaults
@@ -268,7 +268,6 @@ def test_a_recurrent_run_learns_over_tcp_json(start_run, tmp_path):
 def test_the_external_client_runs_a_recurrent_policy(start_run, tmp_path):
     """examples/external_client.py against a recurrent policy: it feeds and carries the
     state, and every chunk it sends (with its state_in) is taken."""
-    import re
     import subprocess
     import sys
     from pathlib import Path
@@ -277,8 +276,7 @@ def test_the_external_client_runs_a_recurrent_policy(start_run, tmp_path):
     logdir = tmp_path / "logs"
     run = start_run("--env", "CartPoleNoVel-v1", "--sims", 0, "--tcp-port", 0, "--max-env-steps", 3000,
                     "--train-batch-size", 1000, "--env-steps-per-sample", 500, "--logdir", logdir)
-    run.wait_for("listening for RLlink clients on", timeout=30)
-    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    port = run.tcp_port()
     client = subprocess.Popen([sys.executable, str(example), "--port", str(port), "--max-retries", "0",
                                "--game", "cartpole-novel"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

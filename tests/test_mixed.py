@@ -1,13 +1,12 @@
 """Shared-memory simulators and external TCP clients training one policy together."""
 import ast
-import json
-import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from conftest import descendants, shm_entries
+from conftest import descendants, metrics_rows, need, shm_entries, summary_of
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "external_client.py"
 
@@ -16,8 +15,7 @@ def test_shm_sims_and_tcp_clients_train_one_policy(start_run, tmp_path):
     logdir = tmp_path / "logs"
     run = start_run("--sims", 2, "--tcp-port", 0, "--stop-return", 150, "--max-env-steps", 200_000,
                     "--logdir", logdir)
-    run.wait_for("listening for RLlink clients on", timeout=30)
-    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    port = run.tcp_port()
     clients = [subprocess.Popen([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}",
                                  "--seed", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
                subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port), "--max-retries", "0"],
@@ -31,23 +29,24 @@ def test_shm_sims_and_tcp_clients_train_one_policy(start_run, tmp_path):
         for c in clients:
             c.kill()
             c.wait(5)
-    summary = json.loads((logdir / "summary.json").read_text())
+    summary = summary_of(logdir)
     by_client = summary["env_steps_by_client"]
     assert {c for c in by_client if c.startswith("shm:")} == {"shm:0", "shm:1"}
     tcp = [c for c in by_client if c.startswith("tcp:")]
     assert len(tcp) == 2 and all(by_client[c] > 0 for c in tcp), by_client
     assert sum(by_client.values()) == summary["env_steps"]
     assert summary["return_mean"] >= 150
-    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
-    assert "env_steps_by_client" in rows[-1] and "tcp:" in run.output()
+    assert any(c.startswith("tcp:") for c in metrics_rows(logdir)[-1]["env_steps_by_client"])
     assert shm_entries(run.proc.pid) == [] and descendants(run.proc.pid) == []
 
 
 def test_sims_over_tcp_learn_like_shm(start_run, tmp_path):
-    run = start_run("--sims", 2, "--transport", "tcp", "--stop-return", 150, "--max-env-steps", 200_000)
+    run = start_run("--sims", 2, "--transport", "tcp", "--stop-return", 150, "--max-env-steps", 200_000,
+                    "--logdir", tmp_path / "logs")
     run.proc.wait(timeout=120)
     assert run.proc.returncode == 0, run.output()
-    assert "tcp:127.0.0.1:" in run.output() and "shm:" not in run.output()
+    clients = summary_of(tmp_path / "logs")["env_steps_by_client"]
+    assert clients and all(c.startswith("tcp:127.0.0.1:") for c in clients), clients
 
 
 def test_sims_zero_needs_a_tcp_port():
@@ -77,14 +76,14 @@ def test_external_client_example_imports_nothing_from_shmrl():
 def test_the_external_client_trains_a_dict_observation_with_a_mask_and_a_two_part_action(start_run, tmp_path):
     """The JSON path end to end: one JSON object per step for the Dict observation, one
     list per step for the Tuple(Discrete, Box) action, the mask applied inside the graph."""
+    need("gymnasium", "gym")                    # the run describes the forager's spaces with it
     logdir = tmp_path / "logs"
     (tmp_path / "examples").mkdir()                      # importable from the run's working directory
     shutil.copy(EXAMPLE, tmp_path / "examples" / "external_client.py")
     run = start_run("--sims", 0, "--tcp-port", 0, "--env", "examples.external_client:forager_spaces",
                     "--stop-return", 17, "--max-env-steps", 60_000, "--train-batch-size", 1000,
                     "--env-steps-per-sample", 500, "--lr", 3e-3, "--logdir", logdir)
-    run.wait_for("listening for RLlink clients on", timeout=30)
-    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    port = run.tcp_port()
     client = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port), "--max-retries", "0",
                                "--game", "forager"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -93,7 +92,7 @@ def test_the_external_client_trains_a_dict_observation_with_a_mask_and_a_two_par
     finally:
         client.kill()
         client.wait(5)
-    summary = json.loads((logdir / "summary.json").read_text())
+    summary = summary_of(logdir)
     assert run.proc.returncode == 0, run.output()        # learned: random play, mask and all, earns about 10
     assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary
     assert summary["return_mean"] >= 17
@@ -112,12 +111,13 @@ def _exchange(port: int, frame: bytes) -> bytes:
     import socket
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(frame)
-        sock.settimeout(2.0)
-        data = b""
+        deadline, data = time.monotonic() + 2.0, b""
         try:
-            while chunk := sock.recv(4096):
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                chunk = sock.recv(4096)
                 data += chunk
-                if data.endswith(b"}"):
+                if not chunk or data.endswith(b"}"):
                     break
         except (TimeoutError, ConnectionResetError):
             pass
@@ -128,8 +128,7 @@ def test_auth_token_gates_every_client(start_run, tmp_path):
     logdir = tmp_path / "logs"
     run = start_run("--sims", 1, "--tcp-port", 0, "--auth-token", "s3cret", "--stop-return", 500,
                     "--max-env-steps", 3000, "--logdir", logdir)
-    run.wait_for("listening for RLlink clients on", timeout=30)
-    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    port = run.tcp_port()
     assert _exchange(port, b'00000016{"type": "PING"}') == b""                      # no token: closed
     wrong = b'{"type": "PING", "auth_token": "guess"}'
     assert _exchange(port, b"%08d" % len(wrong) + wrong) == b""
@@ -143,6 +142,6 @@ def test_auth_token_gates_every_client(start_run, tmp_path):
     run.proc.wait(timeout=60)              # the local simulator presents the token and trains
     assert run.proc.returncode == 1, run.output()
     assert "authentication failed" in run.output()
-    summary = json.loads((logdir / "summary.json").read_text())
+    summary = summary_of(logdir)
     assert summary["env_steps_by_client"].get("shm:0", 0) >= 3000
     assert "s3cret" not in (logdir / "summary.json").read_text()

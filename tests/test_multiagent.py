@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("pettingzoo")
+from conftest import need, summary_of
+need("pettingzoo", "pettingzoo")
 from gymnasium import spaces as gs  # noqa: E402
 from pettingzoo import AECEnv, ParallelEnv  # noqa: E402
 
@@ -16,10 +17,13 @@ import shmrl  # noqa: E402
 from shmrl import rllink  # noqa: E402
 from shmrl.envs import resolve_env  # noqa: E402
 from shmrl.episode import Episode, EpisodeBatch, MultiAgentBatch  # noqa: E402
-from shmrl.learner import EpisodeStore, Hub, Learner, MultiStore  # noqa: E402
+from shmrl.hub import Hub  # noqa: E402
+from shmrl.serving import Serving  # noqa: E402
+from shmrl.store import EpisodeStore  # noqa: E402
 from shmrl.multiagent import MultiAgentSampler, PolicySet, play, policy_mapper  # noqa: E402
 from shmrl.onnx_policy import encode_onnx_file  # noqa: E402
-from shmrl.run import RunConfig, policy_net, resolve_config  # noqa: E402
+from shmrl.config import Config, resolve_config  # noqa: E402
+from shmrl.trainer import policy_net  # noqa: E402
 
 
 class Relay(ParallelEnv):
@@ -101,7 +105,7 @@ class FirstWins(AECEnv):
 
 def model_for(env, agent, seed=0) -> bytes:
     _, spec = resolve_env(env)
-    cfg = resolve_config(RunConfig(env=env, hidden=16), spec)
+    cfg = resolve_config(Config(env=env, hidden=16), spec)
     net = policy_net(cfg, spec.agent_specs[agent])
     return net.template.publish(net.initial_weights(seed))
 
@@ -196,8 +200,8 @@ class FakeServer:
 def test_a_chunk_for_an_unknown_policy_closes_only_that_connection():
     _, spec = resolve_env(Relay)
     specs = spec.policy_specs(policy_mapper("shared"))
-    store = MultiStore(specs)
-    hub = Hub(spec, store, 64, on_policy=False, policy_specs=specs)
+    store = EpisodeStore(specs)
+    hub = Hub(specs, store, 64, on_policy=False, multiagent=True)
     hub.set_state(1, {"shared": {"onnx_file": "x", "weights_seq_no": 1}})
     server = FakeServer()
 
@@ -282,10 +286,10 @@ def test_self_play_evaluation_counts_wins():
 def test_the_league_keeps_the_last_snapshots_frozen():
     _, spec = resolve_env(FirstWins)
     specs = spec.policy_specs(policy_mapper("shared"))
-    cfg = resolve_config(RunConfig(env=FirstWins, hidden=16), spec)
+    cfg = resolve_config(Config(env=FirstWins, hidden=16), spec)
     net = policy_net(cfg, specs["shared"])
-    learner = Learner(spec, [], policy={"shared": net.template}, initial_weights={"shared": net.initial_weights(0)},
-                      env_steps_per_sample=64, train_batch_size=64, policy_specs=specs, league_size=2,
+    learner = Serving([], specs, {"shared": net.template}, {"shared": net.initial_weights(0)}, multiagent=True,
+                      env_steps_per_sample=64, train_batch_size=64, league_size=2,
                       league_every=1)
     try:
         for update in range(1, 5):
@@ -327,7 +331,6 @@ def test_a_parallel_env_trains_per_agent_policies_and_resumes(tmp_path, no_shm_l
 def test_the_external_client_trains_two_agents_over_json(start_run, tmp_path):
     """The JSON path of the README's example: chunks with agent_id and module_id from a
     client that imports nothing of shmrl, SET_STATE with one model per policy."""
-    import re
     import shutil
     import subprocess
     import sys
@@ -340,8 +343,7 @@ def test_the_external_client_trains_two_agents_over_json(start_run, tmp_path):
     run = start_run("--sims", 0, "--tcp-port", 0, "--env", "examples.external_client:pair_spaces",
                     "--policy-map", "per-agent", "--stop-return", 6.5, "--max-env-steps", 60_000,
                     "--train-batch-size", 1000, "--env-steps-per-sample", 500, "--lr", 3e-3, "--logdir", logdir)
-    run.wait_for("listening for RLlink clients on", timeout=30)
-    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    port = run.tcp_port()
     client = subprocess.Popen([sys.executable, str(example), "--port", str(port), "--max-retries", "0",
                                "--game", "pair"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -350,7 +352,7 @@ def test_the_external_client_trains_two_agents_over_json(start_run, tmp_path):
     finally:
         client.kill()
         client.wait(5)
-    summary = json.loads((logdir / "summary.json").read_text())
+    summary = summary_of(logdir)
     assert run.proc.returncode == 0, run.output()    # random play earns 5 (left) and 2.5 (right)
     assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary
     assert summary["return_by_agent"]["left"] > 7 and summary["return_by_agent"]["right"] > 3.5
@@ -428,13 +430,11 @@ def test_eval_cli_plays_against_random_and_against_a_run_folder(tmp_path):
     ("CartPole-v1", "pz:connect_four_v3", "a single-agent policy cannot play"),
 ])
 def test_a_simulator_whose_env_does_not_fit_the_run_says_so(start_run, tmp_path, server_env, sim_env, message):
-    import re
     import subprocess
     import sys
 
     run = start_run("--sims", 0, "--tcp-port", 0, "--env", server_env, "--logdir", tmp_path / "logs")
-    run.wait_for("listening for RLlink clients on", timeout=30)
-    port = int(re.search(r"listening for RLlink clients on [\d.]+:(\d+)", run.output()).group(1))
+    port = run.tcp_port()
     proc = subprocess.run([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", sim_env],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -1,6 +1,5 @@
 """Observation normalization in the published graph, reward scaling per client stream,
 their statistics through checkpoints, presets, and a short MuJoCo run that learns."""
-import json
 import subprocess
 import sys
 
@@ -9,15 +8,18 @@ import pytest
 import torch
 
 import shmrl
+from conftest import metrics_rows, need
 from shmrl import checkpoint
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.learner import EpisodeStore
+from shmrl.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.net import OBS_CLIP, PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
-from shmrl.run import parse_args, policy_net, resolve_config, saved_policy
+from shmrl.resume import restore_store, saved_policy
+from shmrl.run import parse_args, resolve_config
+from shmrl.trainer import policy_net
 from shmrl.stats import RunningMeanStd, discounted_sums
 
 
@@ -65,6 +67,7 @@ def random_chunks(rng, n_chunks, obs_dim, act_dim, loc, scale):
 
 
 def test_the_published_graph_normalizes_exactly_as_the_learner_does():
+    need("mujoco", "mujoco")                     # gym:Hopper-v5's spaces
     spec = env_spec("gym:Hopper-v5")
     net = PolicyNet(spec, 64, "Tanh", normalize_obs=True)
     ppo = PPO(net, with_defaults(PPOSettings), seed=1)
@@ -98,12 +101,13 @@ def test_reward_scaling_follows_each_stream_across_its_chunks():
         return EpisodeBatch.from_episodes([ep.finalize()])
 
     store = EpisodeStore(reward_gamma=gamma)
-    store.reward_stats.count = 0.0
+    policy = store.policies[DEFAULT_POLICY]
+    policy.reward_stats.count = 0.0
     for conn, lo, hi, done in (("a", 0, 25, False), ("b", 0, 10, False), ("a", 25, 40, True), ("b", 10, 40, True)):
-        store.add(conn, chunk(conn, lo, hi, done))
+        store.add(conn, {DEFAULT_POLICY: chunk(conn, lo, hi, done)})
     returns = np.concatenate([naive_discounted(rewards[c][None], gamma, [0.0])[0] for c in ("a", "b")])
-    np.testing.assert_allclose(store.reward_stats.var, returns.var(), rtol=1e-6)
-    assert store.reward_scale() == pytest.approx(1 / np.sqrt(returns.var() + 1e-8))
+    np.testing.assert_allclose(policy.reward_stats.var, returns.var(), rtol=1e-6)
+    assert policy.reward_scale() == pytest.approx(1 / np.sqrt(returns.var() + 1e-8))
     assert list(store.returns) == pytest.approx([rewards["a"].sum(), rewards["b"].sum()])   # raw returns
 
 
@@ -124,12 +128,13 @@ def test_observation_and_reward_statistics_survive_a_checkpoint(tmp_path, no_shm
     for name, value in ppo.published_weights().items():
         np.testing.assert_array_equal(value, policy[name])
     store = EpisodeStore(reward_gamma=config.gamma)
-    store.restore(state["counters"], arrays)
-    assert store.reward_scale() == pytest.approx(1 / np.sqrt(arrays["reward_stats.var"] + 1e-8))
-    assert store.reward_scale() != 1.0
+    restore_store(store, state, arrays, multiagent=False)
+    scale = store.policies[DEFAULT_POLICY].reward_scale()
+    assert scale == pytest.approx(1 / np.sqrt(arrays["reward_stats.var"] + 1e-8)) and scale != 1.0
 
 
 def test_a_preset_is_picked_up_and_a_flag_overrides_it():
+    need("mujoco", "mujoco")                     # the command line checks gym:HalfCheetah-v5 exists
     cheetah = parse_args(["--env", "gym:HalfCheetah-v5"])               # the continuous family
     assert cheetah.normalize_obs and cheetah.normalize_reward and cheetah.lr_anneal
     cartpole = parse_args([])                                           # CartPole-v1's own table
@@ -143,10 +148,10 @@ def test_a_preset_is_picked_up_and_a_flag_overrides_it():
 
 
 def test_a_short_mujoco_run_learns(tmp_path, no_shm_leftovers, no_sim_leftovers):
-    pytest.importorskip("mujoco", reason="the mujoco extra is not installed (the test extra has it)")
+    need("mujoco", "mujoco")
     # A random policy balances InvertedPendulum-v5 for about 6 steps; 300 takes learning.
     summary = shmrl.train(env="gym:InvertedPendulum-v5", sims=2, stop_return=300, max_env_steps=200_000,
                           logdir=str(tmp_path))
     assert summary["solved"], summary
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path)
     assert rows[0]["return_mean"] < 50 and rows[-1]["reward_scale"] != 1.0 and rows[-1]["lr"] < rows[0]["lr"]

@@ -4,10 +4,9 @@ standing for another machine). ``python -m shmrl.run --ray ADDRESS`` learns Cart
 the simulators on both nodes (those on the learner's node over shared memory, the others
 over TCP); a node that dies takes its simulators with it and they come back on the other.
 
-Marked ``ray`` (``pytest -m ray`` runs only these); skipped where Ray is not installed
+Marked ``ray`` (``pytest -m ray`` runs only these) and ``slow``; skipped where Ray is not installed
 (``pip install 'shmrl[ray]'``, which the test extra includes)."""
 import datetime
-import json
 import os
 import re
 import signal
@@ -16,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import alive, descendants
+from conftest import alive, check_books, descendants, summary_of, wait_until
 from test_tcp_binary import HANGING_ENV   # the env that hangs once armed
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'shmrl[ray]'")
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]   # slow: a two-node cluster to start, ~30 s in all
 
 REPO = str(Path(__file__).resolve().parent.parent)
 # Ray notices a dead node by missed health checks: every 0.5 s, dead after 3 missed
@@ -56,17 +55,6 @@ def cluster(env_dir):
             os.environ["PYTHONPATH"] = old
 
 
-def summary_of(logdir: Path) -> dict:
-    return json.loads((logdir / "summary.json").read_text())
-
-
-def check_books(s: dict) -> None:
-    """Every env step received is counted once: trained, pending or dropped, and by one client."""
-    assert s["env_steps"] == s["env_steps_trained"] + s["env_steps_pending"] + sum(s["env_steps_dropped"].values())
-    assert s["env_steps"] == sum(s["env_steps_by_client"].values())
-    assert s["env_steps_lost"] >= 0
-
-
 def last_update_clients(output: str) -> list[str]:
     lines = [line for line in output.splitlines() if line.startswith("update ")]
     return re.findall(r"((?:shm|tcp):\S+)=", lines[-1]) if lines else []
@@ -81,9 +69,7 @@ def log_time(line: str) -> float:
 def test_cartpole_solved_with_simulators_on_both_nodes(cluster, start_run, tmp_path, no_shm_leftovers):
     run = start_run("--ray", cluster.address, "--sims", 4, "--seed", 0, "--logdir", tmp_path / "run",
                     "--max-env-steps", 400_000)
-    deadline = time.monotonic() + 90
-    while run.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: run.proc.poll() is not None, 90, "the run to solve CartPole and end")
     assert run.proc.poll() == 0, run.output()[-5000:]
     s = summary_of(tmp_path / "run")
     assert s["solved"] and s["return_mean"] >= 475
@@ -105,19 +91,14 @@ def test_a_hung_remote_simulator_is_named_closed_and_its_actor_restarted(
     run = start_run("--ray", cluster.address, "--sims", 2, "--transport", "tcp", "--env", "hanging_env:make_env",
                     "--hang-timeout", 4, "--logdir", tmp_path / "run", "--stop-return", 1e9,
                     "--max-env-steps", 10_000_000)
-    deadline = time.monotonic() + 60
-    while len(last_update_clients(run.output())) < 2:
-        assert run.proc.poll() is None and time.monotonic() < deadline, run.output()[-5000:]
-        time.sleep(0.1)
+    run.wait_until(lambda out: len(last_update_clients(out)) >= 2, 60, "both simulators sampling")
     armed.touch()
     # Under load an actor slow to connect may already have been replaced (and be "back")
     # before the hang: what counts is the close after the hang and a return after that.
     run.wait_for("closing connection: no heartbeat for", timeout=30)
     hung_at = hung.stat().st_mtime                              # the env wrote it as it hung
-    deadline = time.monotonic() + 30
-    while "is back, " not in run.output().split("closing connection: no heartbeat for", 1)[1]:
-        assert run.proc.poll() is None and time.monotonic() < deadline, run.output()[-5000:]
-        time.sleep(0.1)
+    run.wait_until(lambda out: "is back, " in out.split("closing connection: no heartbeat for", 1)[1], 30,
+                   "the hung simulator's replacement")
     closed = [line for line in run.output().splitlines() if "closing connection: no heartbeat for" in line]
     assert len(closed) == 1, run.output()[-5000:]
     assert 3.5 <= log_time(closed[0]) - hung_at <= 8, closed   # --hang-timeout 4, checked every 0.5 s
@@ -137,10 +118,7 @@ def test_a_node_that_dies_takes_its_simulators_and_they_come_back_on_the_other(
         cluster, start_run, tmp_path, no_shm_leftovers):
     run = start_run("--ray", cluster.address, "--sims", 4, "--seed", 1, "--logdir", tmp_path / "run",
                     "--stop-return", 1e9, "--max-env-steps", 10_000_000)
-    deadline = time.monotonic() + 60
-    while len(last_update_clients(run.output())) < 4:       # all four are sampling
-        assert run.proc.poll() is None and time.monotonic() < deadline, run.output()[-5000:]
-        time.sleep(0.1)
+    run.wait_until(lambda out: len(last_update_clients(out)) >= 4, 60, "all four simulators sampling")
     remote = [c for c in last_update_clients(run.output()) if c.startswith("tcp:")]
     assert remote, run.output()[-3000:]
     # The second node dies as a machine does: its raylet and every process under it at once.
@@ -152,15 +130,16 @@ def test_a_node_that_dies_takes_its_simulators_and_they_come_back_on_the_other(
         os.kill(pid, signal.SIGKILL)
     cluster.remove_node(node, allow_graceful=False)
     # Its simulators come back on the node that is left (in shared memory there).
-    back: list[float] = []
-    deadline = time.monotonic() + 30
-    while len(back) < len(remote):
-        assert run.proc.poll() is None and time.monotonic() < deadline, run.output()[-5000:]
-        time.sleep(0.2)
-        back = [log_time(line) - t_kill for line in run.output().splitlines() if "is back, " in line]
+    def all_back(out: str) -> list[float] | None:
+        back = [log_time(line) - t_kill for line in out.splitlines() if "is back, " in line]
+        return back if len(back) >= len(remote) else None
+
+    back = run.wait_until(all_back, 30, "the dead node's simulators back")
     assert max(back) <= 10, back
     assert not any(alive(pid) for pid in doomed)
-    time.sleep(1.0)                                           # and sample: a few more updates
+    updates = len([line for line in run.output().splitlines() if line.startswith("update ")])
+    run.wait_until(lambda out: len([line for line in out.splitlines() if line.startswith("update ")]) >= updates + 2,
+                   30, "two more updates after the restarts")          # and sample on
     os.killpg(run.proc.pid, signal.SIGINT)
     assert run.proc.wait(30) == 130, run.output()[-5000:]
     s = summary_of(tmp_path / "run")

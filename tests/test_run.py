@@ -1,5 +1,4 @@
 """End to end: ``python -m shmrl.run`` as a user runs it."""
-import json
 import os
 import signal
 import subprocess
@@ -10,7 +9,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from conftest import alive, descendants, process_name, shm_entries
+from conftest import all_gone, descendants, metrics_rows, process_name, shm_entries, summary_of
 
 
 def test_run_learns_and_writes_its_logdir(start_run, tmp_path):
@@ -20,11 +19,11 @@ def test_run_learns_and_writes_its_logdir(start_run, tmp_path):
     run.proc.wait(timeout=120)
     out = run.output()
     assert run.proc.returncode == 0, out
-    assert "update    1 |" in out and "solved" in out
-    summary = json.loads((logdir / "summary.json").read_text())
+    assert "update    1 |" in out
+    summary = summary_of(logdir)
     assert summary["solved"] and summary["return_mean"] >= 150   # random play averages ~22
     assert summary["env_steps"] > 0 and summary["wall_s"] > 0 and summary["env_steps_per_s"] > 0
-    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(logdir)
     assert len(rows) == summary["updates"] >= 1
     assert [r["update"] for r in rows] == list(range(1, len(rows) + 1))
     assert {"env_steps", "env_steps_per_s", "return_mean", "pi_loss", "v_loss", "elapsed_s"} <= set(rows[0])
@@ -40,7 +39,7 @@ def test_a_failure_in_the_serving_thread_ends_the_run_as_failed(monkeypatch, tmp
     """The learner's serving thread dying (a bug, a transport that broke) used to leave the
     run waiting forever for batches; now the run ends with exit 3 and says why."""
     import shmrl
-    from shmrl.learner import EpisodeStore
+    from shmrl.store import EpisodeStore
 
     def broken_add(self, conn_id, batch):
         raise RuntimeError("injected: the store is broken")
@@ -73,13 +72,10 @@ def test_ctrl_c_stops_everything_and_leaves_no_segment(start_run, tmp_path):
     t0 = time.monotonic()
     os.killpg(run.proc.pid, signal.SIGINT)        # what Ctrl-C in a terminal does
     run.proc.wait(timeout=10)
-    while [p for p in family if alive(p)] and time.monotonic() - t0 < 3:
-        time.sleep(0.02)
-    assert time.monotonic() - t0 < 3, run.output()                 # all of it, within 3 s
+    all_gone(family, 3 - (time.monotonic() - t0), "the run and its simulators to end")   # all of it, within 3 s
     assert run.proc.returncode == 130, run.output()
-    assert [p for p in family if alive(p)] == []
     assert shm_entries(run.proc.pid) == []
-    summary = json.loads((logdir / "summary.json").read_text())    # nothing lost: what it did is written
+    summary = summary_of(logdir)                                   # nothing lost: what it did is written
     assert summary["exit_status"] == 130 and summary["updates"] >= 2
     assert (logdir / "checkpoints" / f"{summary['updates']:06d}" / "weights.npz").exists()
 
@@ -93,7 +89,7 @@ def test_ctrl_c_works_even_if_the_run_was_started_with_sigint_ignored(start_run,
     os.killpg(run.proc.pid, signal.SIGINT)
     run.proc.wait(timeout=10)
     assert run.proc.returncode == 130, run.output()
-    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    summary = summary_of(tmp_path / "logs")
     assert 0 < summary["first_sample_s"] < summary["wall_s"]
 
 
@@ -104,8 +100,8 @@ def test_sigterm_stops_everything(start_run):
     run.proc.send_signal(signal.SIGTERM)
     run.proc.wait(timeout=10)
     assert run.proc.returncode == 143, run.output()
-    time.sleep(0.2)
-    assert [p for p in family if alive(p)] == [] and shm_entries(run.proc.pid) == []
+    all_gone(family, 3, "the simulators to end")
+    assert shm_entries(run.proc.pid) == []
 
 
 def test_simulators_never_import_torch(start_run):
@@ -155,9 +151,7 @@ def test_learner_killed_simulators_exit_and_next_run_sweeps_its_segments(start_r
     t_kill = time.monotonic()
     os.kill(dead_pid, signal.SIGKILL)      # only the learner: its children must notice
     run.proc.wait(timeout=5)
-    while [p for p in family if alive(p)] and time.monotonic() - t_kill < 2.0:
-        time.sleep(0.02)
-    assert [p for p in family if alive(p)] == []    # every simulator (and helper) gone within 2 s
+    all_gone(family, 2.0 - (time.monotonic() - t_kill), "every simulator (and helper) to end")   # within 2 s
     assert shm_entries(dead_pid)           # nobody could unlink them...
     nxt = start_run("--sims", 1, "--stop-return", 500, "--max-env-steps", 1000)
     nxt.proc.wait(timeout=60)
@@ -165,7 +159,8 @@ def test_learner_killed_simulators_exit_and_next_run_sweeps_its_segments(start_r
 
 
 def test_a_training_batch_is_the_same_however_many_simulators_share_it():
-    from shmrl.run import parse_args, resolve_config, RunConfig
+    from shmrl.config import Config, resolve_config
+    from shmrl.run import parse_args
 
     for sims, per_message in ((8, 256), (4, 512), (3, 683), (0, 2048)):
         argv = ["--sims", sims] + (["--tcp-port", 0] if sims == 0 else [])
@@ -173,4 +168,4 @@ def test_a_training_batch_is_the_same_however_many_simulators_share_it():
         assert (config.train_batch_size, config.env_steps_per_sample) == (2048, per_message), sims
     assert parse_args(["--sims", 4, "--env-steps-per-sample", 100]).env_steps_per_sample == 100
     assert parse_args(["--train-batch-size", 4096]).env_steps_per_sample == 512
-    assert resolve_config(RunConfig(env="Pendulum-v1", sims=2)).env_steps_per_sample == 2048
+    assert resolve_config(Config(env="Pendulum-v1", sims=2)).env_steps_per_sample == 2048

@@ -269,15 +269,17 @@ def test_rings_take_every_frame_of_the_run(env, hidden, envs_per_sim, steps):
     from shmrl.envs import env_spec, make_vec_env
     from shmrl.episode import Rollout
     from shmrl.onnx_policy import encode_onnx_file
-    from shmrl.run import RunConfig, policy_net, resolve_config, ring_bytes
+    from shmrl.config import Config, resolve_config
+    from shmrl.serving import ring_bytes
+    from shmrl.trainer import policy_net
     from shmrl.sim import make_sampler
     from shmrl.transport.ring import Ring
 
     spec = env_spec(env)
-    config = resolve_config(RunConfig(env=env, hidden=hidden, envs_per_sim=envs_per_sim,
+    config = resolve_config(Config(env=env, hidden=hidden, envs_per_sim=envs_per_sim,
                                       env_steps_per_sample=steps), spec)
     net = policy_net(config, spec)
-    rings = ring_bytes(config, spec, net)
+    rings = ring_bytes(config, spec, {"default": net})
     model = net.template.publish(net.initial_weights(0))
     set_state = {"type": "SET_STATE", "onnx_file": encode_onnx_file(model), "weights_seq_no": 1}
     # The worst case for a message's size: every env's episode ends at every step (short chunks).

@@ -1,24 +1,27 @@
 """The space layer: every observation and action space shmrl trains, through both codecs,
 validation, the ONNX graph, the sampler, PPO's log-probabilities and action masks."""
 import os
-import threading
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from gymnasium import spaces as gs
 
+from conftest import need, request_while_serving
 from shmrl import rllink
 from shmrl.envs import EnvSpec
 from shmrl.episode import Episode, EpisodeBatch
-from shmrl.learner import Learner, check_episodes
+from shmrl.hub import check_episodes
+from shmrl.serving import Serving
+from shmrl.store import DEFAULT_POLICY
 from shmrl.net import MASKED_LOGIT, PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.spaces import Sampler, action_layout, from_gym, obs_layout
 from shmrl.transport.inproc import InProcServer
+
+gs = need("gymnasium", "gym").spaces
 
 # A robot with a camera, its joints, a mode and a mask over its three moves.
 ROBOT_OBS = gs.Dict({
@@ -146,33 +149,20 @@ def test_a_bad_dict_observation_closes_only_its_connection(caplog):
     spec = robot_spec()
     net = PolicyNet(spec, 16)
     server = InProcServer(codec="json")
-    learner = Learner(spec, [server], policy=net.template, initial_weights=net.initial_weights(0),
-                      env_steps_per_sample=8, train_batch_size=10_000)
+    learner = Serving([server], {DEFAULT_POLICY: spec}, {DEFAULT_POLICY: net.template},
+                      {DEFAULT_POLICY: net.initial_weights(0)}, env_steps_per_sample=8, train_batch_size=10_000)
     good, evil = server.connect(timeout=5), server.connect(timeout=5)
     bad = robot_batch(np.random.default_rng(4))
     bad.obs = {**bad.obs, "camera": bad.obs["camera"][:, :, :4]}
-    out = {}
-
-    def run_evil():
-        evil.request({"type": "PING"})
-        try:
-            evil.request({"type": "EPISODES_AND_GET_STATE", "episodes": bad, "timesteps": bad.num_steps})
-        except ConnectionError as e:
-            out["evil"] = e
-
-    t = threading.Thread(target=run_evil, daemon=True)
-    t.start()
     try:
-        while "evil" not in out:
-            learner.poll(0.05)
-        g = threading.Thread(target=lambda: out.update(pong=good.request({"type": "PING"})), daemon=True)
-        g.start()
-        while "pong" not in out:
-            learner.poll(0.05)
+        closed = request_while_serving(learner, evil, {"type": "PING"}, {
+            "type": "EPISODES_AND_GET_STATE", "episodes": bad, "timesteps": bad.num_steps}, what="the bad client closed")
+        pong = request_while_serving(learner, good, {"type": "PING"}, what="the good client's PONG")
     finally:
         learner.stop()
         server.close()
-    assert "obs 'camera' has shape (12, 4, 3)" in caplog.text and out["pong"]["type"] == "PONG"
+    assert isinstance(closed, ConnectionError), closed
+    assert "obs 'camera' has shape (12, 4, 3)" in caplog.text and pong["type"] == "PONG"
     assert learner.store.steps_dropped == {"does not fit the environment": bad.num_steps}
 
 
@@ -246,7 +236,9 @@ def test_masked_actions_are_never_sampled_and_have_no_probability():
     assert probs[obs["action_mask"] == 0].max() == 0.0
     allowed_only = np.where(obs["action_mask"] == 1, probs, 1.0)
     np.testing.assert_allclose(entropy.numpy(), -(probs * np.log(allowed_only)).sum(-1), atol=1e-5)
-    assert MASKED_LOGIT == -1e9
+    # The published graph moves a masked logit to MASKED_LOGIT (the logit itself is below float32's step there).
+    masked = out[:, spec.actions.mask_columns][obs["action_mask"] == 0]
+    assert masked.size and np.allclose(masked, MASKED_LOGIT, rtol=1e-6), masked[:5]
 
 
 @pytest.mark.parametrize("action_space", [

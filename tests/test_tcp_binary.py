@@ -14,7 +14,8 @@ import time
 import pytest
 
 from shmrl import rllink
-from shmrl.learner import Learner
+from shmrl.serving import Serving
+from shmrl.store import DEFAULT_POLICY
 from shmrl.net import PolicyNet
 from shmrl.transport.inproc import InProcServer
 from shmrl.transport.tcp import ConnectionClosed, TcpClient
@@ -246,8 +247,9 @@ def test_a_client_waiting_for_its_reply_is_never_timed_out(net):
 def test_an_on_policy_batch_waits_on_a_silent_client_at_most_the_timeout(timeout, caplog):
     server = InProcServer()
     net = PolicyNet(SPEC, 16)
-    learner = Learner(SPEC, [server], policy=net.template, initial_weights=net.initial_weights(0),
-                      env_steps_per_sample=32, train_batch_size=64, batch_wait_timeout=timeout)
+    learner = Serving([server], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: net.template},
+                      {DEFAULT_POLICY: net.initial_weights(0)}, env_steps_per_sample=32, train_batch_size=64,
+                      batch_wait_timeout=timeout)
     learner.start()
     sent = threading.Thread()
     try:
@@ -272,7 +274,7 @@ def test_an_on_policy_batch_waits_on_a_silent_client_at_most_the_timeout(timeout
             assert batch is None and learner.short_batches == 0
         else:
             assert batch is not None and 0.45 < time.monotonic() - t0 < 1.5
-            assert sum(b.num_steps for b in batch[0]) == 32 and learner.short_batches == 1
+            assert sum(b.num_steps for b in batch[0][DEFAULT_POLICY]) == 32 and learner.short_batches == 1
             assert "training on the 32 env steps it has without them" in caplog.text
     finally:
         learner.stop()

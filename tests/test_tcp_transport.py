@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmrl.envs import env_spec, make_env
-from shmrl.learner import EpisodeStore, Hub
+from shmrl.hub import Hub
+from shmrl.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.rllink import ProtocolError
 from shmrl.transport.tcp import ConnectionClosed, TcpClient, TcpServer, parse_address
 
@@ -122,9 +123,9 @@ class HubLoop:
     def __init__(self, server: TcpServer, *, auto_publish: bool = True, onnx_file: str = "abc"):
         self.server, self.auto_publish, self.onnx_file = server, auto_publish, onnx_file
         self.store = EpisodeStore()
-        self.hub = Hub(SPEC, self.store, env_steps_per_sample=8, on_policy=True)
+        self.hub = Hub({DEFAULT_POLICY: SPEC}, self.store, env_steps_per_sample=8, on_policy=True)
         self.seq = 1
-        self.hub.set_state(self.seq, onnx_file)
+        self.publish()
         self.received: list[tuple[str, str | None]] = []  # (conn_id, type), None: closed
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -142,9 +143,12 @@ class HubLoop:
                         self.hub.handle(self.server, conn_id, msg)
                     if self.auto_publish and self.hub.waiting:
                         self.seq += 1
-                        self.hub.set_state(self.seq, self.onnx_file)
+                        self.publish()
         except BaseException as e:  # reported by stop()
             self.error = e
+
+    def publish(self) -> None:
+        self.hub.set_state(self.seq, {DEFAULT_POLICY: {"onnx_file": self.onnx_file, "weights_seq_no": self.seq}})
 
     def closed(self) -> list[str]:
         return [c for c, kind in list(self.received) if kind is None]

@@ -186,6 +186,7 @@ def test_bench_transport_quick(tool):
         assert r["ratios"][ratio] == pytest.approx(us[a] / us[b])
 
 
+@pytest.mark.slow   # among the suite's longest (25-40 s)
 def test_bench_on_image_observations_keeps_them_uint8(tool):
     """transport and throughput take --env: MinAtar's 10x10x4 boolean planes travel as one
     byte per value in the binary codec, and the pipeline samples the env it is given."""
@@ -333,6 +334,7 @@ def test_abuse_quick(tool):
     assert c["server_exit_code"] == 143 and c["shm_files_left"] == [] and c["server_group_alive"] is False
 
 
+@pytest.mark.slow   # among the suite's longest (25-40 s)
 @pytest.mark.skipif(not SB3_PYTHON.exists(), reason="no stable-baselines3 virtualenv: `python tools/sb3_baseline.py "
                                                     "--setup` makes it (.ci/run does, before the tests)")
 def test_sb3_baseline_quick(tool):
@@ -355,6 +357,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow   # among the suite's longest (25-40 s)
 @pytest.mark.skipif(not RLLIB_PYTHON.exists(), reason="no RLlib 2.48 virtualenv: `python tools/rllib_compat.py "
                                                       "--setup` makes it (.ci/run does, before the tests)")
 def test_rllib_client_against_shmrl_quick(tool):
@@ -370,6 +373,7 @@ def test_rllib_client_against_shmrl_quick(tool):
     assert "survivors" not in r and r["scratch"] is None                 # every process stopped, scratch removed
 
 
+@pytest.mark.slow   # among the suite's longest (25-40 s)
 def test_multiagent_quick(tool):
     rc, out, err = tool("multiagent.py", "--quick", "--json", timeout=180)
     assert rc == 0, err[-2000:]

@@ -34,6 +34,7 @@ def test_a_trainer_is_stopped_at_its_time_even_when_this_tool_was_started_ignori
     assert took < 30, took   # not the 60-s SIGKILL
 
 
+@pytest.mark.slow   # among the suite's longest (25-35 s): both trainers run
 @pytest.mark.skipif(not ZOO_PYTHON.exists(), reason="no rl-zoo3 virtualenv: `python tools/zoo.py --setup` "
                                                     "makes it (.ci/run does, before the tests)")
 def test_the_mujoco_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm_leftovers):
@@ -56,6 +57,7 @@ def test_the_mujoco_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm
     assert out.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow   # among the suite's longest (25-35 s): both trainers run
 @pytest.mark.skipif(not ZOO_PYTHON.exists(), reason="no rl-zoo3 virtualenv: `python tools/zoo.py --setup` "
                                                     "makes it (.ci/run does, before the tests)")
 def test_the_recurrent_baseline_runs_recurrent_ppo_and_shmrl_and_plots_them(tmp_path, no_shm_leftovers):

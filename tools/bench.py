@@ -92,10 +92,11 @@ def run_policy(env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: i
     """The env's spec, shmrl.run's configuration of it (its preset) and the policy network
     that shmrl.run publishes for it (numpy and the ONNX template only: no torch)."""
     from shmrl.envs import env_spec
-    from shmrl.run import RunConfig, policy_net, resolve_config
+    from shmrl.config import Config, resolve_config
+    from shmrl.trainer import policy_net
 
     spec = env_spec(env)
-    config = resolve_config(RunConfig(env=env, envs_per_sim=envs_per_sim,
+    config = resolve_config(Config(env=env, envs_per_sim=envs_per_sim,
                                       env_steps_per_sample=env_steps_per_sample), spec)
     return spec, config, policy_net(config, spec)
 
@@ -139,8 +140,9 @@ class Pipeline:
                  transport: str = "shm"):
         """``transport``: "shm" (rings) or "tcp-binary" (loopback TCP, the simulators
         agreeing on the binary codec as shmrl.run's do with --transport tcp)."""
-        from shmrl.learner import EpisodeStore, Hub
-        from shmrl.run import heartbeat_period, ring_bytes
+        from shmrl.hub import Hub
+        from shmrl.serving import heartbeat_period, ring_bytes
+        from shmrl.store import DEFAULT_POLICY, EpisodeStore
         from shmrl.supervisor import Supervisor
         from shmrl.transport.shm import ShmServer
         from shmrl.transport.tcp import TcpServer
@@ -149,7 +151,7 @@ class Pipeline:
         self.rng = np.random.default_rng(seed)
         spec, config, self.net = run_policy(env, envs_per_sim, env_steps_per_sample)
         if transport == "shm":
-            self.server = ShmServer(sims, **ring_bytes(config, spec, self.net))  # as shmrl.run sizes them
+            self.server = ShmServer(sims, **ring_bytes(config, spec, {DEFAULT_POLICY: self.net}))  # as shmrl.run sizes them
             addresses = [f"shm:{self.server.address(i)}" for i in range(sims)]
         else:
             self.server = TcpServer("127.0.0.1", 0, heartbeat_s=heartbeat_period(config.hang_timeout),
@@ -157,7 +159,7 @@ class Pipeline:
             addresses = [f"tcp:127.0.0.1:{self.server.address[1]}"] * sims
         try:
             self.store = EpisodeStore()
-            self.hub = Hub(spec, self.store, env_steps_per_sample, on_policy)
+            self.hub = Hub({DEFAULT_POLICY: spec}, self.store, env_steps_per_sample, on_policy)
             self.publish(weights)  # before any simulator asks: GET_STATE needs a state
             self.supervisor = Supervisor(addresses, env=env, seed=seed, envs_per_sim=envs_per_sim,
                                          nice=config.sim_nice)
@@ -177,6 +179,7 @@ class Pipeline:
         """What the learner does after an update: patch the weights into the ONNX graph,
         gzip+base64 it, hand it to the Hub (which releases waiting simulators)."""
         from shmrl.onnx_policy import encode_onnx_file
+        from shmrl.store import DEFAULT_POLICY
 
         weights = weights if weights is not None else self.new_weights()
         t0 = time.perf_counter()
@@ -185,7 +188,7 @@ class Pipeline:
         onnx_file = encode_onnx_file(self.model_bytes)
         t2 = time.perf_counter()
         self.seq += 1
-        self.hub.set_state(self.seq, onnx_file)
+        self.hub.set_state(self.seq, {DEFAULT_POLICY: {"onnx_file": onnx_file, "weights_seq_no": self.seq}})
         # Where a publish spends its time: patch+serialize, gzip+base64, SET_STATE to every ring.
         self.publish_parts = {"onnx": t1 - t0, "encode": t2 - t1, "set_state": time.perf_counter() - t2}
         return self.seq

@@ -64,7 +64,7 @@ class ShmServer(Closeable):
 
     MAX_FRAMES_PER_CLIENT = 16  # per poll(), so that one busy client cannot starve the others
     RECHECK_S = 0.01            # how soon a record that failed its checks is looked at again
-    REQUEST_RING_BYTES, REPLY_RING_BYTES = 1 << 20, 1 << 18   # defaults: see run.ring_bytes
+    REQUEST_RING_BYTES, REPLY_RING_BYTES = 1 << 20, 1 << 18   # defaults: see serving.ring_bytes
 
     def __init__(self, n_clients: int, *, request_ring_bytes: int = REQUEST_RING_BYTES,
                  reply_ring_bytes: int = REPLY_RING_BYTES, prefix: str = DEFAULT_PREFIX,

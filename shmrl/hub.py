@@ -1,0 +1,201 @@
+"""The Hub: the RLlink server logic for every transport (docs/RLLINK.md).
+
+Transports hand the Hub validated messages; the Hub also checks them against the
+environment (shapes, action range) because a client's input is never trusted.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+
+import numpy as np
+
+from shmrl import rllink
+from shmrl.envs import EnvSpec
+from shmrl.episode import EpisodeBatch, MultiAgentBatch
+from shmrl.spaces import MASK_KEY
+from shmrl.store import DEFAULT_POLICY, EpisodeStore
+
+log = logging.getLogger("shmrl.learner")
+T = rllink.MessageType
+
+def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
+    """Why validated chunks do not fit the environment (and the policy's recurrent state of
+    ``state_size`` floats), or None; fitting ones get their observations and actions in the
+    stored dtypes (an image's JSON integers as bytes), and zeros where a recurrent policy's
+    chunks came without ``state_in`` (the state an episode starts from)."""
+    if batch.state_in is None:
+        if state_size:
+            batch.state_in = np.zeros((batch.num_chunks, state_size), np.float32)
+    elif not state_size:
+        return "the chunks carry 'state_in', but the policy has no memory"
+    elif batch.state_in.shape[1:] != (state_size,):
+        return f"'state_in' has {batch.state_in.shape[1:]} values per chunk; the policy's state has {state_size}"
+    if batch.num_chunks:
+        why, obs = spec.obs.check(batch.obs)
+        if why:
+            return why
+        batch.obs = obs
+    if not batch.num_steps:
+        return None
+    layout, actions = spec.actions, batch.actions
+    if batch.action_dist_inputs.shape[1:] != (layout.dist_size,):
+        return f"action_dist_inputs shape {batch.action_dist_inputs.shape[1:]} != ({layout.dist_size},)"
+    if layout.single_box and actions.ndim == 1 and layout.action_size == 1:
+        actions = batch.actions = actions.reshape(len(actions), 1)
+    mask = None
+    if spec.obs.mask is not None:   # the mask each action was taken under: the obs of its step
+        chunk_of_step = np.repeat(np.arange(batch.num_chunks), batch.lengths)
+        mask = batch.obs[MASK_KEY][np.arange(batch.num_steps) + chunk_of_step]
+    return layout.check(actions, mask)
+
+
+def chunks_by_policy(batch, policy_specs: dict, multiagent: bool, state_size: int = 0) -> tuple[dict, str | None]:
+    """A message's chunks by policy id, and why they do not fit the run (its kind, its
+    policies and their envs) or None. The boundary of the codec: a multi-agent message's
+    chunks are by module id; a single-agent run's are its one policy's."""
+    sent_multi = isinstance(batch, MultiAgentBatch)
+    if sent_multi != multiagent:
+        if multiagent and not batch.num_chunks:
+            return {}, None
+        return {}, ("multi-agent episodes (module_id) sent to a single-agent run" if sent_multi else
+                    "single-agent episodes sent to a multi-agent run: every chunk needs agent_id and module_id")
+    if not multiagent:
+        return {DEFAULT_POLICY: batch}, check_episodes(batch, policy_specs[DEFAULT_POLICY], state_size)
+    for pid, sub in batch.policies.items():
+        if pid not in policy_specs:
+            return {}, (f"chunks for policy {pid!r}, which this run does not train "
+                        f"(its policies: {sorted(policy_specs)})")
+        why = check_episodes(sub, policy_specs[pid], state_size)
+        if why:
+            return {}, f"policy {pid!r}: {why}"
+    return batch.policies, None
+
+
+class Hub:
+    """Answers RLlink requests from any transport alike.
+
+    PING, GET_CONFIG and GET_STATE are answered at once. Episodes go to the store.
+    SET_CONFIG always says ``force_on_policy: true``: every client waits for SET_STATE
+    after each batch (RLlib's client refuses anything else), which is what lets the Hub
+    pace it. ``on_policy``: an EPISODES_AND_GET_STATE is answered with the *next* weights,
+    as RLlib's server does; otherwise at once with the current ones, unless
+    ``max_pending_steps`` already wait for the learner (that bounds the policy lag).
+    """
+
+    def __init__(self, policy_specs: dict[str, EnvSpec], store: EpisodeStore, env_steps_per_sample: int,
+                 on_policy: bool = True, max_pending_steps: int | None = None,
+                 auth_token: str | None = None, state_size: int = 0, multiagent: bool = False,
+                 extra_config: dict | None = None):
+        """``policy_specs``: the run's policies (policy id -> EnvSpec of its agents; a
+        single-agent run's one is ``DEFAULT_POLICY``); ``multiagent``: the clients speak in
+        agents and modules (RLlib's multi-agent messages); ``extra_config``: more fields
+        for SET_CONFIG (a multi-agent run's policy map)."""
+        self.policy_specs, self.store, self.state_size = policy_specs, store, state_size
+        self.multiagent = multiagent
+        self.auth_token = auth_token
+        self.authenticated: set[str] = set()     # with an auth token: connections that showed it
+        self.max_pending_steps = max_pending_steps
+        self.config_msg = {"type": T.SET_CONFIG.value, "env_steps_per_sample": env_steps_per_sample,
+                           "force_on_policy": True, **(extra_config or {})}
+        self.on_policy = on_policy
+        self.state_msg: dict | None = None
+        self.servers: dict[str, object] = {}     # conn_id -> the server that owns it
+        self.sampling: set[str] = set()          # connections that have asked for weights
+        self.waiting: list[str] = []             # connections waiting for the next weights
+        self.waiting_since: float | None = None  # time.monotonic() when the first of them began
+        self.names: dict[str, str] = {}          # conn_id -> the client_name its PING gave
+        self.stepped: dict[str, int] = {}        # conn_id -> env steps its last HEARTBEAT reported
+
+    def set_state(self, weights_seq_no: int, policies: dict) -> None:
+        """Publish new weights and release every client waiting for them. ``policies``: the
+        SET_STATE ``policies`` entries (policy id -> onnx_file, weights_seq_no[, frozen])."""
+        if self.multiagent:
+            self.state_msg = {"type": T.SET_STATE.value, "policies": policies, "weights_seq_no": weights_seq_no}
+        else:   # RLlib's single-agent message, its bytes (key order included) as RLlib's JSON has them
+            self.state_msg = {"type": T.SET_STATE.value, "onnx_file": policies[DEFAULT_POLICY]["onnx_file"],
+                              "weights_seq_no": weights_seq_no}
+        waiting, self.waiting, self.waiting_since = self.waiting, [], None
+        for conn_id in waiting:
+            self._reply(conn_id, self.state_msg)
+
+    def all_waiting(self) -> bool:
+        return bool(self.sampling) and len(self.waiting) == len(self.sampling)
+
+    def handle(self, server, conn_id: str, msg: dict | None) -> None:
+        self.servers[conn_id] = server
+        if msg is None:
+            self.forget(conn_id)
+            return
+        kind = msg["type"]
+        if self.auth_token is not None and conn_id not in self.authenticated:
+            # Only a PING with the token opens a connection; anything else gets nothing
+            # but a closed connection (the reason is logged, never sent).
+            token = msg.get("auth_token", "") if kind == T.PING.value else ""
+            if not hmac.compare_digest(token.encode(), self.auth_token.encode()):
+                self.servers[conn_id].drop(conn_id, "authentication failed: PING without the right auth_token"
+                                           if kind == T.PING.value else f"{kind} before an authenticated PING")
+                self.forget(conn_id)
+                return
+            self.authenticated.add(conn_id)
+        if kind == T.HEARTBEAT.value:  # answered by nothing; the transport saw it alive
+            if msg["env_steps"] is not None:
+                self.stepped[conn_id] = max(msg["env_steps"], self.stepped.get(conn_id, 0))
+        elif kind == T.PING.value:
+            if "client_name" in msg:
+                self.names[conn_id] = msg["client_name"]
+                log.info("%s is %s", conn_id, msg["client_name"])
+            self._reply(conn_id, {"type": T.PONG.value})
+        elif kind == T.GET_CONFIG.value:
+            self._reply(conn_id, self.config_msg)
+        elif kind == T.GET_STATE.value:
+            self.sampling.add(conn_id)
+            self._reply(conn_id, self.state_msg)
+        else:  # EPISODES, EPISODES_AND_GET_STATE
+            batch = msg["episodes"]
+            chunks, reason = chunks_by_policy(batch, self.policy_specs, self.multiagent, self.state_size)
+            if reason:
+                self._drop(conn_id, reason, batch.num_steps)
+                return
+            self.store.add(conn_id, chunks)
+            if kind == T.EPISODES_AND_GET_STATE.value:
+                self.sampling.add(conn_id)
+                full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
+                if self.on_policy or full:
+                    if not self.waiting:
+                        self.waiting_since = time.monotonic()
+                    self.waiting.append(conn_id)
+                else:
+                    self._reply(conn_id, self.state_msg)
+
+    def _reply(self, conn_id: str, msg: dict) -> None:
+        self.servers[conn_id].reply(conn_id, msg)
+
+    def _drop(self, conn_id: str, reason: str, steps: int) -> None:
+        self.store.drop("does not fit the environment", steps)
+        self.stepped.pop(conn_id, None)  # its steps are dropped, not lost
+        self.servers[conn_id].drop(conn_id, reason)
+        self.forget(conn_id)
+
+    def name(self, conn_id: str) -> str:
+        """``conn_id``, with the name the client gave in its PING."""
+        name = self.names.get(conn_id)
+        return f"{conn_id} ({name})" if name else conn_id
+
+    def forget(self, conn_id: str) -> None:
+        """The connection is closed: nothing is owed to it, its open episodes never complete;
+        what it reported stepping (HEARTBEAT) beyond what it sent is counted as lost."""
+        if conn_id in self.stepped:
+            lost = self.stepped.pop(conn_id) - self.store.steps_by_conn.get(conn_id, 0)
+            if lost > 0:
+                self.store.steps_lost += lost
+                log.warning("%s: %d env steps it had stepped but not sent are lost", self.name(conn_id), lost)
+        self.names.pop(conn_id, None)
+        self.sampling.discard(conn_id)
+        self.authenticated.discard(conn_id)
+        if conn_id in self.waiting:
+            self.waiting.remove(conn_id)
+        self.store.forget(conn_id)
+        self.servers.pop(conn_id, None)
+

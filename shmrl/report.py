@@ -1,0 +1,85 @@
+"""What a run reports: a metrics row per update (metrics.jsonl, TensorBoard, the progress
+line) and, built from the same parts, the summary when it ends (summary.json)."""
+from __future__ import annotations
+
+import time
+
+
+class Clock:
+    """The run's times: since the process started (``t_start``) and since learning began."""
+
+    def __init__(self, t_start: float, steps_at_start: int):
+        self.t_start, self.t_learn, self.steps_at_start = t_start, time.time(), steps_at_start
+
+    def steps_per_s(self, steps_received: int) -> float:
+        return (steps_received - self.steps_at_start) / max(time.time() - self.t_learn, 1e-9)
+
+
+def counts(serving, supervisor) -> dict:
+    """Where every env step went: received = trained + pending (waiting, or in an update
+    that has not finished) + dropped (by reason); lost: stepped by simulators that died
+    before sending them, never received. A frame that could not be decoded has no steps to
+    count: it counts as a bad frame."""
+    store = serving.store
+    return {"env_steps": store.steps_received, "env_steps_trained": store.steps_trained,
+            "env_steps_pending": store.pending_steps + store.in_flight,
+            "env_steps_dropped": dict(store.steps_dropped),
+            "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),
+            "bad_frames": sum(server.frames_rejected for server in serving.servers),
+            "clients_timed_out": sum(server.clients_timed_out for server in serving.servers),
+            "short_batches": serving.short_batches,
+            "simulator_restarts": supervisor.restarts if supervisor else 0}
+
+
+def returns(serving) -> dict:
+    """The mean return of the last episodes; a multi-agent run's also per policy and agent."""
+    store = serving.store
+    means = {"return_mean": store.return_mean()}
+    if serving.multiagent:
+        means.update(return_by_policy=store.policy_return_means(), return_by_agent=store.agent_return_means())
+    return means
+
+
+UPDATE_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "train_s", "batch_steps",
+                "weights_seq_no", "policy_lag", "lr", "reward_scale")
+
+
+def metrics_row(stats: dict, serving, supervisor, clock: Clock) -> dict:
+    """One update's line of metrics.jsonl (and of TensorBoard)."""
+    store, means = serving.store, returns(serving)
+    row = {"update": stats["update"], "return_mean": means["return_mean"], "episodes": store.episodes_completed,
+           "env_steps_per_s": clock.steps_per_s(store.steps_received), **{k: stats[k] for k in UPDATE_STATS},
+           **counts(serving, supervisor), "elapsed_s": time.time() - clock.t_start, **means}
+    if serving.multiagent:   # each policy's losses too, "<id>/pi_loss"
+        row["policies"] = {f"{pid}/{k}": v for pid, st in stats["policies"].items() for k, v in st.items()}
+    return row
+
+
+def progress_line(row: dict, n_returns: int) -> str:
+    clients = " ".join(f"{c}={_k(n)}" for c, n in sorted(row["env_steps_by_client"].items(),
+                                                        key=lambda kv: (len(kv[0]), kv[0])))
+    return (f"update {row['update']:4d} | steps {row['env_steps']:8d} | {row['env_steps_per_s']:8.0f} steps/s | "
+            f"return {row['return_mean']:7.1f} (n={n_returns}) | pi {row['pi_loss']:+.3f} "
+            f"v {row['v_loss']:.3f} ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} | "
+            f"lag {row['policy_lag']:.1f} | {row['elapsed_s']:.1f}s | {clients}"
+            + ("" if "return_by_agent" not in row else " | " + " ".join(
+                f"{a}={r:.2f}" for a, r in sorted(row["return_by_agent"].items())))
+            + ("" if len(row.get("return_by_policy", {})) < 2 else " | policies " + " ".join(
+                f"{p}={r:.2f}" for p, r in sorted(row["return_by_policy"].items()))))
+
+
+def _k(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+
+
+def run_summary(serving, supervisor, clock: Clock, status: int, error: str | None, resumed_from) -> dict:
+    """summary.json but the configuration: the run's state at its end (the parts of a
+    metrics row that are not one update's), and how it ended."""
+    store, means = serving.store, returns(serving)
+    return {"solved": status == 0, "exit_status": status, "error": error, "wall_s": time.time() - clock.t_start,
+            "return_mean": means["return_mean"], "episodes": store.episodes_completed, **counts(serving, supervisor),
+            "env_steps_per_s": clock.steps_per_s(store.steps_received),
+            "first_sample_s": store.first_steps_at - clock.t_start if store.first_steps_at else None,
+            "updates": serving.updates, "weights_seq_no": serving.weights_seq_no,
+            "simulator_recovery_s": supervisor.recovery_s if supervisor else [],
+            "resumed_from": str(resumed_from) if resumed_from else None, **means}

@@ -1,0 +1,312 @@
+"""The one training loop: take a batch -> update -> publish -> log -> checkpoint.
+
+``train_run`` sets a run up (env, policies, a checkpoint to resume, the transports, the
+simulators), then loops until the stop return or the step budget, and always ends by
+writing the policy, a checkpoint and summary.json. The serving side (``shmrl.serving``)
+answers the clients in a thread of its own and hands over one batch at a time; torch
+releases the GIL during the update, so it keeps answering.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, env_name,
+                          resolve_config, saved_config, validate)
+from shmrl.episode import EpisodeBatch
+from shmrl.report import Clock, metrics_row, progress_line, run_summary
+from shmrl.resume import (load_resume_checkpoint, policy_arrays, policy_file, policy_prefix, ppo_state,
+                          restore_store, save_checkpoint, saved_policy)
+from shmrl.serving import Serving, open_transports
+from shmrl.store import DEFAULT_POLICY
+
+log = logging.getLogger("shmrl.run")
+
+
+class RunFailed(RuntimeError):
+    """A part of the run failed (a simulator died, a transport broke)."""
+
+
+def policy_net(config, spec):
+    """The published policy of this run's configuration."""
+    from shmrl.net import PolicyNet
+
+    return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
+                     log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn,
+                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size)
+
+
+@dataclass
+class Setup:
+    """A run before anything starts: its settings resolved, its env, its set of policies
+    (by policy id; a single-agent run's one policy is ``DEFAULT_POLICY``)."""
+    config: object
+    spec: object
+    multiagent: bool             # the env has agents, the clients send RLlib's multi-agent messages
+    policy_specs: dict           # policy id -> EnvSpec of its agents
+    nets: dict                   # policy id -> PolicyNet
+    first_weights: dict          # policy id -> its weights to publish first
+    first_seq: int
+    resumed: tuple | None        # (path, arrays, state) of the checkpoint it goes on from
+
+
+def set_up(config, servers_given: bool = False) -> Setup:
+    """Everything that can refuse the run (ConfigError) short of opening its transports."""
+    from shmrl.envs import env_spec
+
+    spec = env_spec(config.env)
+    config = resolve_config(config, spec)
+    validate(config, spec, servers_given)
+    multiagent = getattr(spec, "multiagent", False)
+    policy_specs = {DEFAULT_POLICY: spec}
+    if multiagent:
+        from shmrl.envspec import policy_mapper
+
+        try:
+            policy_specs = spec.policy_specs(policy_mapper(config.policy_map))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if config.stop_return is None:  # the env's threshold; without one, train to the step budget
+        config.stop_return = spec.reward_threshold if spec.reward_threshold is not None else math.inf
+    if config.logdir is None:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
+        config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
+    resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent)
+               if config.resume else None)
+    if resumed:
+        first_weights = {pid: saved_policy(resumed[1], policy_prefix(pid, multiagent)) for pid in nets}
+        first_seq = resumed[2]["weights_seq_no"] + 1
+    else:
+        first_weights = {pid: net.initial_weights(config.seed + i) for i, (pid, net) in enumerate(nets.items())}
+        first_seq = 1
+    from shmrl.metrics import tensorboard_available
+
+    if config.tensorboard is None:
+        config.tensorboard = tensorboard_available()
+    elif config.tensorboard and not tensorboard_available():
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
+    return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed)
+
+
+def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
+    """The serving side, its first weights published (before torch is even imported)."""
+    config = setup.config
+    serving = Serving(servers, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
+                      setup.first_weights, multiagent=setup.multiagent,
+                      env_steps_per_sample=config.env_steps_per_sample, train_batch_size=config.train_batch_size,
+                      on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
+                      auth_token=config.auth_token, first_weights_seq_no=setup.first_seq,
+                      housekeeping=supervisor.check if supervisor else None,
+                      reward_gamma=config.gamma if config.normalize_reward else None,
+                      batch_wait_timeout=config.hang_timeout, window=config.return_window,
+                      state_size=max(net.state_size for net in setup.nets.values()),
+                      league_size=config.league, league_every=config.league_every,
+                      extra_config=None if not setup.multiagent else {
+                          "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
+    if setup.resumed:
+        path, arrays, state = setup.resumed
+        restore_store(serving.store, state, arrays, setup.multiagent)
+        serving.updates = state["update"]
+        print(f"resuming from {path} (update {state['update']}, {serving.store.steps_received} env steps, "
+              f"weights {setup.first_seq - 1})", flush=True)
+    return serving
+
+
+def make_ppos(setup: Setup) -> dict:
+    """One PPO per policy (policy id -> PPO), from the checkpoint when resuming."""
+    import torch
+
+    from shmrl.ppo import PPO
+
+    config = setup.config
+    # 0: every core, for strict on-policy runs whose update dominates (the simulators
+    # wait through it, so the learner may take their cores).
+    torch.set_num_threads(config.torch_threads or os.cpu_count() or 1)
+    ppos = {pid: PPO(net, config, seed=config.seed + i, initial_weights=setup.first_weights[pid])
+            for i, (pid, net) in enumerate(setup.nets.items())}
+    if setup.resumed:
+        _, arrays, state = setup.resumed
+        for pid, ppo in ppos.items():
+            ppo.set_state(policy_arrays(arrays, policy_prefix(pid, setup.multiagent)),
+                          ppo_state(state, pid, setup.multiagent))
+    return ppos
+
+
+def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: float = 0.0) -> dict | None:
+    """One PPO update of each policy on its chunks (``batches``: policy id -> its batches,
+    taken at weights ``version``), then publish the new weights (and observation
+    statistics). ``progress``: the fraction of the step budget trained. The stats are
+    their means weighted by steps, and each policy's under ``policies``."""
+    t0 = time.perf_counter()
+    if not batches:   # nothing to learn from: a new version releases any client held back
+        serving.publish({})
+        return None
+    chunks = {pid: EpisodeBatch.concat(b) for pid, b in batches.items()}
+    per_policy, lags = {}, []
+    for pid, sub in chunks.items():
+        ppo = ppos[pid]
+        seq = sub.weights_seq_no
+        lags.extend((version - seq[seq >= 0]).tolist())
+        scale = ppo.config.reward_scale * serving.store.policies[pid].reward_scale()
+        per_policy[pid] = {**ppo.update(ppo.make_batch(sub, reward_scale=scale), progress),
+                           "batch_steps": sub.num_steps, "reward_scale": scale}
+        ppo.update_obs_stats(sub)
+    serving.store.trained(chunks)   # only this thread writes steps_trained
+    serving.updates += 1
+    serving.publish({pid: ppos[pid].published_weights() for pid in chunks})
+    total = sum(p["batch_steps"] for p in per_policy.values())
+    stats = {k: sum(p[k] * p["batch_steps"] for p in per_policy.values()) / total
+             for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale")}
+    stats.update(update=serving.updates, batch_steps=total, policy_lag=float(np.mean(lags)) if lags else 0.0,
+                 train_s=time.perf_counter() - t0, weights_seq_no=serving.weights_seq_no, policies=per_policy)
+    return stats
+
+
+def check_health(serving: Serving, supervisor) -> None:
+    if supervisor and supervisor.failure:
+        raise RunFailed(supervisor.failure)
+    if serving.failure:
+        raise RunFailed(f"the learner's serving thread failed: {serving.failure!r}")
+
+
+def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock: Clock) -> int:
+    """Take a batch -> update -> publish -> log -> checkpoint, until the stop return (exit 0)
+    or the step budget (exit 1)."""
+    config, store = setup.config, serving.store
+    # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
+    log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
+    last_line = -math.inf
+    while True:
+        batch = serving.next_batch(0.05)
+        check_health(serving, supervisor)
+        if len(store.returns) >= store.returns.maxlen and store.return_mean() >= config.stop_return:
+            return EXIT_SOLVED
+        if store.steps_received >= config.max_env_steps:
+            return EXIT_BUDGET
+        stats = update(serving, ppos, *batch, progress=store.steps_trained / config.max_env_steps) if batch else None
+        if not stats:
+            continue
+        row = metrics_row(stats, serving, supervisor, clock)
+        now = time.time()
+        if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
+            print(progress_line(row, len(store.returns)), flush=True)
+            last_line = now
+        metrics.write(row)
+        if config.checkpoint_every and serving.updates % config.checkpoint_every == 0:
+            checkpoint(setup, serving, ppos)
+
+
+def checkpoint(setup: Setup, serving: Serving, ppos: dict) -> Path:
+
+    config = setup.config
+    return save_checkpoint(Path(config.logdir), serving.updates, serving.weights_seq_no, serving.store, ppos,
+                           saved_config(config), config.keep_checkpoints, setup.multiagent)
+
+
+def train_run(config, t_start: float, launcher=None) -> tuple[int, dict]:
+    """Run one training job (the simulators of ``config``, and external clients when it
+    opens a TCP port); returns (exit status, summary). Whatever happens (Ctrl-C and
+    SIGTERM included) every process it started is stopped, every segment it made is
+    unlinked, and the summary and a checkpoint are written."""
+    from shmrl.supervisor import Supervisor
+    from shmrl.transport.ring import ShmSpaceError
+
+    setup = set_up(config)
+    config = setup.config
+    try:
+        servers, addresses, shm = open_transports(config, setup.spec, setup.nets, launcher)
+    except ShmSpaceError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED, {}
+    supervisor = None if not addresses else Supervisor(
+        addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim, auth_token=config.auth_token,
+        shm_server=shm, hang_timeout=config.hang_timeout, nice=config.sim_nice, launcher=launcher,
+        max_restarts=config.max_restarts, restart_window=config.restart_window)
+    return train_on(setup, servers, supervisor, t_start)
+
+
+def train_with_servers(config, servers: list) -> tuple[int, dict]:
+    """Train as ``python -m shmrl.run`` does, on the clients that come through ``servers``
+    (transports of your own: see examples/custom_transport.py) instead of simulators it
+    starts; returns (exit status, summary). Every server is closed at the end."""
+    return train_on(set_up(config, servers_given=True), servers, None, time.time())
+
+
+def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[int, dict]:
+    """The run's life: serve, start the simulators, loop, and always finish (see
+    ``train_run``)."""
+    from shmrl.metrics import MetricsLog
+
+    logdir = Path(setup.config.logdir)
+    try:  # the last thing that can refuse the run: nothing is written before it
+        logdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        for server in servers:
+            server.close()
+        raise ConfigError(f"--logdir {logdir}: cannot create it: {e.strerror or e}") from None
+    status, error, summary = EXIT_FAILED, None, {}
+    serving = ppos = metrics = None
+    clock = Clock(t_start, 0)
+    try:
+        serving = make_serving(setup, servers, supervisor)
+        clock = Clock(t_start, serving.store.steps_received)
+        serving.start()
+        if supervisor:
+            supervisor.start_all_in_background()
+        # The first policy is published and served before torch is imported (about 2 s):
+        # the simulators start (their fork server loads numpy and onnxruntime) and sample
+        # on one core while this process loads torch on the other.
+        ppos = make_ppos(setup)
+        launch_error = supervisor.joined() if supervisor else None
+        if launch_error is not None:
+            raise RunFailed(f"could not start the simulators: {launch_error!r}")
+        metrics = MetricsLog(logdir, append=bool(setup.resumed), tensorboard=setup.config.tensorboard)
+        status = loop(setup, serving, ppos, supervisor, metrics, clock)
+    except RunFailed as e:
+        error = str(e)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        status = EXIT_INTERRUPTED
+    except SystemExit as e:  # SIGTERM (see run._terminate)
+        status = e.code if isinstance(e.code, int) else EXIT_FAILED
+    finally:
+        if serving is not None:
+            serving.stop()   # from here on the store stands still
+        if supervisor is not None:
+            supervisor.stop()
+        try:
+            if serving is not None:
+                summary = finish(setup, serving, supervisor, ppos, clock, status, error)
+        finally:
+            if metrics:
+                metrics.close()
+            for server in servers:
+                server.close()
+    return status, summary
+
+
+def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, status: int, error) -> dict:
+    """Write the policy, a checkpoint and summary.json, and say how the run ended."""
+
+    config, logdir = setup.config, Path(setup.config.logdir)
+    result = {**run_summary(serving, supervisor, clock, status, error, setup.resumed and setup.resumed[0]),
+              "config": saved_config(config)}
+    for pid, model in serving.model_bytes.items():
+        (logdir / policy_file(pid, setup.multiagent)).write_bytes(model)
+    if ppos is not None:
+        result["checkpoint"] = str(checkpoint(setup, serving, ppos))
+    (logdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    verdict = {EXIT_SOLVED: "solved", EXIT_BUDGET: "step budget exhausted", EXIT_FAILED: "failed",
+               EXIT_INTERRUPTED: "interrupted"}.get(status, "terminated")
+    print(f"{verdict}: return {result['return_mean']:.1f} over the last {len(serving.store.returns)} "
+          f"episodes after {result['env_steps']} env steps in {result['wall_s']:.2f} s; wrote {logdir}", flush=True)
+    return result
