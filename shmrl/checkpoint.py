@@ -160,11 +160,11 @@ NETWORK_SETTINGS = ("hidden", "layers", "activation", "cnn", "memory", "memory_s
                     "log_std_init", "policy_map")
 
 
-def network_difference(saved: dict, config: dict) -> str | None:
-    """The first network setting in which ``config`` (this run's, as saved_config writes
-    it) differs from ``saved`` (a checkpoint's), in words naming the flag; None if none
-    does. A setting an older checkpoint did not write is not compared."""
-    for key in NETWORK_SETTINGS:
+def network_difference(saved: dict, config: dict, keys=NETWORK_SETTINGS) -> str | None:
+    """The first network setting (of ``keys``) in which ``config`` (this run's, as
+    saved_config writes it) differs from ``saved`` (a checkpoint's), in words naming the
+    flag; None if none does. A setting an older checkpoint did not write is not compared."""
+    for key in keys:
         if saved.get(key) is not None and config.get(key) != saved[key]:
             flag = "--" + key.replace("_", "-")
             return f"{flag} {config.get(key)} differs from the checkpoint's {flag} {saved[key]}"

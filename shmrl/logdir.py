@@ -227,3 +227,27 @@ def cut_rows(path: Path, last_update: int) -> int:
     if dropped or not data.endswith(b"\n") and data:
         replace_file(path, b"".join(line for _, line in kept))
     return dropped
+
+
+# ---------------------------------------------------------------- a run's start
+
+def open_logdir(logdir: Path, flag: str = "--logdir", resumed_update: int | None = None) -> LogdirLock:
+    """What a run does to its log folder before writing anything there: create it, lock it
+    (ConfigError if another run holds it), and when it resumes from the checkpoint of
+    update ``resumed_update``, cut metrics.jsonl back to that update."""
+    logdir = Path(logdir)
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--logdir {logdir}: cannot create it: {e.strerror or e}") from None
+    lock = take_lock(logdir, flag)
+    if resumed_update is not None:
+        try:
+            dropped = cut_rows(logdir / "metrics.jsonl", resumed_update)
+        except LogdirWriteError as e:
+            lock.release()
+            raise ConfigError(f"{flag} {logdir}: {e}") from None
+        if dropped:
+            log.warning("%s %s: dropped %d lines of metrics.jsonl written after update %d (its checkpoint's), "
+                        "or torn by a kill", flag, logdir, dropped, resumed_update)
+    return lock

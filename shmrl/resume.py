@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from shmrl import checkpoint
-from shmrl.config import ConfigError
+from shmrl.config import EXIT_BUDGET, ConfigError
 from shmrl.store import DEFAULT_POLICY
 
 log = logging.getLogger("shmrl.run")
@@ -41,11 +41,13 @@ def saved_policy(arrays: dict, prefix: str = "") -> dict:
     return policy_arrays(arrays, prefix + "policy/")
 
 
-def load_resume_checkpoint(resume: str, env: str, hidden: int, nets: dict, multiagent: bool) -> tuple:
+def load_resume_checkpoint(resume: str, env: str, hidden: int, nets: dict, multiagent: bool,
+                           settings: dict | None = None) -> tuple:
     """(path, arrays, state) of the newest intact checkpoint in the folder ``resume``,
-    checked against this run's env (its name) and networks (policy id -> PolicyNet) before
-    anything is started or written: a run that cannot resume must leave the folder it
-    would resume as it found it."""
+    checked against this run's env (its name), network settings (``settings``, as
+    saved_config writes them) and networks (policy id -> PolicyNet) before anything is
+    started or written: a run that cannot resume must leave the folder it would resume as
+    it found it."""
     try:
         path, arrays, state, damaged = checkpoint.load_latest(Path(resume))
     except checkpoint.CheckpointError as e:
@@ -56,12 +58,25 @@ def load_resume_checkpoint(resume: str, env: str, hidden: int, nets: dict, multi
     if saved_env is not None and saved_env != env:
         raise ConfigError(f"--resume {resume}: its checkpoint was trained on {saved_env}, not "
                           f"{env}; a run resumes on the env it was trained on")
+    if settings:   # the set of policies first: the arrays are compared policy by policy
+        refuse_other_network(resume, state, settings, ["policy_map"])
     for pid, net in nets.items():
         why = net.check(saved_policy(arrays, policy_prefix(pid, multiagent)))
         if why:
             raise ConfigError(f"--resume {resume}: {path} does not fit a network of --hidden {hidden} "
                               f"for {net.spec.env_id}: {why}; was it saved with other layer sizes?")
+    if settings:   # the same shapes, and still another network (--activation, --normalize-obs, ...)
+        refuse_other_network(resume, state, settings)
     return path, arrays, state
+
+
+def refuse_other_network(resume: str, state: dict, settings: dict, keys=checkpoint.NETWORK_SETTINGS) -> None:
+    """ConfigError naming the first network setting of ``keys`` in which this run's
+    ``settings`` differ from the checkpoint's: resuming would overwrite the run's
+    checkpoints and policy with another network."""
+    why = checkpoint.network_difference(state.get("config", {}), settings, keys)
+    if why:
+        raise ConfigError(f"--resume {resume}: {why}; a run resumes with the network it was trained with")
 
 
 def ppo_state(state: dict, pid: str, multiagent: bool) -> dict:
@@ -94,3 +109,18 @@ def save_checkpoint(logdir: Path, update: int, weights_seq_no: int, store, ppos:
     return checkpoint.save(Path(logdir), update, arrays, keep=keep, state={
         "weights_seq_no": weights_seq_no, "config": {**config, "auth_token": None}, "counters": counters,
         "ppo": ppo_values if multiagent else ppo_values[DEFAULT_POLICY]})
+
+
+def spent_budget(config, resumed: tuple | None) -> dict | None:
+    """When the run resumed (``resumed``: path, arrays, state) has already received its
+    ``--max-env-steps``, say so and return its summary (exit status 1): it samples
+    nothing and writes nothing. None when there is budget left."""
+    if not resumed or resumed[2]["counters"]["steps_received"] < config.max_env_steps:
+        return None
+    path, _, state = resumed
+    steps = state["counters"]["steps_received"]
+    print(f"step budget exhausted: {config.resume} already has {steps} env steps (--max-env-steps "
+          f"{config.max_env_steps}); nothing trained or written (a larger --max-env-steps goes on)", flush=True)
+    return {"solved": False, "exit_status": EXIT_BUDGET, "error": None, "env_steps": steps,
+            "updates": state["update"], "weights_seq_no": state["weights_seq_no"], "resumed_from": str(path),
+            "checkpoint": str(path)}

@@ -8,7 +8,6 @@ releases the GIL during the update, so it keeps answering.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -19,12 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from shmrl.checkpoint import CheckpointError
 from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, env_name,
                           resolve_config, saved_config, validate)
 from shmrl.episode import EpisodeBatch
+from shmrl.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
 from shmrl.report import Clock, metrics_row, progress_line, run_summary
 from shmrl.resume import (load_resume_checkpoint, policy_arrays, policy_file, policy_prefix, ppo_state,
-                          restore_store, save_checkpoint, saved_policy)
+                          restore_store, save_checkpoint, saved_policy, spent_budget)
 from shmrl.serving import Serving, open_transports
 from shmrl.store import DEFAULT_POLICY
 
@@ -80,7 +81,8 @@ def set_up(config, servers_given: bool = False) -> Setup:
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
         config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
-    resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent)
+    resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent,
+                                     saved_config(config))
                if config.resume else None)
     if resumed:
         first_weights = {pid: saved_policy(resumed[1], policy_prefix(pid, multiagent)) for pid in nets}
@@ -246,14 +248,20 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
     ``train_run``)."""
     from shmrl.metrics import MetricsLog
 
-    logdir = Path(setup.config.logdir)
-    try:  # the last thing that can refuse the run: nothing is written before it
-        logdir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+    config, logdir = setup.config, Path(setup.config.logdir)
+    spent = spent_budget(config, setup.resumed)
+    if spent:
         for server in servers:
             server.close()
-        raise ConfigError(f"--logdir {logdir}: cannot create it: {e.strerror or e}") from None
-    status, error, summary = EXIT_FAILED, None, {}
+        return EXIT_BUDGET, spent
+    try:  # the last thing that can refuse the run (another run writes there): nothing is written before it
+        lock = open_logdir(logdir, "--resume" if config.resume and Path(config.resume) == logdir else "--logdir",
+                           setup.resumed[2]["update"] if setup.resumed else None)
+    except ConfigError:
+        for server in servers:
+            server.close()
+        raise
+    status, error, unsaid, summary = EXIT_FAILED, None, [], {}
     serving = ppos = metrics = None
     clock = Clock(t_start, 0)
     try:
@@ -274,6 +282,9 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
     except RunFailed as e:
         error = str(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
+    except (LogdirWriteError, CheckpointError) as e:   # a full disk: finish() says so, with what else it could not write
+        error = str(e)
+        unsaid.append(error)
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED
     except SystemExit as e:  # SIGTERM (see run._terminate)
@@ -285,28 +296,46 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
             supervisor.stop()
         try:
             if serving is not None:
-                summary = finish(setup, serving, supervisor, ppos, clock, status, error)
+                status, summary = finish(setup, serving, supervisor, ppos, clock, status, error, unsaid)
         finally:
             if metrics:
                 metrics.close()
             for server in servers:
                 server.close()
+            lock.release()
     return status, summary
 
 
-def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, status: int, error) -> dict:
-    """Write the policy, a checkpoint and summary.json, and say how the run ended."""
-
+def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, status: int, error,
+           unsaid: list) -> tuple[int, dict]:
+    """Write the policy, a checkpoint and summary.json, and say how the run ended; returns
+    the exit status (3 if any of them could not be written) and the summary. ``unsaid``:
+    errors not printed yet; they and what cannot be written here make one ``error:`` line."""
     config, logdir = setup.config, Path(setup.config.logdir)
+    problems, written = list(unsaid), None
+    try:   # first what a resume needs (each file whole or not at all: a full disk leaves the last one)
+        written = checkpoint(setup, serving, ppos) if ppos is not None else None
+    except CheckpointError as e:
+        problems.append(str(e))
+    try:
+        for pid, model in serving.model_bytes.items():
+            replace_file(logdir / policy_file(pid, setup.multiagent), model)
+    except LogdirWriteError as e:
+        problems.append(str(e))
+    if len(problems) > len(unsaid):
+        status, error = EXIT_FAILED, "; ".join(dict.fromkeys(([error] if error else []) + problems))
     result = {**run_summary(serving, supervisor, clock, status, error, setup.resumed and setup.resumed[0]),
               "config": saved_config(config)}
-    for pid, model in serving.model_bytes.items():
-        (logdir / policy_file(pid, setup.multiagent)).write_bytes(model)
     if ppos is not None:
-        result["checkpoint"] = str(checkpoint(setup, serving, ppos))
-    (logdir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+        result["checkpoint"] = str(written) if written else None
+    try:
+        write_json_file(logdir / "summary.json", result)
+    except LogdirWriteError as e:
+        problems.append(f"{e} (no summary.json written)")
+    if problems:
+        print(f"error: {'; '.join(dict.fromkeys(problems))}", file=sys.stderr, flush=True)
     verdict = {EXIT_SOLVED: "solved", EXIT_BUDGET: "step budget exhausted", EXIT_FAILED: "failed",
                EXIT_INTERRUPTED: "interrupted"}.get(status, "terminated")
     print(f"{verdict}: return {result['return_mean']:.1f} over the last {len(serving.store.returns)} "
           f"episodes after {result['env_steps']} env steps in {result['wall_s']:.2f} s; wrote {logdir}", flush=True)
-    return result
+    return status, result
