@@ -12,7 +12,7 @@ import pytest
 from shmrl import logdir
 from shmrl.config import ConfigError
 from shmrl.metrics import MetricsLog
-from test_checkpoint import small_disk  # noqa: F401  (a fixture)
+from test_checkpoint import small_disk  # noqa: F401,F811  (a fixture)
 
 
 def test_a_second_lock_is_refused_naming_the_holder(tmp_path):
@@ -145,3 +145,117 @@ def test_eval_of_a_nan_policy_is_an_error_not_a_return(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"error: {tmp_path}/policy.onnx: the policy outputs NaN or infinity (a NaN in its weights?): "
         "no return to report"]
+
+
+# ---------------------------------------------------------------- whole runs
+
+def run_once(*args, cwd, timeout=120) -> subprocess.CompletedProcess:
+    """``python -m shmrl.run ARGS`` to its end (a run refused at start ends at once)."""
+    return subprocess.run([sys.executable, "-m", "shmrl.run", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def check_metrics(logdir_path, summary: dict) -> list[dict]:
+    """metrics.jsonl parses line by line, update numbers are unique and increasing, no
+    counter goes backwards, and summary.json agrees with it."""
+    lines = (logdir_path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]   # every line, no torn one
+    assert [r["update"] for r in rows] == list(range(1, len(rows) + 1)), [r["update"] for r in rows]
+    for key in ("env_steps", "env_steps_trained", "episodes", "weights_seq_no"):
+        values = [r[key] for r in rows]
+        assert values == sorted(values), (key, values)
+    assert summary["updates"] == rows[-1]["update"]
+    assert summary["env_steps_trained"] == sum(r["batch_steps"] for r in rows)
+    return rows
+
+
+QUICK = ("--sims", 2, "--env-steps-per-sample", 256, "--train-batch-size", 512, "--hidden", 16,
+         "--no-tensorboard", "--log-every", 0)
+
+
+def test_a_second_run_and_a_resume_on_a_live_runs_folder_are_refused(start_run, tmp_path):
+    logs = tmp_path / "logs"
+    first = start_run(*QUICK, "--stop-return", 1e9, "--max-env-steps", 10_000_000, "--checkpoint-every", 1,
+                      "--logdir", logs)
+    first.wait_for("update    3 |", timeout=90)
+    for args, flag in [(("--sims", 1, "--logdir", logs), "--logdir"), (("--resume", logs), "--resume")]:
+        proc = run_once(*args, "--no-tensorboard", cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert error_lines(proc) == [f"error: {flag} {logs}: another run (pid {first.proc.pid}) is writing there; "
+                                     f"let it end or stop it first, or choose another folder"], proc.stderr
+        assert "Traceback" not in proc.stderr
+    first.proc.send_signal(2)   # Ctrl-C: the first run ends as it would have
+    first.proc.wait(timeout=60)
+    assert first.proc.returncode == 130, first.output()
+    check_metrics(logs, json.loads((logs / "summary.json").read_text()))
+    assert "resuming from" not in first.output()
+
+
+def test_kill_9_then_resume_keeps_metrics_and_summary_consistent(start_run, tmp_path):
+    logs = tmp_path / "logs"
+    first = start_run(*QUICK, "--stop-return", 1e9, "--max-env-steps", 10_000_000, "--checkpoint-every", 3,
+                      "--logdir", logs)
+    first.wait_for("update    4 |", timeout=90)
+    first.kill()   # SIGKILL to the whole process group: no summary, no final checkpoint
+    with open(logs / "metrics.jsonl", "ab") as f:   # and as if the kill had come in the middle of a line
+        f.write(b'{"update": 99, "env_steps_trai')
+    checkpoints = sorted(p.name for p in (logs / "checkpoints").iterdir())
+    rows_before = logdir.read_rows(logs / "metrics.jsonl")
+    assert rows_before[-1]["update"] > int(checkpoints[-1])   # rows past the newest checkpoint to cut
+    proc = run_once(*QUICK, "--resume", logs, "--max-env-steps", rows_before[-1]["env_steps"] + 3000,
+                    cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"resuming from {logs}/checkpoints/{checkpoints[-1]}" in proc.stdout
+    assert f"taking over the lock of pid {first.proc.pid}" in proc.stderr
+    summary = json.loads((logs / "summary.json").read_text())
+    rows = check_metrics(logs, summary)
+    assert rows[-1]["update"] > rows_before[-1]["update"] and summary["resumed_from"]
+
+
+def test_a_resume_with_another_network_is_refused_naming_the_setting(tmp_path):
+    logs = tmp_path / "logs"
+    done = run_once(*QUICK, "--max-env-steps", 1500, "--logdir", logs, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    before = {p: p.stat().st_mtime_ns for p in [logs / "policy.onnx", *logs.glob("checkpoints/*/*")]}
+    proc = run_once("--resume", logs, "--activation", "Tanh", "--max-env-steps", 5000, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert error_lines(proc) == [f"error: --resume {logs}: --activation Tanh differs from the checkpoint's "
+                                 f"--activation ReLU; a run resumes with the network it was trained with"]
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+
+
+def test_a_resume_whose_budget_is_spent_trains_nothing(tmp_path):
+    logs = tmp_path / "logs"
+    done = run_once(*QUICK, "--max-env-steps", 1500, "--logdir", logs, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    before = {p: p.read_bytes() for p in [logs / "metrics.jsonl", logs / "summary.json",
+                                          *logs.glob("checkpoints/*/*")]}
+    steps = json.loads((logs / "summary.json").read_text())["env_steps"]
+    proc = run_once("--resume", logs, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"step budget exhausted: {logs} already has {steps} env steps (--max-env-steps 1500)" in proc.stdout
+    assert "update" not in proc.stdout and "Traceback" not in proc.stderr
+    assert {p: p.read_bytes() for p in before} == before   # no checkpoint, metrics or summary rewritten
+
+
+def test_a_full_disk_ends_the_run_with_one_error_line(small_disk, tmp_path):  # noqa: F811
+    proc = run_once(*QUICK, "--stop-return", 1e9, "--max-env-steps", 10_000_000, "--checkpoint-every", 2,
+                    "--logdir", small_disk, cwd=tmp_path, timeout=180)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = error_lines(proc)
+    assert len(errors) == 1 and "No space left on device" in errors[0], proc.stderr
+    from shmrl import checkpoint
+
+    path, _, _, _ = checkpoint.load_latest(small_disk)   # the newest intact checkpoint is there
+    rows = logdir.read_rows(small_disk / "metrics.jsonl")
+    assert (small_disk / "metrics.jsonl").read_bytes().endswith(b"\n") and int(path.name) <= rows[-1]["update"]
+    if (small_disk / "summary.json").exists():
+        summary = json.loads((small_disk / "summary.json").read_text())
+        assert summary["exit_status"] == 3 and "No space left on device" in summary["error"]
+    else:
+        assert "no summary.json" in errors[0]
