@@ -259,3 +259,17 @@ def test_a_full_disk_ends_the_run_with_one_error_line(small_disk, tmp_path):  # 
         assert summary["exit_status"] == 3 and "No space left on device" in summary["error"]
     else:
         assert "no summary.json" in errors[0]
+
+
+def test_a_resume_with_another_policy_map_is_refused_naming_it(tmp_path):
+    """Not the missing 'pi.0.w' of the shape check: the set of policies is compared first."""
+    import shutil
+    from pathlib import Path
+
+    pytest.importorskip("pettingzoo", reason="the pettingzoo extra is not installed")
+    logs = tmp_path / "multi"
+    shutil.copytree(Path(__file__).parent / "data" / "main-ckpt-multi", logs)   # per-agent, connect four
+    proc = run_once("--resume", logs, "--policy-map", "shared", "--max-env-steps", 10_000_000, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert error_lines(proc) == [f"error: --resume {logs}: --policy-map shared differs from the checkpoint's "
+                                 f"--policy-map per-agent; a run resumes with the network it was trained with"]
