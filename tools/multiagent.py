@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -85,7 +86,7 @@ def simple_spread(seed: int, args) -> dict:
     code, wall, summary, rows, logdir = run(["--env", "pz:simple_spread_v3", "--seed", str(seed),
                                              "--max-env-steps", str(args.spread_steps)], args.timeout)
     _rmtree(logdir)
-    reached = next((row for row in rows if row["return_mean"] >= args.spread_target), None)
+    reached = next((row for row in rows if (row["return_mean"] or -math.inf) >= args.spread_target), None)  # null: none yet
     in_time = [row for row in rows if row["elapsed_s"] <= SPREAD_TARGET_S]
     return {"return_at_target_s": in_time[-1]["return_mean"] if in_time else None, "seed": seed, "exit": code, "wall_s": wall, "env_steps": summary.get("env_steps"),
             "env_steps_per_s": summary.get("env_steps_per_s"), "return_mean": summary.get("return_mean"),

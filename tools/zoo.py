@@ -156,6 +156,13 @@ def _log_values(log: str, key: str) -> list[str]:
     return out
 
 
+def has_return(row: dict) -> bool:
+    """A mean return in a metrics row or summary: null before the first episode (NaN
+    in runs of older shmrl)."""
+    value = row.get("return_mean")
+    return value is not None and value == value
+
+
 def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str],
               stop_return: float = float("inf")) -> dict:
     """``python -m shmrl.run --env ENV`` (an --env value: ``gym:HalfCheetah-v5``) for
@@ -168,11 +175,11 @@ def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str
         raise RuntimeError(f"shmrl wrote no metrics; its log:\n{(folder / 'shmrl.log').read_text()[-3000:]}")
     summary, rows = read_logdir(logdir)
     curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
-             for r in rows if r["return_mean"] == r["return_mean"]]      # not before the first episode
+             for r in rows if has_return(r)]      # not before the first episode
     env_steps = rows[-1]["env_steps"] if rows else None
     if summary:   # where it stopped: the steps and return after the last update's row
         env_steps = summary["env_steps"]
-        if summary["return_mean"] == summary["return_mean"]:
+        if has_return(summary):
             curve.append({"wall_s": summary["wall_s"], "env_steps": summary["env_steps"],
                           "return_mean": summary["return_mean"]})
     return {"curve": curve, "env_steps_per_s": rows[-1]["env_steps_per_s"] if rows else None,
