@@ -23,7 +23,7 @@ PACKAGE = ROOT / "shmrl"
 # Some are being written now (hub, store, serving, trainer, report, resume, launch): a
 # name that does not exist yet is harmless here.
 LAYERS = {
-    "base types": ["config", "presets", "spaces", "episode", "stats", "checkpoint", "metrics"],
+    "base types": ["config", "presets", "spaces", "sampler", "episode", "rollout", "stats", "checkpoint", "metrics"],
     "protocol": ["rllink"],
     "transports": ["transport"],
     "model": ["onnx_graph", "net", "ppo", "onnx_policy"],

@@ -13,7 +13,8 @@ from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.serving import Serving
 from shmrl.sim import run_simulator
-from shmrl.spaces import Discrete, Sampler, action_layout
+from shmrl.sampler import Sampler
+from shmrl.spaces import Discrete, action_layout
 from shmrl.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.trainer import train_with_servers, update
 from shmrl.transport.inproc import InProcServer

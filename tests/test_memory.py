@@ -13,13 +13,14 @@ from conftest import run_beside_example_client, summary_of
 from shmrl import rllink
 from shmrl.actor import Actor
 from shmrl.envs import Box, Discrete, EnvSpec, env_spec, make_vec_env
-from shmrl.episode import EpisodeBatch, Rollout
+from shmrl.episode import EpisodeBatch
 from shmrl.hub import check_episodes
 from shmrl.net import PolicyNet
+from shmrl.rollout import Rollout
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
-from shmrl.spaces import Sampler
+from shmrl.sampler import Sampler
 
 NOVEL = env_spec("CartPoleNoVel-v1")
 

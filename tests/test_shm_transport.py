@@ -254,7 +254,7 @@ def test_rings_take_every_frame_of_the_run(env, hidden, envs_per_sim, steps):
     """A SET_STATE the reply ring cannot hold, or an EPISODES message the request ring
     cannot, used to stall a run (--hidden 512 hung, --env-steps-per-sample 16384 crashed)."""
     from shmrl.envs import env_spec, make_vec_env
-    from shmrl.episode import Rollout
+    from shmrl.rollout import Rollout
     from shmrl.onnx_policy import encode_onnx_file
     from shmrl.config import Config, resolve_config
     from shmrl.serving import ring_bytes
