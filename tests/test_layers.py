@@ -21,7 +21,7 @@ PACKAGE = ROOT / "shmrl"
 # From the bottom up: a module may import from its own layer and from those listed above
 # it. Names are modules under shmrl/ ("transport" is the package and every module in it).
 LAYERS = {
-    "base types": ["config", "presets", "spaces", "episode", "stats", "checkpoint", "metrics"],
+    "base types": ["config", "presets", "spaces", "sampler", "episode", "rollout", "stats", "checkpoint", "metrics"],
     "protocol": ["rllink"],
     "transports": ["transport"],
     "model": ["onnx_graph", "net", "ppo", "onnx_policy"],
