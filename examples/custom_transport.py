@@ -1,7 +1,10 @@
 """Plug a transport of your own into the learner, next to the TCP adapter.
 
-A server transport is any object with ``fileno()``, ``poll(timeout)``, ``reply(conn_id,
-msg)``, ``drop(conn_id, reason)`` and ``close()``; the Hub treats every transport alike.
+A server transport is any object with the methods of ``shmrl.transport.ServerTransport``
+(``fileno()``, ``poll(timeout)``, ``reply(conn_id, msg)``, ``drop(conn_id, reason)``,
+``timed_out(conn_id)``, ``close()`` and the counters ``frames_rejected`` and
+``clients_timed_out``; shmrl/transport/base.py has each one's contract); the Hub treats
+every transport alike.
 Here simulators run as threads of this process behind the in-process transport (write
 your own the same way: a message bus, a game engine's IPC), while external RLlink
 clients may attach over TCP at the same time; shmrl's own training loop trains on both:

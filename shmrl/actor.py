@@ -6,7 +6,7 @@
 policy, the state of each env: ``act(obs)`` gives the actions, the distribution inputs
 (output 0 of the graph) and the actions' log-probabilities; ``reset(rows)`` zeroes the
 state of the envs whose episode ended. The distribution's client side (sampling and
-log-probabilities in numpy) is ``shmrl.spaces.Sampler``; the learner's side (torch
+log-probabilities in numpy) is ``shmrl.sampler.Sampler``; the learner's side (torch
 log-probabilities) is ``shmrl.ppo.PPO.log_prob``; tests/test_actor.py checks they agree.
 
 ``handshake`` and ``check_policy_fits`` are the first steps of every simulator: the
@@ -21,7 +21,7 @@ import numpy as np
 
 from shmrl import rllink
 from shmrl.onnx_policy import OnnxPolicy
-from shmrl.spaces import Sampler
+from shmrl.sampler import Sampler
 
 T = rllink.MessageType
 

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from shmrl import pz_envs
-from shmrl.envspec import EnvSpec, space_spec  # noqa: F401 (shmrl.envs.EnvSpec and space_spec as before)
+from shmrl.envspec import EnvSpec, load_function, space_spec  # noqa: F401 (shmrl.envs.EnvSpec and space_spec as before)
 from shmrl.spaces import Box, Discrete  # noqa: F401 (the built-in envs' spaces; shmrl.envs.Box as before)
 
 
@@ -52,15 +52,19 @@ class CartPole:
         self._steps = 0
         return np.array(self._state, dtype=np.float32), {}
 
+    @classmethod
+    def accelerations(cls, force, theta_dot, costheta, sintheta):
+        """(the cart's, the pole's) under ``force``: gymnasium's equations, for floats (one
+        env) or arrays (``VecCartPole``) alike."""
+        temp = (force + cls.polemass_length * theta_dot * theta_dot * sintheta) / cls.total_mass
+        thetaacc = (cls.gravity * sintheta - costheta * temp) / (
+            cls.length * (4.0 / 3.0 - cls.masspole * costheta * costheta / cls.total_mass))
+        return temp - cls.polemass_length * thetaacc * costheta / cls.total_mass, thetaacc
+
     def step(self, action):
         x, x_dot, theta, theta_dot = self._state
         force = self.force_mag if action == 1 else -self.force_mag
-        costheta = math.cos(theta)
-        sintheta = math.sin(theta)
-        temp = (force + self.polemass_length * theta_dot * theta_dot * sintheta) / self.total_mass
-        thetaacc = (self.gravity * sintheta - costheta * temp) / (
-            self.length * (4.0 / 3.0 - self.masspole * costheta * costheta / self.total_mass))
-        xacc = temp - self.polemass_length * thetaacc * costheta / self.total_mass
+        xacc, thetaacc = self.accelerations(force, theta_dot, math.cos(theta), math.sin(theta))
         x = x + self.tau * x_dot
         x_dot = x_dot + self.tau * xacc
         theta = theta + self.tau * theta_dot
@@ -167,11 +171,7 @@ class VecCartPole:
         c = CartPole
         x, x_dot, theta, theta_dot = self._state
         force = np.where(np.asarray(actions) == 1, c.force_mag, -c.force_mag)
-        costheta, sintheta = np.cos(theta), np.sin(theta)
-        temp = (force + c.polemass_length * theta_dot * theta_dot * sintheta) / c.total_mass
-        thetaacc = (c.gravity * sintheta - costheta * temp) / (
-            c.length * (4.0 / 3.0 - c.masspole * costheta * costheta / c.total_mass))
-        xacc = temp - c.polemass_length * thetaacc * costheta / c.total_mass
+        xacc, thetaacc = c.accelerations(force, theta_dot, np.cos(theta), np.sin(theta))
         self._state = np.stack([x + c.tau * x_dot, x_dot + c.tau * xacc,
                                 theta + c.tau * theta_dot, theta_dot + c.tau * thetaacc])
         self._steps += 1
@@ -346,13 +346,7 @@ def resolve_env(env) -> tuple[Callable[[], object], EnvSpec]:
     elif env.startswith("pz:"):
         factory = functools.partial(pz_envs.pz_make, env[3:])
     elif ":" in env:
-        module, _, name = env.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"--env {env}: cannot load {name} from {module}: {e}") from None
-        if not callable(factory):
-            raise ValueError(f"--env {env}: {name} is a {type(factory).__name__}, not a function that makes an env")
+        factory = load_function("--env", env, "that makes an env")
     else:
         raise ValueError(f"unknown environment {env!r}; built in: {', '.join(sorted(ENVS))}; or gym:ID "
                          f"(gymnasium), or package.module:make_env (a function that makes one)")

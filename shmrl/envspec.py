@@ -98,17 +98,27 @@ class MultiAgentSpec:
         return out
 
 
+def load_function(flag: str, value: str, what: str) -> Callable:
+    """The function ``package.module:name`` names (a user's env factory or policy map), or
+    a ValueError that names the flag and why it cannot be loaded; ``what``: what the
+    function is for, said when the name is not a function."""
+    module, _, name = value.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{flag} {value}: cannot load {name} from {module}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"{flag} {value}: {name} is a {type(fn).__name__}, not a function {what}")
+    return fn
+
+
 def policy_mapper(policy_map: str) -> Callable:
     """agent_id -> policy_id for ``shared``, ``per-agent`` or ``package.module:fn``."""
     if policy_map == "shared":
         return lambda agent: SHARED_POLICY
     if policy_map == "per-agent":
         return str
-    module, _, name = policy_map.partition(":")
-    if not name:
+    if not policy_map.partition(":")[2]:
         raise ValueError(f"--policy-map {policy_map!r}: shared, per-agent or package.module:fn")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--policy-map {policy_map}: cannot load {name} from {module}: {e}") from None
+    fn = load_function("--policy-map", policy_map, "of an agent id")
     return lambda agent: str(fn(agent))

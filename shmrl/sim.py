@@ -27,9 +27,9 @@ import numpy as np
 from shmrl import multiagent, rllink
 from shmrl.actor import Actor, handshake
 from shmrl.envs import make_vec_env
-from shmrl.episode import Rollout
+from shmrl.rollout import Rollout
 from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
-from shmrl.spaces import Sampler
+from shmrl.sampler import Sampler
 
 log = logging.getLogger("shmrl.sim")
 T = rllink.MessageType

@@ -1,20 +1,32 @@
 """What every test file shares: the slow set left out of the default run, bounded waits
 (``wait_until`` and what is built on it: ``Run.wait_until``, ``all_gone``, ``serve_until``),
 ``python -m shmrl.run`` in a process of its own (``start_run``), a run's summary and
-metrics, the process and /dev/shm checks, and ``need`` for the optional env families."""
+metrics, the process and /dev/shm checks, ``need`` for the optional env families, and
+RLlink messages as RLlib writes them with the ``net`` fixture (TCP servers, a hub loop,
+sockets and threads, all closed in teardown)."""
 import importlib.util
 import json
 import os
 import re
+import selectors
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
+
+from shmrl.envs import env_spec, make_env   # none of these imports torch: simulator processes import this module
+from shmrl.episode import Episode
+from shmrl.hub import Hub
+from shmrl.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.transport.tcp import TcpClient, TcpServer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -281,3 +293,203 @@ def start_run(tmp_path):
         run.kill()
         for name in shm_entries(run.proc.pid):
             os.unlink(os.path.join("/dev/shm", name))
+
+
+EXAMPLE_CLIENT = Path(__file__).resolve().parents[1] / "examples" / "external_client.py"
+
+
+def run_beside_example_client(start_run, tmp_path, game: str, *run_args, timeout: float = 150) -> tuple[Run, str]:
+    """A ``--sims 0 --tcp-port 0`` run (``run_args`` added) fed by examples/external_client.py
+    playing ``game`` over TCP, until the run ends; the run and the client's output. The
+    example is importable from the run's folder too (``--env examples.external_client:...``)."""
+    (tmp_path / "examples").mkdir(exist_ok=True)
+    shutil.copy(EXAMPLE_CLIENT, tmp_path / "examples" / "external_client.py")
+    run = start_run("--sims", 0, "--tcp-port", 0, *run_args)
+    client = subprocess.Popen([sys.executable, str(EXAMPLE_CLIENT), "--port", str(run.tcp_port()),
+                               "--max-retries", "0", "--game", game],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run.proc.wait(timeout=timeout)
+        client.wait(timeout=30)
+    finally:
+        client.kill()
+        out = client.communicate(timeout=5)[0]
+    return run, out
+
+
+# ------------------------------------------------- RLlink messages, TCP servers and a hub loop
+
+def rllib_frame(msg: dict) -> bytes:
+    """A frame exactly as RLlib 2.48's client writes one."""
+    body = json.dumps(msg).encode("utf-8")
+    return f"{len(body):08d}".encode() + body
+
+
+def rllib_episodes(steps: int, seed: int = 0) -> list:
+    """``steps`` CartPole steps recorded as RLlib 2.48's _dummy_client records them: plain
+    lists (float32 ``.tolist()``), a new chunk at every episode end."""
+    env, rng = make_env("CartPole-v1"), np.random.default_rng(seed)
+    obs, _ = env.reset(seed=seed)
+    episodes, observations, actions, dist, logps, rewards = [], [obs.tolist()], [], [], [], []
+    for t in range(1, steps + 1):
+        logits = rng.normal(size=2).astype(np.float32)
+        probs = np.exp(logits.astype(np.float64)) / np.exp(logits.astype(np.float64)).sum()
+        action = int(rng.choice(2, p=probs))
+        obs, reward, terminated, truncated, _ = env.step(action)
+        observations.append(obs.tolist())
+        actions.append(action)
+        dist.append(logits.tolist())
+        logps.append(float(np.log(probs[action])))
+        rewards.append(reward)
+        if t == steps or terminated or truncated:
+            episodes.append({"obs": observations, "actions": actions, "action_dist_inputs": dist,
+                             "action_logp": logps, "rewards": rewards, "is_terminated": terminated,
+                             "is_truncated": truncated})
+            observations, actions, dist, logps, rewards = [observations[-1]], [], [], [], []
+            if terminated or truncated:
+                obs, _ = env.reset()
+                observations = [obs.tolist()]
+    return episodes
+
+
+def episodes_msg(steps: int = 8, seed: int = 0, kind: str = "EPISODES_AND_GET_STATE", count="timesteps"):
+    """An RLlink EPISODES(_AND_GET_STATE) as RLlib's client sends it, ``steps`` CartPole steps."""
+    return {"type": kind, "episodes": rllib_episodes(steps, seed), count: steps}
+
+
+def make_episode(n: int, seed: int) -> Episode:
+    """A CartPole-shaped episode of ``n`` random steps that terminates at its last."""
+    rnd = np.random.default_rng(seed)
+    ep = Episode(rnd.normal(size=4).astype(np.float32))
+    for t in range(n):
+        ep.add_step(t % 2, 1.0, rnd.normal(size=4).astype(np.float32),
+                    rnd.normal(size=2).astype(np.float32), -0.5, terminated=t == n - 1)
+    return ep
+
+
+def read_to_eof(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything until the server closes the connection (a reset counts as closed)."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+class HubLoop:
+    """The learner's side in a thread, as production runs it: the real Hub and EpisodeStore,
+    fed by server.poll() whenever server.fileno() is readable. With ``auto_publish`` it
+    publishes new weights as soon as a client waits for them (an instant training step)."""
+
+    def __init__(self, server: TcpServer, *, auto_publish: bool = True, onnx_file: str = "abc"):
+        self.server, self.auto_publish, self.onnx_file = server, auto_publish, onnx_file
+        self.store = EpisodeStore()
+        self.hub = Hub({DEFAULT_POLICY: env_spec("CartPole-v1")}, self.store, env_steps_per_sample=8, on_policy=True)
+        self.seq = 1
+        self.publish()
+        self.received: list[tuple[str, str | None]] = []  # (conn_id, type), None: closed
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hub-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.server.fileno(), selectors.EVENT_READ)
+                while not self._stop.is_set():
+                    sel.select(0.05)
+                    for conn_id, msg in self.server.poll(0.0):
+                        self.received.append((conn_id, msg and msg["type"]))
+                        self.hub.handle(self.server, conn_id, msg)
+                    if self.auto_publish and self.hub.waiting:
+                        self.seq += 1
+                        self.publish()
+        except BaseException as e:  # reported by stop()
+            self.error = e
+
+    def publish(self) -> None:
+        self.hub.set_state(self.seq, {DEFAULT_POLICY: {"onnx_file": self.onnx_file, "weights_seq_no": self.seq}})
+
+    def closed(self) -> list[str]:
+        return [c for c, kind in list(self.received) if kind is None]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        assert not self._thread.is_alive(), "hub loop did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+class Net:
+    """Servers, hub loops, sockets and threads of one test, all closed in teardown."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.servers, self.hubs, self.socks, self.threads, self.errors = [], [], [], [], []
+
+    def server(self, **kw) -> TcpServer:
+        self.servers.append(TcpServer("127.0.0.1", 0, **kw))
+        return self.servers[-1]
+
+    def hub(self, server, **kw) -> HubLoop:
+        self.hubs.append(HubLoop(server, **kw))
+        return self.hubs[-1]
+
+    def raw(self, server, timeout: float = 5.0, rcvbuf: int | None = None) -> socket.socket:
+        s = socket.socket()
+        self.socks.append(s)
+        if rcvbuf:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.settimeout(timeout)
+        s.connect(server.address)
+        return s
+
+    def client(self, server, **kw) -> TcpClient:
+        kw.setdefault("codec", "json")  # RLlib's JSON variant; test_tcp_binary.py tests the binary codec
+        self.socks.append(TcpClient(*server.address, **kw))
+        return self.socks[-1]
+
+    def thread(self, fn, *args) -> threading.Thread:
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:
+                if not self.stop.is_set():  # failures after teardown began are expected
+                    self.errors.append(e)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.threads.append(t)
+        return t
+
+    def teardown(self):
+        self.stop.set()
+        for s in self.socks:
+            if isinstance(s, socket.socket):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
+                except OSError:
+                    pass
+            s.close()
+        for t in self.threads:
+            t.join(5)
+        for h in self.hubs:
+            h.stop()
+        for s in self.servers:
+            s.close()
+        assert not [t for t in self.threads if t.is_alive()], "threads left running"
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def net():
+    n = Net()
+    try:
+        yield n
+    finally:
+        n.teardown()

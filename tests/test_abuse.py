@@ -13,8 +13,8 @@ import time
 import numpy as np
 import psutil
 
-from conftest import load_tool
-from test_tcp_transport import conn_id_of, episodes_msg, log_lines, net, recv_frame, rllib_frame  # noqa: F401 (net: a fixture)
+from conftest import episodes_msg, load_tool, rllib_frame
+from test_tcp_transport import conn_id_of, log_lines, recv_frame
 
 abuse_tool = load_tool("abuse")
 

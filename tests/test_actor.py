@@ -15,7 +15,8 @@ from shmrl.envspec import EnvSpec
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy, OnnxPublisher, init_mlp_weights
 from shmrl.ppo import PPO
-from shmrl.spaces import Box, Dict, Discrete, MultiDiscrete, Sampler, Tuple, action_layout
+from shmrl.sampler import Sampler
+from shmrl.spaces import Box, Dict, Discrete, MultiDiscrete, Tuple, action_layout
 
 ACTION_SPACES = {
     "Discrete (few logits: sampled in plain Python)": Discrete(5),

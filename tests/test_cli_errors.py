@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import shmrl_files
+from conftest import need, shmrl_files
 
 pytestmark = pytest.mark.usefixtures("no_shm_leftovers")
 
@@ -146,9 +146,7 @@ def test_bad_command_lines_of_sim(args, fragments):
 
 def test_a_simulator_whose_env_does_not_fit_the_servers_policy(start_run, tmp_path):
     run = start_run("--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "server")
-    run.wait_for("listening for RLlink clients on", timeout=60)
-    port = run.output().split("listening for RLlink clients on ")[1].split()[0].rsplit(":", 1)[1]
-    proc = command("shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", "Pendulum-v1", "--timeout", 30)
+    proc = command("shmrl.sim", "--connect", f"127.0.0.1:{run.tcp_port(timeout=60)}", "--env", "Pendulum-v1", "--timeout", 30)
     assert_one_line_error(proc, "input 'onnx::Gemm_0' takes (4,); Pendulum-v1's observation 'obs' is (3,)")
 
 
@@ -160,7 +158,11 @@ def test_bad_command_lines_of_eval(trained, tmp_path):
     assert_one_line_error(command("shmrl.eval", garbage), "not an ONNX model")
     assert_one_line_error(command("shmrl.eval", policy, "--env", "Pendulum-v1"), "Pendulum-v1's observation 'obs' is (3,)")
     assert_one_line_error(command("shmrl.eval", policy, "--episodes", 0), "--episodes")
-    assert_one_line_error(command("shmrl.eval", policy, "--env", "gym:Nope-v0"), "doesn't exist")
+
+
+def test_eval_of_an_env_gymnasium_does_not_have(trained):
+    need("gymnasium", "gym")
+    assert_one_line_error(command("shmrl.eval", trained / "policy.onnx", "--env", "gym:Nope-v0"), "doesn't exist")
 
 
 def test_ray_flags_without_ray_installed_or_without_simulators(tmp_path):

@@ -17,7 +17,8 @@ from shmrl.store import DEFAULT_POLICY
 from shmrl.trainer import update
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy, init_mlp_weights, with_log_std
-from shmrl.spaces import Sampler, action_layout
+from shmrl.sampler import Sampler
+from shmrl.spaces import action_layout
 from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.sim import run_simulator

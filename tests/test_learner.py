@@ -13,10 +13,13 @@ from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.serving import Serving
 from shmrl.sim import run_simulator
-from shmrl.spaces import Discrete, Sampler, action_layout
+from shmrl.sampler import Sampler
+from shmrl.spaces import Discrete, action_layout
 from shmrl.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.trainer import train_with_servers, update
 from shmrl.transport.inproc import InProcServer
+
+from conftest import request_while_serving, serve_until
 
 SPEC = env_spec("CartPole-v1")
 
@@ -102,19 +105,14 @@ def test_handshake_and_on_policy_wait(learner_and_server):
 
     t = threading.Thread(target=talk, daemon=True)
     t.start()
-    while "state" not in replies:
-        learner.poll(0.05)
+    serve_until(learner, lambda: "state" in replies, 10, "the handshake's replies")
     # The episodes arrive and are handed over as a batch; the client must wait until an
     # update publishes new weights.
-    batch = None
-    while batch is None:
-        learner.poll(0.05)
-        batch = learner.next_batch(timeout=0)
+    batches, version = serve_until(learner, lambda: learner.next_batch(timeout=0), 10, "the episodes as a batch")
     assert "next" not in replies and learner.hub.all_waiting()
-    batches, version = batch
     assert sum(b.num_steps for b in batches[DEFAULT_POLICY]) == 32 and version == 1
     update(learner, {DEFAULT_POLICY: ppo}, batches, version)
-    learner.poll(0.05)                                   # sends the new weights
+    serve_until(learner, lambda: "next" in replies, 10, "the new weights")
     t.join(5)
     assert replies["pong"]["type"] == "PONG"
     assert replies["config"] == {"type": "SET_CONFIG", "env_steps_per_sample": 32, "force_on_policy": True}
@@ -128,28 +126,15 @@ def test_handshake_and_on_policy_wait(learner_and_server):
 def test_episodes_that_do_not_fit_the_env_close_only_that_connection(learner_and_server, bad, reason, caplog):
     learner, server, _ = learner_and_server
     good, evil = server.connect(timeout=5), server.connect(timeout=5)
-    out = {}
-
-    def run_evil():
-        try:
-            evil.request({"type": "EPISODES_AND_GET_STATE",
-                          "episodes": [chunk(0.0, 4, **bad).to_rllink()], "timesteps": 4})
-        except ConnectionError as e:
-            out["evil"] = e
-
-    t = threading.Thread(target=run_evil, daemon=True)
-    t.start()
-    while "evil" not in out:
-        learner.poll(0.05)
+    closed = request_while_serving(learner, evil, {"type": "EPISODES_AND_GET_STATE", "timesteps": 4,
+                                                   "episodes": [chunk(0.0, 4, **bad).to_rllink()]},
+                                   what="the bad client closed")
+    assert isinstance(closed, ConnectionError), closed
     store = learner.store   # counted as received and dropped, never trained on
     assert reason in caplog.text and store.pending_steps == 0 and store.steps_received == 4
     assert store.steps_dropped == {"does not fit the environment": 4}
-    t.join(5)
-    g = threading.Thread(target=lambda: out.update(pong=good.request({"type": "PING"})), daemon=True)
-    g.start()
-    while "pong" not in out:
-        learner.poll(0.05)
-    assert out["pong"]["type"] == "PONG"
+    pong = request_while_serving(learner, good, {"type": "PING"}, what="the good client's PONG")
+    assert pong["type"] == "PONG"
 
 
 def test_simulator_loop_learns_in_process(tmp_path):

@@ -9,16 +9,18 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from conftest import run_beside_example_client, summary_of
 from shmrl import rllink
 from shmrl.actor import Actor
 from shmrl.envs import Box, Discrete, EnvSpec, env_spec, make_vec_env
-from shmrl.episode import Episode, EpisodeBatch, Rollout
+from shmrl.episode import EpisodeBatch
 from shmrl.hub import check_episodes
 from shmrl.net import PolicyNet
+from shmrl.rollout import Rollout
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
-from shmrl.spaces import Sampler
+from shmrl.sampler import Sampler
 
 NOVEL = env_spec("CartPoleNoVel-v1")
 
@@ -268,25 +270,12 @@ def test_a_recurrent_run_learns_over_tcp_json(start_run, tmp_path):
 def test_the_external_client_runs_a_recurrent_policy(start_run, tmp_path):
     """examples/external_client.py against a recurrent policy: it feeds and carries the
     state, and every chunk it sends (with its state_in) is taken."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    example = Path(__file__).parent.parent / "examples" / "external_client.py"
     logdir = tmp_path / "logs"
-    run = start_run("--env", "CartPoleNoVel-v1", "--sims", 0, "--tcp-port", 0, "--max-env-steps", 3000,
-                    "--train-batch-size", 1000, "--env-steps-per-sample", 500, "--logdir", logdir)
-    port = run.tcp_port()
-    client = subprocess.Popen([sys.executable, str(example), "--port", str(port), "--max-retries", "0",
-                               "--game", "cartpole-novel"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        run.proc.wait(timeout=90)
-        client.wait(timeout=30)
-    finally:
-        client.kill()
-        out = client.communicate(timeout=5)[0]
+    run, out = run_beside_example_client(start_run, tmp_path, "cartpole-novel", "--env", "CartPoleNoVel-v1",
+                                         "--max-env-steps", 3000, "--train-batch-size", 1000,
+                                         "--env-steps-per-sample", 500, "--logdir", logdir, timeout=90)
     assert run.proc.returncode == 1, run.output()     # the step budget ran out, as asked
-    summary = json.loads((logdir / "summary.json").read_text())
+    summary = summary_of(logdir)
     assert summary["env_steps"] >= 3000 and summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, out
     assert summary["updates"] >= 2
 

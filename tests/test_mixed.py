@@ -1,14 +1,13 @@
 """Shared-memory simulators and external TCP clients training one policy together."""
 import ast
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from conftest import descendants, metrics_rows, need, shm_entries, summary_of
+from conftest import (EXAMPLE_CLIENT, descendants, metrics_rows, need, run_beside_example_client, shm_entries,
+                      summary_of)
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "external_client.py"
 
 
 def test_shm_sims_and_tcp_clients_train_one_policy(start_run, tmp_path):
@@ -18,7 +17,7 @@ def test_shm_sims_and_tcp_clients_train_one_policy(start_run, tmp_path):
     port = run.tcp_port()
     clients = [subprocess.Popen([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}",
                                  "--seed", "5"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-               subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port), "--max-retries", "0"],
+               subprocess.Popen([sys.executable, str(EXAMPLE_CLIENT), "--port", str(port), "--max-retries", "0"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         run.proc.wait(timeout=120)
@@ -62,7 +61,7 @@ def imported(nodes) -> set:
 
 
 def test_external_client_example_imports_nothing_from_shmrl():
-    tree = ast.parse(EXAMPLE.read_text())
+    tree = ast.parse(EXAMPLE_CLIENT.read_text())
     everywhere = imported(ast.walk(tree))
     assert "shmrl" not in everywhere
     # The client needs numpy and onnxruntime; gymnasium only describes the forager's spaces to
@@ -78,20 +77,9 @@ def test_the_external_client_trains_a_dict_observation_with_a_mask_and_a_two_par
     list per step for the Tuple(Discrete, Box) action, the mask applied inside the graph."""
     need("gymnasium", "gym")                    # the run describes the forager's spaces with it
     logdir = tmp_path / "logs"
-    (tmp_path / "examples").mkdir()                      # importable from the run's working directory
-    shutil.copy(EXAMPLE, tmp_path / "examples" / "external_client.py")
-    run = start_run("--sims", 0, "--tcp-port", 0, "--env", "examples.external_client:forager_spaces",
-                    "--stop-return", 17, "--max-env-steps", 60_000, "--train-batch-size", 1000,
-                    "--env-steps-per-sample", 500, "--lr", 3e-3, "--logdir", logdir)
-    port = run.tcp_port()
-    client = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port), "--max-retries", "0",
-                               "--game", "forager"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        run.proc.wait(timeout=150)
-        client.wait(timeout=30)
-    finally:
-        client.kill()
-        client.wait(5)
+    run, _ = run_beside_example_client(start_run, tmp_path, "forager", "--env", "examples.external_client:forager_spaces",
+                                       "--stop-return", 17, "--max-env-steps", 60_000, "--train-batch-size", 1000,
+                                       "--env-steps-per-sample", 500, "--lr", 3e-3, "--logdir", logdir)
     summary = summary_of(logdir)
     assert run.proc.returncode == 0, run.output()        # learned: random play, mask and all, earns about 10
     assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary

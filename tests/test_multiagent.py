@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import need, summary_of
+from conftest import need, run_beside_example_client, summary_of
 need("pettingzoo", "pettingzoo")
 from gymnasium import spaces as gs  # noqa: E402
 from pettingzoo import AECEnv, ParallelEnv  # noqa: E402
@@ -331,27 +331,11 @@ def test_a_parallel_env_trains_per_agent_policies_and_resumes(tmp_path, no_shm_l
 def test_the_external_client_trains_two_agents_over_json(start_run, tmp_path):
     """The JSON path of the README's example: chunks with agent_id and module_id from a
     client that imports nothing of shmrl, SET_STATE with one model per policy."""
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    example = Path(__file__).parent.parent / "examples" / "external_client.py"
     logdir = tmp_path / "logs"
-    (tmp_path / "examples").mkdir()
-    shutil.copy(example, tmp_path / "examples" / "external_client.py")
-    run = start_run("--sims", 0, "--tcp-port", 0, "--env", "examples.external_client:pair_spaces",
-                    "--policy-map", "per-agent", "--stop-return", 6.5, "--max-env-steps", 60_000,
-                    "--train-batch-size", 1000, "--env-steps-per-sample", 500, "--lr", 3e-3, "--logdir", logdir)
-    port = run.tcp_port()
-    client = subprocess.Popen([sys.executable, str(example), "--port", str(port), "--max-retries", "0",
-                               "--game", "pair"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        run.proc.wait(timeout=150)
-        client.wait(timeout=30)
-    finally:
-        client.kill()
-        client.wait(5)
+    run, _ = run_beside_example_client(start_run, tmp_path, "pair", "--env", "examples.external_client:pair_spaces",
+                                       "--policy-map", "per-agent", "--stop-return", 6.5, "--max-env-steps", 60_000,
+                                       "--train-batch-size", 1000, "--env-steps-per-sample", 500, "--lr", 3e-3,
+                                       "--logdir", logdir)
     summary = summary_of(logdir)
     assert run.proc.returncode == 0, run.output()    # random play earns 5 (left) and 2.5 (right)
     assert summary["env_steps_dropped"] == {} and summary["bad_frames"] == 0, summary

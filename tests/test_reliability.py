@@ -12,8 +12,8 @@ import multiprocess
 import numpy as np
 import pytest
 
-from conftest import (all_gone, alive, check_books, descendants, metrics_rows, process_name, process_state,
-                      serve_until, shm_entries, summary_of, wait_until)
+from conftest import (all_gone, alive, check_books, descendants, make_episode, metrics_rows, process_name,
+                      process_state, read_to_eof, serve_until, shm_entries, summary_of, wait_until)
 from shmrl.envs import env_spec
 from shmrl.episode import EpisodeBatch
 from shmrl.serving import Serving
@@ -21,8 +21,6 @@ from shmrl.store import DEFAULT_POLICY
 from shmrl.net import PolicyNet
 from shmrl.supervisor import Supervisor
 from shmrl.transport.shm import ShmClient, ShmServer
-from test_shm_transport import make_episode
-from test_tcp_transport import net  # noqa: F401 (a fixture)
 
 fork = multiprocess.get_context("fork")
 
@@ -355,7 +353,7 @@ WIRE_MODULES = ["rllink.py", "episode.py", "hub.py", "store.py", "serving.py", "
                 "checkpoint.py", "transport/tcp.py", "transport/shm.py", "transport/ring.py", "transport/inproc.py"]
 
 
-def test_no_pickle_on_any_wire(net, caplog, tmp_path):  # noqa: F811
+def test_no_pickle_on_any_wire(net, caplog, tmp_path):
     """Nothing that reads a transport's bytes or a checkpoint can unpickle: no such module
     imports a pickle-like deserializer, numpy loads refuse pickles, and a pickled message
     (one that would run code if unpickled, among them) is refused by the decoders that every
@@ -364,7 +362,6 @@ def test_no_pickle_on_any_wire(net, caplog, tmp_path):  # noqa: F811
     import pickle
 
     from shmrl import rllink
-    from test_tcp_transport import read_to_eof
 
     root = Path(__file__).resolve().parent.parent / "shmrl"
     for name in WIRE_MODULES:

@@ -10,13 +10,9 @@ from shmrl import rllink
 from shmrl.episode import EpisodeBatch
 from shmrl.rllink import ProtocolError, decode, decode_reply, decode_request, validate
 
+from conftest import rllib_frame
+
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def rllib_frame(msg: dict) -> bytes:
-    """What RLlib 2.48's _send_message writes."""
-    body = json.dumps(msg).encode("utf-8")
-    return str(len(body)).zfill(8).encode("utf-8") + body
 
 
 def rllib_episode(t: int, seed: int = 0, terminated: bool = True) -> dict:
@@ -48,7 +44,8 @@ def np_episode(t: int, continuous: bool = False, obs_shape=(3, 2), seed: int = 0
     }
 
 
-def episodes_msg(*episodes, type="EPISODES_AND_GET_STATE", **extra) -> dict:
+def episodes_request(*episodes, type="EPISODES_AND_GET_STATE", **extra) -> dict:
+    """These episodes in one request (conftest's ``episodes_msg`` records CartPole steps instead)."""
     return {"type": type, "episodes": list(episodes), **extra}
 
 
@@ -62,7 +59,7 @@ def bad_episode(**changes) -> dict:
             del ep[key]
         else:
             ep[key] = value
-    return episodes_msg(ep)
+    return episodes_request(ep)
 
 
 # ------------------------------------------------------------- exact bytes
@@ -189,7 +186,7 @@ def test_numpy_episodes_round_trip(codec, type, form):
 ])
 def test_the_episodes_of_one_message_must_fit_together(codec, other, what):
     with pytest.raises(ProtocolError, match=what):
-        decode_request(CODECS[codec](episodes_msg(np_episode(3), other)))
+        decode_request(CODECS[codec](episodes_request(np_episode(3), other)))
 
 
 def test_rllib_json_episodes_validate_to_float32_and_int64():
@@ -197,7 +194,7 @@ def test_rllib_json_episodes_validate_to_float32_and_int64():
     alias = {("terminateds" if k == "is_terminated" else "truncateds" if k == "is_truncated" else k): v
              for k, v in ep.items()}
     for sent in (ep, alias):
-        got = decode_request(rllink.encode_json(episodes_msg(sent, timesteps=20)))
+        got = decode_request(rllink.encode_json(episodes_request(sent, timesteps=20)))
         out = got["episodes"].chunk(0)
         assert out.id is None and out.weights_seq_no is None   # nothing made up for RLlib's client
         assert out.obs.dtype == np.float32 and out.obs.shape == (21, 4)
@@ -205,20 +202,20 @@ def test_rllib_json_episodes_validate_to_float32_and_int64():
         assert out.action_dist_inputs.shape == (20, 2) and out.rewards.shape == (20,)
         assert out.is_terminated is True and out.is_truncated is False
         np.testing.assert_array_equal(out.obs, np.asarray(ep["obs"], np.float32))  # float32 exactly preserved
-    assert validate(episodes_msg(dict(ep, terminateds=True)))["episodes"].chunk(0).is_terminated is True
+    assert validate(episodes_request(dict(ep, terminateds=True)))["episodes"].chunk(0).is_terminated is True
 
 
 def test_counts_are_normalized_to_timesteps():
     eps = [rllib_episode(3), rllib_episode(2)]
-    assert validate(episodes_msg(*eps))["timesteps"] == 5
+    assert validate(episodes_request(*eps))["timesteps"] == 5
     for counts in ({"env_steps": 5}, {"timesteps": 5}, {"env_steps": 5, "timesteps": 5}):
-        out = validate(episodes_msg(*eps, **counts))
+        out = validate(episodes_request(*eps, **counts))
         assert list(out) == ["type", "episodes", "timesteps"] and out["timesteps"] == 5
-    assert validate(episodes_msg(type="EPISODES"))["timesteps"] == 0
+    assert validate(episodes_request(type="EPISODES"))["timesteps"] == 0
 
 
 def test_validate_returns_a_new_message_and_leaves_the_input_alone():
-    msg = episodes_msg(dict(rllib_episode(3), episode_id=7), timesteps=3)
+    msg = episodes_request(dict(rllib_episode(3), episode_id=7), timesteps=3)
     before = json.dumps(msg)
     out = validate(msg, "request")
     assert out is not msg and json.dumps(msg) == before
@@ -410,10 +407,10 @@ NAN, INF = float("nan"), float("inf")
     (bad_episode(episode_id=1.5), "'episode_id' must be a string or an int"),
     (bad_episode(weights_seq_no=-2), "'weights_seq_no' must be an int >= 0"),
     (bad_episode(weights_seq_no=True), "'weights_seq_no' must be an int"),
-    (episodes_msg(rllib_episode(3), rllib_episode(2), timesteps=6), "'timesteps' = 6 but the episodes hold 5 steps"),
-    (episodes_msg(rllib_episode(3), env_steps=2), "'env_steps' = 2 but the episodes hold 3"),
-    (episodes_msg(rllib_episode(3), env_steps=3, timesteps=4), "'timesteps' = 4 and 'env_steps' = 3 disagree"),
-    (episodes_msg(rllib_episode(1), dict(rllib_episode(2), rewards=[1.0])), "episode 1: 'rewards' has 1 entries"),
+    (episodes_request(rllib_episode(3), rllib_episode(2), timesteps=6), "'timesteps' = 6 but the episodes hold 5 steps"),
+    (episodes_request(rllib_episode(3), env_steps=2), "'env_steps' = 2 but the episodes hold 3"),
+    (episodes_request(rllib_episode(3), env_steps=3, timesteps=4), "'timesteps' = 4 and 'env_steps' = 3 disagree"),
+    (episodes_request(rllib_episode(1), dict(rllib_episode(2), rewards=[1.0])), "episode 1: 'rewards' has 1 entries"),
 ])
 def test_ill_formed_episodes(msg, match):
     with pytest.raises(ProtocolError, match=match):
@@ -425,8 +422,8 @@ def test_non_finite_numbers_are_rejected_after_decoding(codec):
     ep = np_episode(3)
     ep["obs"][2, 1, 0] = np.nan
     with pytest.raises(ProtocolError, match="episode 0: non-finite value in 'obs'"):
-        decode_request(CODECS[codec](episodes_msg(ep)))
-    body = json.dumps(episodes_msg(dict(rllib_episode(2), rewards=[1.0, float("inf")]))).encode()
+        decode_request(CODECS[codec](episodes_request(ep)))
+    body = json.dumps(episodes_request(dict(rllib_episode(2), rewards=[1.0, float("inf")]))).encode()
     assert b"Infinity" in body
     with pytest.raises(ProtocolError, match="non-finite value in 'rewards'"):
         decode_request(body)
@@ -477,7 +474,7 @@ def test_malformed_binary_descriptors(descriptor, match):
 
 
 def test_malformed_binary_bodies():
-    good = rllink.encode_binary(episodes_msg(np_episode(5)))
+    good = rllink.encode_binary(episodes_request(np_episode(5)))
     assert decode_request(good)
     cases = [
         (good[:6], "shorter than its 8-byte preamble"),
@@ -497,8 +494,8 @@ def test_malformed_binary_bodies():
 
 VALID_MESSAGES = [
     {"type": "PING"}, {"type": "GET_CONFIG"},
-    episodes_msg(rllib_episode(3), rllib_episode(0, seed=1, terminated=False), timesteps=3),
-    episodes_msg(np_episode(2), np_episode(1, seed=1), type="EPISODES"),
+    episodes_request(rllib_episode(3), rllib_episode(0, seed=1, terminated=False), timesteps=3),
+    episodes_request(np_episode(2), np_episode(1, seed=1), type="EPISODES"),
     {"type": "EPISODES", "episodes": EpisodeBatch.from_episodes([np_episode(2, continuous=True),
                                                                  np_episode(0, continuous=True)])},
 ]
@@ -618,7 +615,7 @@ def episode_dicts(draw):
 @given(episode_dicts(), st.sampled_from([None, "json", "binary"]))
 def test_fuzz_episode_validation(ep_and_flag, codec):
     ep, corrupted = ep_and_flag
-    msg = episodes_msg(ep)
+    msg = episodes_request(ep)
     try:
         if codec is not None:
             try:

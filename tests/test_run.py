@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 
 from conftest import all_gone, descendants, metrics_rows, process_name, shm_entries, summary_of
 
@@ -110,14 +111,14 @@ def test_simulators_never_import_torch(start_run):
     run.wait_for("update    1 |", timeout=60)
 
     def maps_torch(pid):
-        with open(f"/proc/{pid}/maps") as f:
-            return "libtorch" in f.read()
+        return any("libtorch" in m.path for m in psutil.Process(pid).memory_maps(grouped=False))
 
     family = descendants(run.proc.pid)
     assert maps_torch(run.proc.pid)
     assert len(family) >= 2 and not any(maps_torch(p) for p in family)
     # And importing the simulator side never pulls torch in.
-    code = ("import sys, shmrl.sim, shmrl.transport.shm, shmrl.transport.inproc, shmrl.episode;"
+    code = ("import sys, shmrl.sim, shmrl.transport.shm, shmrl.transport.inproc, shmrl.episode, shmrl.rollout,"
+            " shmrl.sampler;"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -128,8 +129,7 @@ def test_simulators_run_below_the_learners_priority(start_run):
     run.wait_for("update    1 |", timeout=60)
 
     def nice(pid):
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[16])   # field 19 of stat: nice
+        return psutil.Process(pid).nice()
 
     sims = [p for p in descendants(run.proc.pid) if process_name(p).startswith("shmrl-sim")]
     assert len(sims) == 2 and all(nice(p) == nice(run.proc.pid) + 7 for p in sims)

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from shmrl import rllink
-from shmrl.episode import Episode
-from conftest import shmrl_files
+from conftest import make_episode, shmrl_files, wait_until
 from shmrl.transport.doorbell import Doorbell, PeerGone
 from shmrl.transport.ring import Ring, ShmSpaceError, fifo_path, sweep_stale
 from shmrl.transport.slot import ClientSlot
@@ -47,15 +46,6 @@ def start(children, target, *args):
     p.start()
     children.append(p)
     return p
-
-
-def make_episode(n: int, seed: int) -> Episode:
-    rnd = np.random.default_rng(seed)
-    ep = Episode(rnd.normal(size=4).astype(np.float32))
-    for t in range(n):
-        ep.add_step(t % 2, 1.0, rnd.normal(size=4).astype(np.float32),
-                    rnd.normal(size=2).astype(np.float32), -0.5, terminated=t == n - 1)
-    return ep
 
 
 def serve(server, until, seconds: float = 10.0) -> list:
@@ -167,10 +157,7 @@ def wait_for_reply(address: str, results) -> None:
 def test_drop_tells_the_waiting_client_why(server, children, caplog):
     results = fork.Queue()
     start(children, wait_for_reply, server.address(1), results)
-    got = []
-    deadline = time.monotonic() + 10
-    while not got and time.monotonic() < deadline:
-        got = server.poll(0.2)
+    got = wait_until(lambda: server.poll(0.2), 10, "the client's GET_STATE", interval=0)
     assert got == [("shm:1", {"type": "GET_STATE"})]
     assert server.client_pid(1) == children[0].pid and server.env_steps(1) == 7    # its heartbeat
     assert server.client_pid(0) is None and server.env_steps(0) == 0
@@ -267,7 +254,7 @@ def test_rings_take_every_frame_of_the_run(env, hidden, envs_per_sim, steps):
     """A SET_STATE the reply ring cannot hold, or an EPISODES message the request ring
     cannot, used to stall a run (--hidden 512 hung, --env-steps-per-sample 16384 crashed)."""
     from shmrl.envs import env_spec, make_vec_env
-    from shmrl.episode import Rollout
+    from shmrl.rollout import Rollout
     from shmrl.onnx_policy import encode_onnx_file
     from shmrl.config import Config, resolve_config
     from shmrl.serving import ring_bytes

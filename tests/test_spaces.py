@@ -18,7 +18,8 @@ from shmrl.net import MASKED_LOGIT, PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
-from shmrl.spaces import Sampler, action_layout, from_gym, obs_layout
+from shmrl.sampler import Sampler
+from shmrl.spaces import action_layout, from_gym, obs_layout
 from shmrl.transport.inproc import InProcServer
 
 gs = need("gymnasium", "gym").spaces

@@ -20,9 +20,8 @@ from shmrl.net import PolicyNet
 from shmrl.transport.inproc import InProcServer
 from shmrl.transport.tcp import ConnectionClosed, TcpClient
 from test_learner import chunk
-from test_tcp_transport import (SPEC, episodes_msg, log_lines, read_to_eof, recv_frame, rllib_frame,
-                                state_frame, wait_until)
-from test_tcp_transport import net  # noqa: F401  (the fixture)
+from conftest import check_books, episodes_msg, read_to_eof, rllib_frame, summary_of, wait_until
+from test_tcp_transport import SPEC, log_lines, recv_frame, state_frame
 
 
 def binary_frame(msg: dict) -> bytes:
@@ -127,7 +126,7 @@ def test_bad_extension_fields_close_the_connection(net, ping, error, caplog):
     s = net.raw(server)
     s.sendall(rllib_frame(ping))
     assert read_to_eof(s) == b""
-    wait_until(lambda: hub.closed())
+    wait_until(lambda: hub.closed(), 5, "the connection reported closed")
     assert any(error in line for line in log_lines(caplog, hub.closed()[0]))
 
 
@@ -163,7 +162,7 @@ def test_binary_frames_obey_the_same_limits(net, caplog):
     t0 = time.monotonic()
     assert read_to_eof(slow) == b""
     assert 0.3 < time.monotonic() - t0 < 3
-    wait_until(lambda: len(hub.closed()) == 3)
+    wait_until(lambda: len(hub.closed()) == 3, 5, "the three connections reported closed")
     closed = hub.closed()
     reasons = [line for c in closed for line in log_lines(caplog, c)]
     assert any("exceeds the maximum of 4096" in r for r in reasons), reasons
@@ -183,7 +182,7 @@ def test_binary_frames_count_against_the_buffer_cap(net, caplog):
     recv_frame(s)
     s.sendall(b"%08d" % (4 << 20) + rllink.MAGIC + bytes(2 << 20))  # half of a 4 MiB binary frame
     assert read_to_eof(s) == b""
-    wait_until(lambda: hub.closed())
+    wait_until(lambda: hub.closed(), 5, "the connection reported closed")
     assert any("max_buffered_bytes" in line for line in log_lines(caplog, hub.closed()[0]))
 
 
@@ -202,15 +201,15 @@ def test_a_silent_binary_client_is_closed_and_its_lost_steps_counted(net, caplog
     hung.heartbeat(8)                       # too soon after the reply: nothing sent
     time.sleep(0.15)
     hung.heartbeat(30)                      # a HEARTBEAT: 30 stepped, 8 sent ...
-    wait_until(lambda: hub.hub.stepped.get(f"tcp:{hung.local_address[0]}:{hung.local_address[1]}") == 30)
+    hung_id = f"tcp:{hung.local_address[0]}:{hung.local_address[1]}"
+    wait_until(lambda: hub.hub.stepped.get(hung_id) == 30, 5, "the HEARTBEAT's 30 steps")
     t0 = time.monotonic()                   # ... and then its env hangs
     stepped = 0
     while time.monotonic() - t0 < 1.5:      # the other one keeps stepping
         stepped += 1
         alive.heartbeat(stepped)
         time.sleep(0.01)
-    hung_id = f"tcp:{hung.local_address[0]}:{hung.local_address[1]}"
-    wait_until(lambda: hung_id in hub.closed(), timeout=2)
+    wait_until(lambda: hung_id in hub.closed(), 2, "the hung client closed")
     assert hub.closed() == [hung_id]        # not the one heartbeating, nor the JSON client
     assert server.clients_timed_out == 1
     assert hub.store.steps_lost == 22
@@ -233,10 +232,7 @@ def test_a_client_waiting_for_its_reply_is_never_timed_out(net):
     client.send(binary_episodes(8))         # its reply waits for weights that never come
     # Checked while the client still waits (one that gives up closes its connection); on a
     # loaded machine the hub's thread may take the request late.
-    deadline = time.monotonic() + 10
-    while not hub.hub.waiting:
-        assert time.monotonic() < deadline, "the hub never held the request"
-        time.sleep(0.01)
+    wait_until(lambda: hub.hub.waiting, 10, "the hub to hold the request", interval=0.01)
     time.sleep(1.0)                          # > 3 heartbeat timeouts of the client's silence
     assert server.clients_timed_out == 0 and hub.hub.waiting
 
@@ -325,6 +321,6 @@ def test_a_hung_local_tcp_simulator_is_closed_and_restarted(start_run, tmp_path,
     assert "closing connection: no heartbeat for" in out
     os.killpg(run.proc.pid, signal.SIGINT)
     assert run.proc.wait(30) == 130, run.output()[-3000:]
-    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    s = summary_of(tmp_path / "run")
     assert s["clients_timed_out"] == 1 and s["simulator_restarts"] == 1
-    assert s["env_steps"] == s["env_steps_trained"] + s["env_steps_pending"] + sum(s["env_steps_dropped"].values())
+    check_books(s, tmp_path / "run")

@@ -11,60 +11,22 @@ import socket
 import threading
 import time
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmrl.envs import env_spec, make_env
-from shmrl.hub import Hub
-from shmrl.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.envs import env_spec
 from shmrl.rllink import ProtocolError
 from shmrl.transport.tcp import ConnectionClosed, TcpClient, TcpServer, parse_address
+
+from conftest import Net, episodes_msg, read_to_eof, rllib_episodes, rllib_frame, wait_until
 
 SPEC = env_spec("CartPole-v1")
 CONFIG = {"type": "SET_CONFIG", "env_steps_per_sample": 8, "force_on_policy": True}
 
 
-def rllib_frame(msg: dict) -> bytes:
-    """A frame exactly as RLlib 2.48's client writes one."""
-    body = json.dumps(msg).encode("utf-8")
-    return f"{len(body):08d}".encode() + body
-
-
 def state_frame(seq: int, onnx_file: str = "abc") -> bytes:
     return rllib_frame({"type": "SET_STATE", "onnx_file": onnx_file, "weights_seq_no": seq})
-
-
-def rllib_episodes(steps: int, seed: int = 0) -> list:
-    """``steps`` CartPole steps recorded as RLlib 2.48's _dummy_client records them: plain
-    lists (float32 ``.tolist()``), a new chunk at every episode end."""
-    env, rng = make_env("CartPole-v1"), np.random.default_rng(seed)
-    obs, _ = env.reset(seed=seed)
-    episodes, observations, actions, dist, logps, rewards = [], [obs.tolist()], [], [], [], []
-    for t in range(1, steps + 1):
-        logits = rng.normal(size=2).astype(np.float32)
-        probs = np.exp(logits.astype(np.float64)) / np.exp(logits.astype(np.float64)).sum()
-        action = int(rng.choice(2, p=probs))
-        obs, reward, terminated, truncated, _ = env.step(action)
-        observations.append(obs.tolist())
-        actions.append(action)
-        dist.append(logits.tolist())
-        logps.append(float(np.log(probs[action])))
-        rewards.append(reward)
-        if t == steps or terminated or truncated:
-            episodes.append({"obs": observations, "actions": actions, "action_dist_inputs": dist,
-                             "action_logp": logps, "rewards": rewards, "is_terminated": terminated,
-                             "is_truncated": truncated})
-            observations, actions, dist, logps, rewards = [observations[-1]], [], [], [], []
-            if terminated or truncated:
-                obs, _ = env.reset()
-                observations = [obs.tolist()]
-    return episodes
-
-
-def episodes_msg(steps: int = 8, seed: int = 0, kind: str = "EPISODES_AND_GET_STATE", count="timesteps"):
-    return {"type": kind, "episodes": rllib_episodes(steps, seed), count: steps}
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -81,29 +43,10 @@ def recv_frame(sock: socket.socket) -> bytes:
     return header + recv_exactly(sock, int(header))
 
 
-def read_to_eof(sock: socket.socket, timeout: float = 5.0) -> bytes:
-    """Everything until the server closes the connection (a reset counts as closed)."""
-    sock.settimeout(timeout)
-    data = b""
-    try:
-        while chunk := sock.recv(1 << 16):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return data
-
-
 def conn_id_of(sock_or_client) -> str:
     host, port = (sock_or_client.local_address if isinstance(sock_or_client, TcpClient)
                   else sock_or_client.getsockname()[:2])
     return f"tcp:{host}:{port}"
-
-
-def wait_until(cond, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def io_threads(server) -> list:
@@ -113,122 +56,6 @@ def io_threads(server) -> list:
 def log_lines(caplog, conn_id: str, level=logging.WARNING) -> list[str]:
     messages = [r.getMessage() for r in caplog.records if r.levelno == level]
     return [m for m in messages if m.startswith(conn_id + ":")]
-
-
-class HubLoop:
-    """The learner's side in a thread, as production runs it: the real Hub and EpisodeStore,
-    fed by server.poll() whenever server.fileno() is readable. With ``auto_publish`` it
-    publishes new weights as soon as a client waits for them (an instant training step)."""
-
-    def __init__(self, server: TcpServer, *, auto_publish: bool = True, onnx_file: str = "abc"):
-        self.server, self.auto_publish, self.onnx_file = server, auto_publish, onnx_file
-        self.store = EpisodeStore()
-        self.hub = Hub({DEFAULT_POLICY: SPEC}, self.store, env_steps_per_sample=8, on_policy=True)
-        self.seq = 1
-        self.publish()
-        self.received: list[tuple[str, str | None]] = []  # (conn_id, type), None: closed
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hub-loop", daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        try:
-            with selectors.DefaultSelector() as sel:
-                sel.register(self.server.fileno(), selectors.EVENT_READ)
-                while not self._stop.is_set():
-                    sel.select(0.05)
-                    for conn_id, msg in self.server.poll(0.0):
-                        self.received.append((conn_id, msg and msg["type"]))
-                        self.hub.handle(self.server, conn_id, msg)
-                    if self.auto_publish and self.hub.waiting:
-                        self.seq += 1
-                        self.publish()
-        except BaseException as e:  # reported by stop()
-            self.error = e
-
-    def publish(self) -> None:
-        self.hub.set_state(self.seq, {DEFAULT_POLICY: {"onnx_file": self.onnx_file, "weights_seq_no": self.seq}})
-
-    def closed(self) -> list[str]:
-        return [c for c, kind in list(self.received) if kind is None]
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        assert not self._thread.is_alive(), "hub loop did not stop"
-        if self.error is not None:
-            raise self.error
-
-
-class Net:
-    """Servers, hub loops, sockets and threads of one test, all closed in teardown."""
-
-    def __init__(self):
-        self.stop = threading.Event()
-        self.servers, self.hubs, self.socks, self.threads, self.errors = [], [], [], [], []
-
-    def server(self, **kw) -> TcpServer:
-        self.servers.append(TcpServer("127.0.0.1", 0, **kw))
-        return self.servers[-1]
-
-    def hub(self, server, **kw) -> HubLoop:
-        self.hubs.append(HubLoop(server, **kw))
-        return self.hubs[-1]
-
-    def raw(self, server, timeout: float = 5.0, rcvbuf: int | None = None) -> socket.socket:
-        s = socket.socket()
-        self.socks.append(s)
-        if rcvbuf:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        s.settimeout(timeout)
-        s.connect(server.address)
-        return s
-
-    def client(self, server, **kw) -> TcpClient:
-        kw.setdefault("codec", "json")  # RLlib's JSON variant; test_tcp_binary.py tests the binary codec
-        self.socks.append(TcpClient(*server.address, **kw))
-        return self.socks[-1]
-
-    def thread(self, fn, *args) -> threading.Thread:
-        def run():
-            try:
-                fn(*args)
-            except BaseException as e:
-                if not self.stop.is_set():  # failures after teardown began are expected
-                    self.errors.append(e)
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        self.threads.append(t)
-        return t
-
-    def teardown(self):
-        self.stop.set()
-        for s in self.socks:
-            if isinstance(s, socket.socket):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on it
-                except OSError:
-                    pass
-            s.close()
-        for t in self.threads:
-            t.join(5)
-        for h in self.hubs:
-            h.stop()
-        for s in self.servers:
-            s.close()
-        assert not [t for t in self.threads if t.is_alive()], "threads left running"
-        assert not self.errors, self.errors
-
-
-@pytest.fixture
-def net():
-    n = Net()
-    try:
-        yield n
-    finally:
-        n.teardown()
 
 
 def keep_sampling(net: Net, server: TcpServer, served: list) -> None:
@@ -245,7 +72,7 @@ def keep_sampling(net: Net, server: TcpServer, served: list) -> None:
             served.append(reply["weights_seq_no"])
 
     net.thread(run)
-    wait_until(lambda: len(served) >= 3, what="the good client's first replies")
+    wait_until(lambda: len(served) >= 3, 5, what="the good client's first replies")
 
 
 # ---------------------------------------------------------------- exact bytes
@@ -262,7 +89,7 @@ def test_every_message_type_byte_exact_over_a_raw_socket(net):
     assert recv_frame(s) == state_frame(1)
 
     s.sendall(rllib_frame(episodes_msg(8, seed=1, kind="EPISODES")))  # no reply
-    wait_until(lambda: hub.store.steps_received == 8, what="the EPISODES steps")
+    wait_until(lambda: hub.store.steps_received == 8, 5, what="the EPISODES steps")
     s.settimeout(0.2)
     with pytest.raises(TimeoutError):
         s.recv(1)
@@ -309,7 +136,7 @@ def test_a_connection_is_not_read_while_its_requests_wait_for_poll(net):
     first = server.poll()
     assert TcpServer.MAX_UNPOLLED <= len(first) <= n     # the GET_STATE has not been read
     got = list(first)
-    wait_until(lambda: got.extend(server.poll(0.05)) or len(got) == n + 1)
+    wait_until(lambda: got.extend(server.poll(0.05)) or len(got) == n + 1, 5, "every request polled")
     assert got == [(conn_id, {"type": "PING"})] * n + [(conn_id, {"type": "GET_STATE"})]
 
 
@@ -389,9 +216,9 @@ def test_a_hostile_client_is_dropped_while_a_good_one_goes_on(net, caplog, case)
     conn_id = conn_id_of(bad)
     lines = log_lines(caplog, conn_id)
     assert len(lines) == 1 and lines[0].startswith(f"{conn_id}: closing connection: ") and reason in lines[0], lines
-    wait_until(lambda: conn_id in hub.closed())
+    wait_until(lambda: conn_id in hub.closed(), 5, "the connection reported closed")
     n = len(served)
-    wait_until(lambda: len(served) >= n + 3, what="the good client to go on")
+    wait_until(lambda: len(served) >= n + 3, 5, what="the good client to go on")
     assert hub.closed() == [conn_id]                            # reported once; the good one untouched
     assert hub.store.steps_by_conn.get(conn_id, 0) == 0
 
@@ -418,10 +245,10 @@ def test_a_client_that_does_not_read_its_replies_is_dropped(net, caplog):
     slow = net.raw(server, rcvbuf=4096)
     conn_id = conn_id_of(slow)
     slow.sendall(rllib_frame({"type": "GET_STATE"}) * 64)       # 16 MiB of replies it never reads
-    wait_until(lambda: conn_id in hub.closed(), what="the slow reader to be dropped")
+    wait_until(lambda: conn_id in hub.closed(), 5, what="the slow reader to be dropped")
     assert any("not reading its replies" in m for m in log_lines(caplog, conn_id)), caplog.text
     n = len(served)
-    wait_until(lambda: len(served) >= n + 3, what="the good client to go on")
+    wait_until(lambda: len(served) >= n + 3, 5, what="the good client to go on")
     assert hub.closed() == [conn_id]
 
 
@@ -437,15 +264,15 @@ def test_big_incomplete_frames_of_many_clients_stay_within_a_memory_budget(net, 
         hog.sendall(part)
         total += len(part)
         if k < 3:                                               # in order: the first is the largest
-            wait_until(lambda: server._buffered() == total, what=f"hog {k}'s bytes to arrive")
+            wait_until(lambda: server._buffered() == total, 5, what=f"hog {k}'s bytes to arrive")
     biggest = conn_id_of(hogs[0])
-    wait_until(lambda: biggest in hub.closed(), what="the largest incomplete frame to be dropped")
+    wait_until(lambda: biggest in hub.closed(), 5, what="the largest incomplete frame to be dropped")
     assert any("exceed max_buffered_bytes (3145728): this one is the largest" in m
                for m in log_lines(caplog, biggest)), caplog.text
     assert server._buffered() <= 3 << 20
     assert hub.closed() == [biggest]                            # the others fit again: kept
     n = len(served)
-    wait_until(lambda: len(served) >= n + 3, what="the good client to go on")
+    wait_until(lambda: len(served) >= n + 3, 5, what="the good client to go on")
 
 
 def test_idle_timeout_spares_a_client_waiting_for_its_reply(net, caplog):
@@ -490,7 +317,7 @@ def test_max_connections_refuses_the_excess_and_logs_once_per_burst(net, caplog)
         assert read_to_eof(net.raw(server)) == b""
     assert sum("max_connections" in r.getMessage() for r in caplog.records) == 1
     a.close()
-    wait_until(lambda: a_id in hub.closed())
+    wait_until(lambda: a_id in hub.closed(), 5, "the first connection reported closed")
     c = net.raw(server)                                         # a place is free again
     c.sendall(rllib_frame({"type": "PING"}))
     assert recv_frame(c) == rllib_frame({"type": "PONG"})
@@ -506,7 +333,7 @@ def test_clean_eof_logged_at_info_and_reported_once(net, caplog):
     conn_id = conn_id_of(s)
     s.sendall(rllib_frame(episodes_msg(8, kind="EPISODES")))    # its last data, then it leaves
     s.close()
-    wait_until(lambda: conn_id in hub.closed())
+    wait_until(lambda: conn_id in hub.closed(), 5, "the connection reported closed")
     assert hub.received == [(conn_id, "EPISODES"), (conn_id, None)]  # the data is not lost
     assert hub.store.steps_received == 8
     assert log_lines(caplog, conn_id, logging.INFO) == [f"{conn_id}: connected",
@@ -525,7 +352,7 @@ def test_poll_fileno_drop_and_close_without_a_hub(net, caplog):
         s.sendall(rllib_frame({"type": "PING"}) + rllib_frame({"type": "GET_STATE"}))
         assert sel.select(5)                                    # readable: requests wait
         got = []
-        wait_until(lambda: got.extend(server.poll()) or len(got) == 2)
+        wait_until(lambda: got.extend(server.poll()) or len(got) == 2, 5, "both requests polled")
         assert got == [(conn_id, {"type": "PING"}), (conn_id, {"type": "GET_STATE"})]
         assert sel.select(0) == []                              # drained
         server.reply(conn_id, {"type": "PONG"})
@@ -646,7 +473,7 @@ def test_fuzzed_connections_only_ever_get_closed(net):
             data = data[8 + n:]
 
     exchange()
-    wait_until(lambda: len(hub.closed()) == connections, what="every connection reported closed")
+    wait_until(lambda: len(hub.closed()) == connections, 5, what="every connection reported closed")
     with TcpClient(*server.address, timeout=5, codec="json") as client:
         assert client.request({"type": "PING"}) == {"type": "PONG"}
     assert hub.error is None and len(io_threads(server)) == 1
@@ -662,7 +489,7 @@ def test_client_request_send_and_timeout(net):
     assert client.request({"type": "GET_CONFIG"}) == CONFIG
     assert client.request({"type": "GET_STATE"}) == {"type": "SET_STATE", "onnx_file": "abc", "weights_seq_no": 1}
     client.send(episodes_msg(8, kind="EPISODES"))
-    wait_until(lambda: hub.store.steps_received == 8)
+    wait_until(lambda: hub.store.steps_received == 8, 5, "the EPISODES steps")
     client.timeout = 0.3
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="no reply within 0.3 s"):
@@ -670,7 +497,7 @@ def test_client_request_send_and_timeout(net):
     assert 0.25 < time.monotonic() - t0 < 2
     with pytest.raises(ConnectionError, match="reconnect"):     # out of step now: refuses
         client.request({"type": "PING"})
-    wait_until(lambda: conn_id_of(client) in hub.closed())
+    wait_until(lambda: conn_id_of(client) in hub.closed(), 5, "the client's connection reported closed")
 
 
 def test_client_sees_connection_error_when_dropped_or_the_server_closes(net, caplog):
@@ -690,7 +517,7 @@ def test_client_sees_connection_error_when_dropped_or_the_server_closes(net, cap
             errors.append(e)
 
     t = net.thread(wait_for_state)
-    wait_until(lambda: hub.hub.waiting, what="the client to wait for SET_STATE")
+    wait_until(lambda: hub.hub.waiting, 5, what="the client to wait for SET_STATE")
     hub.stop()
     server.close()
     t.join(5)
