@@ -183,7 +183,8 @@ def test_a_second_run_and_a_resume_on_a_live_runs_folder_are_refused(start_run, 
     first = start_run(*QUICK, "--stop-return", 1e9, "--max-env-steps", 10_000_000, "--checkpoint-every", 1,
                       "--logdir", logs)
     first.wait_for("update    3 |", timeout=90)
-    for args, flag in [(("--sims", 1, "--logdir", logs), "--logdir"), (("--resume", logs), "--resume")]:
+    for args, flag in [(("--sims", 1, "--logdir", logs, "--max-env-steps", 2000), "--logdir"),   # (short if it ran)
+                       (("--resume", logs, "--max-env-steps", 10_000_000), "--resume")]:
         proc = run_once(*args, "--no-tensorboard", cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr
         assert error_lines(proc) == [f"error: {flag} {logs}: another run (pid {first.proc.pid}) is writing there; "
