@@ -12,7 +12,11 @@
   file, synced and renamed over the old one), so update numbers stay unique and
   increasing and no counter goes backwards.
 - JSON never holds a bare ``NaN`` or ``Infinity`` (not JSON): ``dumps`` writes them as
-  ``null``. ``write_json_file`` replaces a file whole or leaves the old one.
+  ``null``. ``write_json_file`` (and ``replace_file``) replaces a file whole or leaves the
+  old one.
+
+A run calls ``open_logdir`` once, before it writes anything: it makes the folder, takes
+the lock, and on resume cuts metrics.jsonl.
 """
 from __future__ import annotations
 
