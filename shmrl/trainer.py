@@ -61,7 +61,6 @@ class Setup:
 def set_up(config, servers_given: bool = False) -> Setup:
     """Everything that can refuse the run (ConfigError) short of opening its transports."""
     from shmrl.envs import env_spec
-
     spec = env_spec(config.env)
     config = resolve_config(config, spec)
     validate(config, spec, servers_given)
@@ -206,7 +205,6 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
 
 
 def checkpoint(setup: Setup, serving: Serving, ppos: dict) -> Path:
-
     config = setup.config
     return save_checkpoint(Path(config.logdir), serving.updates, serving.weights_seq_no, serving.store, ppos,
                            saved_config(config), config.keep_checkpoints, setup.multiagent)
@@ -296,7 +294,6 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
 
 def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, status: int, error) -> dict:
     """Write the policy, a checkpoint and summary.json, and say how the run ended."""
-
     config, logdir = setup.config, Path(setup.config.logdir)
     result = {**run_summary(serving, supervisor, clock, status, error, setup.resumed and setup.resumed[0]),
               "config": saved_config(config)}
