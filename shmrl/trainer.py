@@ -61,6 +61,7 @@ class Setup:
 def set_up(config, servers_given: bool = False) -> Setup:
     """Everything that can refuse the run (ConfigError) short of opening its transports."""
     from shmrl.envs import env_spec
+
     spec = env_spec(config.env)
     config = resolve_config(config, spec)
     validate(config, spec, servers_given)
