@@ -208,7 +208,6 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
 
 
 def checkpoint(setup: Setup, serving: Serving, ppos: dict) -> Path:
-
     config = setup.config
     return save_checkpoint(Path(config.logdir), serving.updates, serving.weights_seq_no, serving.store, ppos,
                            saved_config(config), config.keep_checkpoints, setup.multiagent)
