@@ -175,6 +175,17 @@ class ReliabilitySettings:
     restart_window: float = setting(
         60.0, "the seconds over which --max-restarts counts a simulator's failures (inf: the whole run) "
         "(default: %(default)s)", check=above(0), metavar="S", allow_inf=True)
+    max_obs_abs: float = setting(
+        1e6, "refuse (and count) a client's chunk whose observations hold a number of magnitude above X "
+        "(images, uint8, are exempt): finite but absurd values would poison the weights "
+        "(default: %(default)s)", check=above(0), metavar="X")
+    max_reward_abs: float = setting(
+        1e6, "refuse (and count) a client's chunk whose rewards hold one of magnitude above X "
+        "(default: %(default)s)", check=above(0), metavar="X")
+    max_skipped_updates: int = setting(
+        10, "an update whose loss or gradient is not finite is skipped (the weights stay as they were); "
+        "after N skipped in a row the run stops with an error (default: %(default)s)",
+        check=at_least(1), metavar="N")
 
 
 @dataclass(kw_only=True)
