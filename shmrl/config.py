@@ -26,6 +26,13 @@ from typing import Callable
 from shmrl.presets import PRESETS_FILE, preset_tables
 
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# A simulator that stops because nothing it could send is trainable says why by its exit status.
+SIM_EXIT_ENV_NOT_FINITE, SIM_EXIT_POLICY_NOT_FINITE, SIM_EXIT_ALL_MASKED = 10, 11, 12
+SIM_EXIT_REASONS = {
+    SIM_EXIT_ENV_NOT_FINITE: "stopped: its env returned an observation or reward that is not finite (NaN or inf)",
+    SIM_EXIT_POLICY_NOT_FINITE: "stopped: the policy's outputs are not finite (NaN or inf): its weights are",
+    SIM_EXIT_ALL_MASKED: "stopped: its env's action_mask forbids every action",
+}
 
 
 class ConfigError(ValueError):

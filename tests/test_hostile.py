@@ -12,7 +12,12 @@ import math
 import numpy as np
 import pytest
 
+import shmrl
+from conftest import need
 from shmrl import rllink
+from shmrl.actor import SimulatorError, check_sample
+from shmrl.config import SIM_EXIT_POLICY_NOT_FINITE
+from shmrl.supervisor import describe_exit
 from shmrl.config import PPOSettings, with_defaults
 from shmrl.episode import EpisodeBatch
 from shmrl.net import PolicyNet
@@ -25,6 +30,7 @@ from test_tcp_transport import (SPEC, conn_id_of, episodes_msg, recv_frame, rlli
                                 wait_until, net)
 
 CODECS = ["json", "binary"]
+gs = need("gymnasium", "gym").spaces
 
 
 def hostile(codec: str, steps: int = 8, seed: int = 3, **columns) -> bytes:
@@ -241,3 +247,56 @@ def test_store_books_balance_after_a_skip():
     store.skipped({DEFAULT_POLICY: EpisodeBatch.concat(taken[DEFAULT_POLICY])}, "update skipped: x")
     counters = store.counters()
     assert counters["steps_dropped"] == {"update skipped: x": 32} and store.in_flight == 0
+
+
+# ---------------------------------------------------------------- the env's NaN, a NaN policy, a mask of nothing
+
+class NanEnv:
+    """CartPole-shaped; its third step's reward is NaN."""
+    observation_space = gs.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gs.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(4, np.float32), math.nan if self.t == 3 else 1.0, False, self.t >= 20, {}
+
+
+class MaskedOutEnv:
+    """Every observation's action_mask forbids all three moves."""
+    observation_space = gs.Dict({"obs": gs.Box(-1.0, 1.0, (2,), np.float32),
+                                 "action_mask": gs.Box(0, 1, (3,), np.int8)})
+    action_space = gs.Discrete(3)
+
+    def reset(self, seed=None, options=None):
+        return {"obs": np.zeros(2, np.float32), "action_mask": np.zeros(3, np.int8)}, {}
+
+    def step(self, action):
+        return self.reset()[0], 1.0, False, False, {}
+
+
+@pytest.mark.parametrize("env, cause", [
+    (NanEnv, "its env returned an observation or reward that is not finite (NaN or inf) (exit code 10)"),
+    (MaskedOutEnv, "its env's action_mask forbids every action (exit code 12)"),
+])
+def test_the_runs_error_names_the_envs_nan_or_its_empty_mask(tmp_path, capfd, no_shm_leftovers, no_sim_leftovers,
+                                                             env, cause):
+    summary = shmrl.train(env=env, sims=1, max_env_steps=4096, env_steps_per_sample=64, max_restarts=0,
+                          logdir=str(tmp_path), tensorboard=False)
+    assert summary["exit_status"] == 3 and cause in summary["error"], summary["error"]
+    assert summary["env_steps"] == 0
+    err = capfd.readouterr().err
+    assert "error: shmrl-sim" in err or "error: sim" in err, err[-2000:]
+
+
+def test_a_nan_policy_is_named_by_the_simulator():
+    batch = honest_chunks(16)
+    check_sample(batch, "CartPole-v1")                       # honest: nothing to say
+    batch.action_dist_inputs = np.full_like(batch.action_dist_inputs, np.nan)
+    with pytest.raises(SimulatorError, match="the policy's outputs") as e:
+        check_sample(batch, "CartPole-v1")
+    assert e.value.exit_code == SIM_EXIT_POLICY_NOT_FINITE
+    assert "the policy's outputs are not finite" in describe_exit(SIM_EXIT_POLICY_NOT_FINITE)
