@@ -83,7 +83,7 @@ class Bounds:
     max_env_steps_per_s: float = 1e7   # a HEARTBEAT's env_steps grow at most this fast per connection
 
 
-LOGP_TOLERANCE = 1e-2   # a categorical action_logp may differ this much (and 1e-3 of itself) from its logits'
+LOGP_TOLERANCE = 1e-3   # a discrete action's log-probability above this is no probability
 
 
 def _per_chunk(bad_rows: np.ndarray, rows_per_chunk: np.ndarray) -> np.ndarray:
@@ -94,28 +94,13 @@ def _per_chunk(bad_rows: np.ndarray, rows_per_chunk: np.ndarray) -> np.ndarray:
     return np.bincount(np.repeat(np.arange(n), rows_per_chunk)[bad_rows], minlength=n) > 0
 
 
-def categorical_logp(layout, actions: np.ndarray, dist_inputs: np.ndarray) -> np.ndarray | None:
-    """The log-probability of each step's action under its own logits (a layout of
-    categorical parts only; None for one with a Gaussian part)."""
-    if not layout.discrete:
-        return None
-    rows = actions.reshape(len(actions), -1).astype(np.int64)
-    logp = np.zeros(len(actions))
-    steps = np.arange(len(actions))
-    for _, dist, cols in layout.slices():
-        logits = dist_inputs[:, dist].astype(np.float64)
-        top = logits.max(axis=1)
-        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
-        logp += logits[steps, rows[:, cols.start]] - lse
-    return logp
-
-
 def refused_chunks(batch: EpisodeBatch, spec: EnvSpec, bounds: Bounds, version: int) -> dict[str, np.ndarray]:
     """The chunks (a boolean mask per reason; a chunk under its first reason only) that hold
     values outside the documented bounds: observations or rewards too large (or not finite),
     behaviour log-probabilities that no policy gives (not finite, above 0 for discrete
-    actions, or not those of the chunk's own logits), a ``weights_seq_no`` beyond the
-    server's current ``version``. Numpy per message, no loop over steps."""
+    actions), a ``weights_seq_no`` beyond the server's current ``version``. Numpy per
+    message, no loop over steps. (A finite but absurdly negative log-probability is PPO's
+    to bound: ``shmrl.ppo.MAX_LOG_RATIO``; only the learner knows its policy's own.)"""
     n, lengths = batch.num_chunks, batch.lengths
     if not n:
         return {}
@@ -127,10 +112,7 @@ def refused_chunks(batch: EpisodeBatch, spec: EnvSpec, bounds: Bounds, version: 
     found = {"observation out of bounds": bad_obs,
              "reward out of bounds": _per_chunk(~(np.abs(batch.rewards) <= bounds.max_reward_abs), lengths)}
     logp = batch.action_logp
-    bad_logp = ~np.isfinite(logp)
-    if batch.num_steps and spec.actions.discrete:
-        own = categorical_logp(spec.actions, batch.actions, batch.action_dist_inputs)
-        bad_logp |= (logp > LOGP_TOLERANCE) | ~(np.abs(logp - own) <= LOGP_TOLERANCE + 1e-3 * np.abs(own))
+    bad_logp = ~(logp <= LOGP_TOLERANCE) if spec.actions.discrete else ~np.isfinite(logp)
     found["action_logp out of bounds"] = _per_chunk(bad_logp, lengths)
     seq = batch.weights_seq_no    # -1: not said; below that, an unsigned number that wrapped
     found["weights_seq_no from the future"] = (seq > version) | (seq < -1)

@@ -338,7 +338,7 @@ class PPO:
         state = None if batch.state is None else torch.from_numpy(batch.state)
         real = advantages if mask is None else advantages[mask > 0]
         advantages = (advantages - real.mean()) / (real.std() + 1e-8)
-        stats = torch.zeros(5)  # pi_loss, v_loss, entropy, approx_kl, clip_frac
+        stats = torch.zeros(6)  # pi_loss, v_loss, entropy, approx_kl, clip_frac, ratio_out_of_bounds
         opt = self.optimizer    # to go back to if a loss or gradient is not finite
         before = (opt.flat.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone(), opt.t)
         for epoch in range(cfg.epochs):
@@ -365,7 +365,8 @@ class PPO:
         stats /= max(units // mb, 1)
         if not bool(torch.isfinite(opt.flat).all()):
             return self._skipped(before, "it made a weight not finite")
-        return {**dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac"), stats.tolist())),
+        return {**dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "ratio_out_of_bounds"),
+                           stats.tolist())),
                 "lr": self.optimizer.lr}
 
     def _skipped(self, before: tuple, why: str) -> dict:
@@ -379,7 +380,7 @@ class PPO:
     def loss(self, obs: dict, actions, logp_behaviour, advantages, returns, state=None, mask=None,
              entropy: bool = True):
         """(the loss of a minibatch, its terms: pi_loss, v_loss, entropy, approx_kl,
-        clip_frac). Its rows are steps, or with ``state`` whole sequences of equal length
+        clip_frac, ratio_out_of_bounds: the fraction of steps beyond MAX_LOG_RATIO). Its rows are steps, or with ``state`` whole sequences of equal length
         (the network runs them from ``state``); ``mask`` (1: a real step, 0: padding)
         leaves padding out of every term. Without ``entropy`` that term is 0 (and cheaper)."""
         cfg = self.config
@@ -397,14 +398,15 @@ class PPO:
         # lies beyond MAX_LOG_RATIO (a client's absurd log-probability) counts as ratio 1 and
         # gets no policy gradient, so that it cannot blow the loss up to exp(20) and beyond.
         log_ratio = logp - logp_behaviour
-        log_ratio = torch.where(log_ratio.detach().abs() <= MAX_LOG_RATIO, log_ratio, torch.zeros(()))
+        in_bounds = log_ratio.detach().abs() <= MAX_LOG_RATIO
+        log_ratio = torch.where(in_bounds, log_ratio, torch.zeros(()))
         ratio = log_ratio.exp()
         pi_loss = -mean(torch.min(advantages * ratio, advantages * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)))
         v_loss = 0.5 * mean((values - returns).pow(2))
         ent = mean(ent) if entropy else torch.zeros(())
         loss = pi_loss + cfg.vf_coef * v_loss - cfg.ent_coef * ent
         return loss, [pi_loss, v_loss, ent, mean((ratio - 1) - log_ratio),
-                      mean(((ratio - 1).abs() > cfg.clip).float())]
+                      mean(((ratio - 1).abs() > cfg.clip).float()), mean((~in_bounds).float())]
 
     def get_state(self) -> tuple[dict[str, np.ndarray], dict]:
         """Everything training needs to go on, as arrays and JSON-able values (no pickle):

@@ -164,6 +164,12 @@ def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: 
             continue
         lags.extend((version - seq[seq >= 0]).tolist())
         per_policy[pid] = {**result, "batch_steps": sub.num_steps, "reward_scale": scale}
+        if result["ratio_out_of_bounds"] and serving.updates % 100 == 0:   # now and then, not every update
+            from shmrl.ppo import MAX_LOG_RATIO   # loaded already (torch is, by now)
+
+            log.warning("policy %r: %.1f%% of the batch's steps have a behaviour action_logp more than %g from "
+                        "the policy's own (a client's absurd log-probabilities): they get no policy gradient",
+                        pid, 100 * result["ratio_out_of_bounds"], MAX_LOG_RATIO)
         ppo.update_obs_stats(sub)
     if skipped:
         skip_update(serving, {pid: chunks[pid] for pid in skipped}, skipped)

@@ -12,8 +12,6 @@ import math
 import numpy as np
 import pytest
 
-import shmrl
-from conftest import need
 from shmrl import rllink
 from shmrl.actor import SimulatorError, check_sample
 from shmrl.config import SIM_EXIT_POLICY_NOT_FINITE
@@ -30,7 +28,6 @@ from test_tcp_transport import (SPEC, conn_id_of, episodes_msg, recv_frame, rlli
                                 wait_until, net)
 
 CODECS = ["json", "binary"]
-gs = need("gymnasium", "gym").spaces
 
 
 def hostile(codec: str, steps: int = 8, seed: int = 3, **columns) -> bytes:
@@ -81,7 +78,7 @@ def filled(value: float, keep_sign: bool = False):
 ATTACKS = {   # item 6: finite but absurd observations and rewards; item 7: an absurd action_logp
     "observation out of bounds": {"obs": filled(3e38, keep_sign=True)},
     "reward out of bounds": {"rewards": filled(3e38)},
-    "action_logp out of bounds": {"action_logp": filled(-100.0)},   # its logits honest
+    "action_logp out of bounds": {"action_logp": filled(2.0)},   # a probability of e^2 (discrete actions)
 }
 
 
@@ -97,7 +94,7 @@ def test_absurd_values_are_refused_per_chunk_counted_and_logged_once(net, caplog
     store = hub.store
     assert store.steps_dropped == {reason: 24}
     assert store.steps_received == 32 and store.pending_steps == 8     # only the honest steps wait
-    assert all(np.all(np.abs(b.obs) < 1e6) and np.all(np.abs(b.rewards) < 1e6) and np.all(b.action_logp > -20)
+    assert all(np.all(np.abs(b.obs) < 1e6) and np.all(np.abs(b.rewards) < 1e6) and np.all(b.action_logp <= 0)
                for b in store.policies[DEFAULT_POLICY].pending)
     lines = refusal_lines(caplog, reason)
     assert len(lines) == 1 and "(mallory)" in lines[0] and conn_id_of(s) in lines[0], lines
@@ -210,6 +207,13 @@ def test_an_absurd_behaviour_logp_cannot_blow_up_the_loss():   # item 7, past th
     stats = ppo.update(ppo.make_batch(chunks))
     assert math.isfinite(stats["pi_loss"]) and abs(stats["pi_loss"]) < 10, stats   # today: about 1e8
     assert abs(stats["approx_kl"]) < 1, stats
+    assert stats["ratio_out_of_bounds"] == 1.0                        # measured: every step beyond the bound
+    assert honest_stats()["ratio_out_of_bounds"] == 0.0
+
+
+def honest_stats() -> dict:
+    ppo = cartpole_ppo()
+    return ppo.update(ppo.make_batch(honest_chunks()))
 
 
 def test_trainer_skips_counts_and_never_publishes_nan():
@@ -251,10 +255,17 @@ def test_store_books_balance_after_a_skip():
 
 # ---------------------------------------------------------------- the env's NaN, a NaN policy, a mask of nothing
 
+BROKEN_ENVS = '''
+import math
+
+import numpy as np
+from gymnasium import spaces
+
+
 class NanEnv:
     """CartPole-shaped; its third step's reward is NaN."""
-    observation_space = gs.Box(-1.0, 1.0, (4,), np.float32)
-    action_space = gs.Discrete(2)
+    observation_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = spaces.Discrete(2)
 
     def reset(self, seed=None, options=None):
         self.t = 0
@@ -267,29 +278,37 @@ class NanEnv:
 
 class MaskedOutEnv:
     """Every observation's action_mask forbids all three moves."""
-    observation_space = gs.Dict({"obs": gs.Box(-1.0, 1.0, (2,), np.float32),
-                                 "action_mask": gs.Box(0, 1, (3,), np.int8)})
-    action_space = gs.Discrete(3)
+    observation_space = spaces.Dict({"obs": spaces.Box(-1.0, 1.0, (2,), np.float32),
+                                     "action_mask": spaces.Box(0, 1, (3,), np.int8)})
+    action_space = spaces.Discrete(3)
 
     def reset(self, seed=None, options=None):
         return {"obs": np.zeros(2, np.float32), "action_mask": np.zeros(3, np.int8)}, {}
 
     def step(self, action):
         return self.reset()[0], 1.0, False, False, {}
+'''
 
 
-@pytest.mark.parametrize("env, cause", [
-    (NanEnv, "its env returned an observation or reward that is not finite (NaN or inf) (exit code 10)"),
-    (MaskedOutEnv, "its env's action_mask forbids every action (exit code 12)"),
+@pytest.mark.parametrize("env, sim_says, run_says", [
+    ("NanEnv", "returned a reward that is not finite (nan)",
+     "stopped: its env returned an observation or reward that is not finite (NaN or inf) (exit code 10)"),
+    ("MaskedOutEnv", "gave an action_mask that forbids every action",
+     "stopped: its env's action_mask forbids every action (exit code 12)"),
 ])
-def test_the_runs_error_names_the_envs_nan_or_its_empty_mask(tmp_path, capfd, no_shm_leftovers, no_sim_leftovers,
-                                                             env, cause):
-    summary = shmrl.train(env=env, sims=1, max_env_steps=4096, env_steps_per_sample=64, max_restarts=0,
-                          logdir=str(tmp_path), tensorboard=False)
-    assert summary["exit_status"] == 3 and cause in summary["error"], summary["error"]
-    assert summary["env_steps"] == 0
-    err = capfd.readouterr().err
-    assert "error: shmrl-sim" in err or "error: sim" in err, err[-2000:]
+def test_the_runs_error_names_the_envs_nan_or_its_empty_mask(start_run, tmp_path, env, sim_says, run_says):
+    pytest.importorskip("gymnasium", reason="the broken envs are gymnasium envs (pip install 'shmrl[gym]')")
+    (tmp_path / "broken_envs.py").write_text(BROKEN_ENVS)   # the run's working directory: importable
+    run = start_run("--env", f"broken_envs:{env}", "--sims", 1, "--max-env-steps", 4096,
+                    "--env-steps-per-sample", 64, "--max-restarts", 0, "--logdir", tmp_path / "logs")
+    run.proc.wait(timeout=90)
+    out = run.output()
+    assert run.proc.returncode == 3, out[-3000:]
+    assert sim_says in out, out[-3000:]                                    # the simulator says so
+    errors = [line for line in out.splitlines() if line.startswith("error: simulator")]
+    assert len(errors) == 1 and run_says in errors[0], out[-3000:]         # and the run's one error line
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert run_says in summary["error"] and summary["env_steps"] == 0
 
 
 def test_a_nan_policy_is_named_by_the_simulator():
