@@ -28,6 +28,7 @@ def counts(serving, supervisor) -> dict:
             "bad_frames": sum(server.frames_rejected for server in serving.servers),
             "clients_timed_out": sum(server.clients_timed_out for server in serving.servers),
             "short_batches": serving.short_batches, "updates_skipped": serving.updates_skipped,
+            "heartbeats_ignored": serving.hub.heartbeats_ignored,
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
 

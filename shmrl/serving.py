@@ -98,7 +98,11 @@ class Serving:
         self._selector = selectors.DefaultSelector()
         for fd in [self._wake_r, *(server.fileno() for server in servers)]:
             self._selector.register(fd, selectors.EVENT_READ)
-        self.publish(initial_weights)
+        try:
+            self.publish(initial_weights)
+        except ConfigError:
+            self.stop()   # its pipe and selector
+            raise
         self.poll(0.0)
 
     # ------------------------------------------------------------ the serving thread
@@ -224,6 +228,9 @@ class Serving:
         version; the serving thread sends it out. A policy whose weights are not all finite
         is never published: it keeps its model."""
         weights = finite_weights(weights)
+        never = [pid for pid in self.templates if pid not in weights and pid not in self.model_bytes]
+        if never:   # the first weights (a checkpoint's, say): nothing sound to serve instead
+            raise ConfigError(f"the first weights of policy {never[0]!r} are not finite (NaN or inf)")
         self.weights_seq_no += 1
         for pid, w in weights.items():
             self.model_bytes[pid] = self.templates[pid].publish(w)

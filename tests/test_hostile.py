@@ -14,9 +14,8 @@ import pytest
 
 from shmrl import rllink
 from shmrl.actor import SimulatorError, check_sample
-from shmrl.config import SIM_EXIT_POLICY_NOT_FINITE
 from shmrl.supervisor import describe_exit
-from shmrl.config import PPOSettings, with_defaults
+from shmrl.config import SIM_EXIT_POLICY_NOT_FINITE, ConfigError, PPOSettings, with_defaults
 from shmrl.episode import EpisodeBatch
 from shmrl.net import PolicyNet
 from shmrl.ppo import PPO
@@ -319,3 +318,11 @@ def test_a_nan_policy_is_named_by_the_simulator():
         check_sample(batch, "CartPole-v1")
     assert e.value.exit_code == SIM_EXIT_POLICY_NOT_FINITE
     assert "the policy's outputs are not finite" in describe_exit(SIM_EXIT_POLICY_NOT_FINITE)
+
+
+def test_nan_first_weights_are_refused_not_served():
+    ppo = cartpole_ppo()
+    nan_weights = {k: np.full_like(v, np.nan) for k, v in ppo.published_weights().items()}
+    with pytest.raises(ConfigError, match="the first weights of policy 'default' are not finite"):
+        Serving([], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: nan_weights},
+                env_steps_per_sample=64, train_batch_size=64)
