@@ -20,10 +20,36 @@ from __future__ import annotations
 import numpy as np
 
 from shmrl import rllink
+from shmrl.config import SIM_EXIT_ALL_MASKED, SIM_EXIT_ENV_NOT_FINITE, SIM_EXIT_POLICY_NOT_FINITE
 from shmrl.onnx_policy import OnnxPolicy
 from shmrl.sampler import Sampler
+from shmrl.spaces import MASK_KEY
 
 T = rllink.MessageType
+
+
+class SimulatorError(RuntimeError):
+    """The env or the policy gives what no run can train on; ``exit_code``
+    (``shmrl.config.SIM_EXIT_REASONS``) tells the learner which, when the simulator stops."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def check_sample(batch, env_id: str) -> None:
+    """Raise SimulatorError where a message's chunks hold a value that is not finite: the
+    env's (an observation, a reward) or else the policy's (its distribution inputs)."""
+    for name, leaf in (batch.obs.items() if isinstance(batch.obs, dict) else [("obs", batch.obs)]):
+        if leaf.dtype.kind == "f" and not np.isfinite(leaf).all():
+            raise SimulatorError(f"the env {env_id} returned an observation {name!r} that is not finite "
+                                 f"({leaf[~np.isfinite(leaf)].flat[0]})", SIM_EXIT_ENV_NOT_FINITE)
+    if not np.isfinite(batch.rewards).all():
+        raise SimulatorError(f"the env {env_id} returned a reward that is not finite "
+                             f"({batch.rewards[~np.isfinite(batch.rewards)][0]})", SIM_EXIT_ENV_NOT_FINITE)
+    if not np.isfinite(batch.action_dist_inputs).all():
+        raise SimulatorError("the policy's outputs (action_dist_inputs) are not finite: its weights are "
+                             "poisoned", SIM_EXIT_POLICY_NOT_FINITE)
 
 
 class Actor:
@@ -42,6 +68,10 @@ class Actor:
         self.greedy = greedy
         self.num_envs = num_envs
         self.state = None   # [num_envs, state_size] before the next step; None: no memory
+        self.env_id = getattr(spec, "env_id", "the env")
+        # The action_mask's columns of each categorical part: each needs one allowed value.
+        self.mask_parts = [] if spec.obs.mask is None else np.cumsum(
+            [0] + [p.size for p in spec.actions.parts if p.kind == "categorical"])
         self.load(policy)
 
     def load(self, policy: OnnxPolicy) -> None:
@@ -61,10 +91,20 @@ class Actor:
             dist_inputs = self.policy.logits(obs)
         else:
             dist_inputs, self.state = self.policy.step(obs, self.state)
+        if len(self.mask_parts):
+            self.check_mask(obs[MASK_KEY])
         if self.greedy:
             return self.sampler.greedy(dist_inputs), dist_inputs, np.zeros(len(dist_inputs))
         actions, logp = self.sampler.sample(dist_inputs)
         return actions, dist_inputs, logp
+
+    def check_mask(self, mask: np.ndarray) -> None:
+        """Raise SimulatorError where an observation's action_mask allows no value of an
+        action part: every action would be one the env forbids."""
+        for start, stop in zip(self.mask_parts[:-1], self.mask_parts[1:]):
+            if not mask[:, start:stop].any(axis=1).all():
+                raise SimulatorError(f"the env {self.env_id} gave an action_mask that forbids every action "
+                                     f"(columns {start}..{stop - 1} all 0)", SIM_EXIT_ALL_MASKED)
 
     def reset(self, rows) -> None:
         """An episode starts in these envs (a boolean mask or indices): from zeros."""

@@ -26,6 +26,13 @@ from typing import Callable
 from shmrl.presets import PRESETS_FILE, preset_tables
 
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# A simulator that stops because nothing it could send is trainable says why by its exit status.
+SIM_EXIT_ENV_NOT_FINITE, SIM_EXIT_POLICY_NOT_FINITE, SIM_EXIT_ALL_MASKED = 10, 11, 12
+SIM_EXIT_REASONS = {
+    SIM_EXIT_ENV_NOT_FINITE: "stopped: its env returned an observation or reward that is not finite (NaN or inf)",
+    SIM_EXIT_POLICY_NOT_FINITE: "stopped: the policy's outputs are not finite (NaN or inf): its weights are",
+    SIM_EXIT_ALL_MASKED: "stopped: its env's action_mask forbids every action",
+}
 
 
 class ConfigError(ValueError):
@@ -175,6 +182,17 @@ class ReliabilitySettings:
     restart_window: float = setting(
         60.0, "the seconds over which --max-restarts counts a simulator's failures (inf: the whole run) "
         "(default: %(default)s)", check=above(0), metavar="S", allow_inf=True)
+    max_obs_abs: float = setting(
+        1e6, "refuse (and count) a client's chunk whose observations hold a number of magnitude above X "
+        "(images, uint8, are exempt): finite but absurd values would poison the weights "
+        "(default: %(default)s)", check=above(0), metavar="X")
+    max_reward_abs: float = setting(
+        1e6, "refuse (and count) a client's chunk whose rewards hold one of magnitude above X "
+        "(default: %(default)s)", check=above(0), metavar="X")
+    max_skipped_updates: int = setting(
+        10, "an update whose loss or gradient is not finite is skipped (the weights stay as they were); "
+        "after N skipped in a row the run stops with an error (default: %(default)s)",
+        check=at_least(1), metavar="N")
 
 
 @dataclass(kw_only=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -73,6 +74,55 @@ def chunks_by_policy(batch, policy_specs: dict, multiagent: bool, state_size: in
     return batch.policies, None
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """What a client's chunk may hold (README, "What shmrl guarantees"): finite but absurd
+    values would make the loss, then every weight, NaN."""
+    max_obs_abs: float = 1e6       # float observation leaves (images, uint8, are exempt)
+    max_reward_abs: float = 1e6
+    max_env_steps_per_s: float = 1e7   # a HEARTBEAT's env_steps grow at most this fast per connection
+
+
+LOGP_TOLERANCE = 1e-3   # a discrete action's log-probability above this is no probability
+
+
+def _per_chunk(bad_rows: np.ndarray, rows_per_chunk: np.ndarray) -> np.ndarray:
+    """Which chunks hold a bad row (rows laid out chunk after chunk)."""
+    n = len(rows_per_chunk)
+    if not bad_rows.any():
+        return np.zeros(n, bool)
+    return np.bincount(np.repeat(np.arange(n), rows_per_chunk)[bad_rows], minlength=n) > 0
+
+
+def refused_chunks(batch: EpisodeBatch, spec: EnvSpec, bounds: Bounds, version: int) -> dict[str, np.ndarray]:
+    """The chunks (a boolean mask per reason; a chunk under its first reason only) that hold
+    values outside the documented bounds: observations or rewards too large (or not finite),
+    behaviour log-probabilities that no policy gives (not finite, above 0 for discrete
+    actions), a ``weights_seq_no`` beyond the server's current ``version``. Numpy per
+    message, no loop over steps. (A finite but absurdly negative log-probability is PPO's
+    to bound: ``shmrl.ppo.MAX_LOG_RATIO``; only the learner knows its policy's own.)"""
+    n, lengths = batch.num_chunks, batch.lengths
+    if not n:
+        return {}
+    bad_obs = np.zeros(n, bool)
+    for leaf in (batch.obs.values() if isinstance(batch.obs, dict) else [batch.obs]):
+        if leaf.dtype.kind == "f" and leaf.size:
+            bad_obs |= _per_chunk(~(np.abs(leaf) <= bounds.max_obs_abs).reshape(len(leaf), -1).all(axis=1),
+                                  lengths + 1)
+    found = {"observation out of bounds": bad_obs,
+             "reward out of bounds": _per_chunk(~(np.abs(batch.rewards) <= bounds.max_reward_abs), lengths)}
+    logp = batch.action_logp
+    bad_logp = ~(logp <= LOGP_TOLERANCE) if spec.actions.discrete else ~np.isfinite(logp)
+    found["action_logp out of bounds"] = _per_chunk(bad_logp, lengths)
+    seq = batch.weights_seq_no    # -1: not said; below that, an unsigned number that wrapped
+    found["weights_seq_no from the future"] = (seq > version) | (seq < -1)
+    taken = np.zeros(n, bool)
+    for reason, bad in found.items():
+        found[reason] = bad & ~taken
+        taken |= bad
+    return {reason: bad for reason, bad in found.items() if bad.any()}
+
+
 class Hub:
     """Answers RLlink requests from any transport alike.
 
@@ -87,11 +137,12 @@ class Hub:
     def __init__(self, policy_specs: dict[str, EnvSpec], store: EpisodeStore, env_steps_per_sample: int,
                  on_policy: bool = True, max_pending_steps: int | None = None,
                  auth_token: str | None = None, state_size: int = 0, multiagent: bool = False,
-                 extra_config: dict | None = None):
+                 extra_config: dict | None = None, bounds: Bounds = Bounds()):
         """``policy_specs``: the run's policies (policy id -> EnvSpec of its agents; a
         single-agent run's one is ``DEFAULT_POLICY``); ``multiagent``: the clients speak in
         agents and modules (RLlib's multi-agent messages); ``extra_config``: more fields
-        for SET_CONFIG (a multi-agent run's policy map)."""
+        for SET_CONFIG (a multi-agent run's policy map); ``bounds``: what a chunk may hold
+        (chunks beyond them are refused and counted, the connection goes on)."""
         self.policy_specs, self.store, self.state_size = policy_specs, store, state_size
         self.multiagent = multiagent
         self.auth_token = auth_token
@@ -107,6 +158,10 @@ class Hub:
         self.waiting_since: float | None = None  # time.monotonic() when the first of them began
         self.names: dict[str, str] = {}          # conn_id -> the client_name its PING gave
         self.stepped: dict[str, int] = {}        # conn_id -> env steps its last HEARTBEAT reported
+        self.bounds = bounds
+        self.opened: dict[str, float] = {}       # conn_id -> time.monotonic() of its first message
+        self.refusals_logged: set = set()        # (conn_id, reason): each is logged once per client
+        self.heartbeats_ignored = 0              # HEARTBEATs that claimed more steps than could be stepped
 
     def set_state(self, weights_seq_no: int, policies: dict) -> None:
         """Publish new weights and release every client waiting for them. ``policies``: the
@@ -139,9 +194,10 @@ class Hub:
                 self.forget(conn_id)
                 return
             self.authenticated.add(conn_id)
+        self.opened.setdefault(conn_id, time.monotonic())
         if kind == T.HEARTBEAT.value:  # answered by nothing; the transport saw it alive
             if msg["env_steps"] is not None:
-                self.stepped[conn_id] = max(msg["env_steps"], self.stepped.get(conn_id, 0))
+                self._heartbeat(conn_id, msg["env_steps"])
         elif kind == T.PING.value:
             if "client_name" in msg:
                 self.names[conn_id] = msg["client_name"]
@@ -158,7 +214,7 @@ class Hub:
             if reason:
                 self._drop(conn_id, reason, batch.num_steps)
                 return
-            self.store.add(conn_id, chunks)
+            self.store.add(conn_id, self._refuse_out_of_bounds(conn_id, chunks))
             if kind == T.EPISODES_AND_GET_STATE.value:
                 self.sampling.add(conn_id)
                 full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
@@ -168,6 +224,40 @@ class Hub:
                     self.waiting.append(conn_id)
                 else:
                     self._reply(conn_id, self.state_msg)
+
+    def _heartbeat(self, conn_id: str, env_steps: int) -> None:
+        """Keep what a HEARTBEAT says was stepped (what is never sent counts as lost), unless
+        more than the connection could have stepped since it opened (ignored, counted)."""
+        could = (self.store.steps_by_conn.get(conn_id, 0) + self.config_msg["env_steps_per_sample"]
+                 + self.bounds.max_env_steps_per_s * (time.monotonic() - self.opened[conn_id]))
+        if env_steps > could:
+            self.heartbeats_ignored += 1
+            self._log_refusal(conn_id, "HEARTBEAT env_steps", f"a HEARTBEAT claims {env_steps} env steps, more "
+                              f"than it could have stepped ({int(could)}): ignored")
+            return
+        self.stepped[conn_id] = max(env_steps, self.stepped.get(conn_id, 0))
+
+    def _refuse_out_of_bounds(self, conn_id: str, chunks: dict) -> dict:
+        """``chunks`` (by policy id) without those outside the bounds (``refused_chunks``),
+        whose steps are counted as dropped by reason, each reason logged once per client."""
+        version = self.state_msg["weights_seq_no"] if self.state_msg else 0
+        kept = {}
+        for pid, batch in chunks.items():
+            refused = refused_chunks(batch, self.policy_specs[pid], self.bounds, version)
+            if not refused:
+                kept[pid] = batch
+                continue
+            for reason, bad in refused.items():
+                self.store.drop(reason, int(batch.lengths[bad].sum()))
+                self._log_refusal(conn_id, reason, f"refused {int(bad.sum())} chunk(s), {reason} "
+                                  "(counted in env_steps_dropped)")
+            kept[pid] = batch.select(~np.logical_or.reduce(list(refused.values())))
+        return kept
+
+    def _log_refusal(self, conn_id: str, reason: str, text: str) -> None:
+        if (conn_id, reason) not in self.refusals_logged:
+            self.refusals_logged.add((conn_id, reason))
+            log.warning("%s: %s (logged once per client)", self.name(conn_id), text)
 
     def _reply(self, conn_id: str, msg: dict) -> None:
         self.servers[conn_id].reply(conn_id, msg)
@@ -192,6 +282,8 @@ class Hub:
                 self.store.steps_lost += lost
                 log.warning("%s: %d env steps it had stepped but not sent are lost", self.name(conn_id), lost)
         self.names.pop(conn_id, None)
+        self.opened.pop(conn_id, None)
+        self.refusals_logged = {key for key in self.refusals_logged if key[0] != conn_id}
         self.sampling.discard(conn_id)
         self.authenticated.discard(conn_id)
         if conn_id in self.waiting:

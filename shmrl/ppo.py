@@ -18,6 +18,7 @@ The only module of shmrl besides the learner that imports torch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -30,6 +31,7 @@ from shmrl.net import OBS_CLIP, PolicyNet
 from shmrl.stats import RunningMeanStd, discounted_sums
 
 HALF_LOG_2PI = 0.5 * float(np.log(2 * np.pi))
+MAX_LOG_RATIO = 20.0   # beyond: the behaviour log-probability is not one a policy gave
 
 
 class FlatAdam:
@@ -63,9 +65,12 @@ class FlatAdam:
 
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = None) -> float:
-        """Clip the gradient to ``max_grad_norm``, take one Adam step; returns the norm."""
+        """Clip the gradient to ``max_grad_norm``, take one Adam step; returns the norm. A
+        gradient that is not finite is not applied (the caller skips the update)."""
         g = self.flat_grad
         norm = float(g.norm())
+        if not math.isfinite(norm):
+            return norm
         if max_grad_norm is not None and norm > max_grad_norm:
             g.mul_(max_grad_norm / (norm + 1e-6))
         self.t += 1
@@ -333,7 +338,9 @@ class PPO:
         state = None if batch.state is None else torch.from_numpy(batch.state)
         real = advantages if mask is None else advantages[mask > 0]
         advantages = (advantages - real.mean()) / (real.std() + 1e-8)
-        stats = torch.zeros(5)  # pi_loss, v_loss, entropy, approx_kl, clip_frac
+        stats = torch.zeros(6)  # pi_loss, v_loss, entropy, approx_kl, clip_frac, ratio_out_of_bounds
+        opt = self.optimizer    # to go back to if a loss or gradient is not finite
+        before = (opt.flat.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone(), opt.t)
         for epoch in range(cfg.epochs):
             # One gather per epoch: each minibatch below is a slice (a view), not a copy.
             perm = self.rng.permutation(units)
@@ -350,18 +357,30 @@ class PPO:
                                         None if mask is None else e_mask[s], entropy=bool(cfg.ent_coef) or last_epoch)
                 self.optimizer.zero_grad()
                 loss.backward()
-                self.optimizer.step(cfg.max_grad_norm)
+                if not math.isfinite(self.optimizer.step(cfg.max_grad_norm)):
+                    return self._skipped(before, "its loss or gradient was not finite")
                 if last_epoch:
                     with torch.no_grad():
                         stats += torch.stack(terms)
         stats /= max(units // mb, 1)
-        return {**dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac"), stats.tolist())),
+        if not bool(torch.isfinite(opt.flat).all()):
+            return self._skipped(before, "it made a weight not finite")
+        return {**dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "ratio_out_of_bounds"),
+                           stats.tolist())),
                 "lr": self.optimizer.lr}
+
+    def _skipped(self, before: tuple, why: str) -> dict:
+        """Undo an update (parameters and Adam's moments as ``before``); its stats say why."""
+        opt = self.optimizer
+        for buf, saved in zip((opt.flat, opt.exp_avg, opt.exp_avg_sq), before):
+            buf.copy_(saved)
+        opt.t = before[3]
+        return {"skipped": why}
 
     def loss(self, obs: dict, actions, logp_behaviour, advantages, returns, state=None, mask=None,
              entropy: bool = True):
         """(the loss of a minibatch, its terms: pi_loss, v_loss, entropy, approx_kl,
-        clip_frac). Its rows are steps, or with ``state`` whole sequences of equal length
+        clip_frac, ratio_out_of_bounds: the fraction of steps beyond MAX_LOG_RATIO). Its rows are steps, or with ``state`` whole sequences of equal length
         (the network runs them from ``state``); ``mask`` (1: a real step, 0: padding)
         leaves padding out of every term. Without ``entropy`` that term is 0 (and cheaper)."""
         cfg = self.config
@@ -375,16 +394,19 @@ class PPO:
 
         # The entropy costs a few ops per step: only where the loss or the stats use it.
         logp, ent = self.log_prob(out, actions, entropy=entropy)
-        # Ratio against the behaviour policy the client sampled with; the clamp
-        # keeps a client's absurd log-probability from producing inf.
-        log_ratio = torch.clamp(logp - logp_behaviour, -20.0, 20.0)
+        # Ratio against the behaviour policy the client sampled with. A step whose log-ratio
+        # lies beyond MAX_LOG_RATIO (a client's absurd log-probability) counts as ratio 1 and
+        # gets no policy gradient, so that it cannot blow the loss up to exp(20) and beyond.
+        log_ratio = logp - logp_behaviour
+        in_bounds = log_ratio.detach().abs() <= MAX_LOG_RATIO
+        log_ratio = torch.where(in_bounds, log_ratio, torch.zeros(()))
         ratio = log_ratio.exp()
         pi_loss = -mean(torch.min(advantages * ratio, advantages * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)))
         v_loss = 0.5 * mean((values - returns).pow(2))
         ent = mean(ent) if entropy else torch.zeros(())
         loss = pi_loss + cfg.vf_coef * v_loss - cfg.ent_coef * ent
         return loss, [pi_loss, v_loss, ent, mean((ratio - 1) - log_ratio),
-                      mean(((ratio - 1).abs() > cfg.clip).float())]
+                      mean(((ratio - 1).abs() > cfg.clip).float()), mean((~in_bounds).float())]
 
     def get_state(self) -> tuple[dict[str, np.ndarray], dict]:
         """Everything training needs to go on, as arrays and JSON-able values (no pickle):

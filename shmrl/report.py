@@ -27,7 +27,8 @@ def counts(serving, supervisor) -> dict:
             "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),
             "bad_frames": sum(server.frames_rejected for server in serving.servers),
             "clients_timed_out": sum(server.clients_timed_out for server in serving.servers),
-            "short_batches": serving.short_batches,
+            "short_batches": serving.short_batches, "updates_skipped": serving.updates_skipped,
+            "heartbeats_ignored": serving.hub.heartbeats_ignored,
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
 

@@ -523,7 +523,8 @@ def _episode(ep, i: int) -> dict:
             raise ProtocolError(f"{where}: 'episode_id' must be a string or an int, got {_show(eid)}")
         out[EPISODE_ID] = eid if isinstance(eid, str) else int(eid)
     if WEIGHTS_SEQ_NO in ep:
-        out[WEIGHTS_SEQ_NO] = _count(ep, WEIGHTS_SEQ_NO, where)
+        # Beyond int64: from the future all the same, which the Hub refuses per chunk.
+        out[WEIGHTS_SEQ_NO] = min(_count(ep, WEIGHTS_SEQ_NO, where), 2**63 - 1)
     if STATE_IN in ep:
         out[STATE_IN] = state = _array(ep, STATE_IN, where)
         if state.ndim != 1:

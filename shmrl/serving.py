@@ -18,9 +18,11 @@ import socket
 import threading
 import time
 
+import numpy as np
+
 from shmrl.config import ConfigError
 from shmrl.envs import EnvSpec
-from shmrl.hub import Hub
+from shmrl.hub import Bounds, Hub
 from shmrl.onnx_graph import ModelTemplate
 from shmrl.onnx_policy import encode_onnx_file
 from shmrl.store import EpisodeStore
@@ -46,7 +48,7 @@ class Serving:
                  auth_token: str | None = None, window: int = 100, first_weights_seq_no: int = 1,
                  housekeeping=None, reward_gamma: float | None = None, batch_wait_timeout: float | None = None,
                  state_size: int = 0, extra_config: dict | None = None, league_size: int = 0,
-                 league_every: int = 10):
+                 league_every: int = 10, bounds: Bounds = Bounds()):
         """Serves the policies ``policy_specs`` (policy id -> EnvSpec; a single-agent run's
         one is ``DEFAULT_POLICY``) and publishes their ``initial_weights`` (into the graphs
         ``templates``, by policy id) at once, as version ``first_weights_seq_no``: clients
@@ -62,14 +64,15 @@ class Serving:
         not, must not stall everyone), then trains on what it has. ``state_size``: the
         floats of a recurrent policy's state (0: none). With ``league_size``, every
         ``league_every`` updates a frozen copy of each policy joins the league
-        (``policy@version``), which keeps the last ``league_size`` of them."""
+        (``policy@version``), which keeps the last ``league_size`` of them. ``bounds``: what
+        a client's chunk may hold (``shmrl.hub.refused_chunks``)."""
         self.servers, self.multiagent = servers, multiagent
         self.train_batch_size = train_batch_size
         self.max_policy_lag = max_policy_lag
         self.store = EpisodeStore(policy_specs, window, reward_gamma)
         self.hub = Hub(policy_specs, self.store, env_steps_per_sample, on_policy,
                        max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token,
-                       state_size=state_size, multiagent=multiagent, extra_config=extra_config)
+                       state_size=state_size, multiagent=multiagent, extra_config=extra_config, bounds=bounds)
         self.league_size, self.league_every = league_size, max(1, league_every)
         self.league: dict = {}          # "policy@version" -> (version, ONNX file): frozen snapshots
         self.model_seqs: dict = {}      # policy id -> the version its current model was published at
@@ -81,6 +84,8 @@ class Serving:
         self.short_batches = 0                     # trained without a client that was too slow
         self.weights_seq_no = first_weights_seq_no - 1
         self.updates = 0
+        self.updates_skipped = 0                   # a non-finite loss or gradient: the weights stayed
+        self.skipped_in_a_row = 0
         self._batches: queue.Queue = queue.Queue(maxsize=1)
         self._published: queue.Queue = queue.Queue()
         self._batch_out = False                    # a batch was handed over, no new weights yet
@@ -93,7 +98,11 @@ class Serving:
         self._selector = selectors.DefaultSelector()
         for fd in [self._wake_r, *(server.fileno() for server in servers)]:
             self._selector.register(fd, selectors.EVENT_READ)
-        self.publish(initial_weights)
+        try:
+            self.publish(initial_weights)
+        except ConfigError:
+            self.stop()   # its pipe and selector
+            raise
         self.poll(0.0)
 
     # ------------------------------------------------------------ the serving thread
@@ -216,7 +225,12 @@ class Serving:
 
     def publish(self, weights: dict) -> None:
         """Export ``weights`` (by policy id; those not given stay as they were) as the next
-        version; the serving thread sends it out."""
+        version; the serving thread sends it out. A policy whose weights are not all finite
+        is never published: it keeps its model."""
+        weights = finite_weights(weights)
+        never = [pid for pid in self.templates if pid not in weights and pid not in self.model_bytes]
+        if never:   # the first weights (a checkpoint's, say): nothing sound to serve instead
+            raise ConfigError(f"the first weights of policy {never[0]!r} are not finite (NaN or inf)")
         self.weights_seq_no += 1
         for pid, w in weights.items():
             self.model_bytes[pid] = self.templates[pid].publish(w)
@@ -233,6 +247,14 @@ class Serving:
                          for name, (seq, f) in self.league.items()})
         self._published.put((self.weights_seq_no, policies))
         self._wake()
+
+
+def finite_weights(weights: dict) -> dict:
+    """``weights`` (by policy id) without any policy that holds a NaN or an infinity."""
+    poisoned = [pid for pid, w in weights.items() if not all(np.isfinite(a).all() for a in w.values())]
+    for pid in poisoned:
+        log.error("policy %r: its new weights are not finite; they are not published", pid)
+    return {pid: w for pid, w in weights.items() if pid not in poisoned}
 
 
 def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list[str], object]:

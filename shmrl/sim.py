@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from shmrl import multiagent, rllink
-from shmrl.actor import Actor, handshake
+from shmrl.actor import Actor, SimulatorError, check_sample, handshake
 from shmrl.envs import make_vec_env
 from shmrl.rollout import Rollout
 from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
@@ -81,7 +81,9 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
             stepped += envs_per_sim
             client.heartbeat(stepped)  # a simulator whose env hangs stops counting
         n_steps = steps_per_env * envs_per_sim
-        reply = client.request({"type": T.EPISODES_AND_GET_STATE.value, "episodes": rollout.batch(seq),
+        batch = rollout.batch(seq)
+        check_sample(batch, env_id)   # a NaN is the env's or the policy's: say so here, not as a drop
+        reply = client.request({"type": T.EPISODES_AND_GET_STATE.value, "episodes": batch,
                                 "timesteps": n_steps})
         sent += n_steps
         messages += 1
@@ -130,6 +132,9 @@ def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1
         run_simulator(client, env_id, seed, envs_per_sim, auth_token=auth_token)
     except ConnectionError:
         pass  # the learner has finished or died: nothing left to do
+    except SimulatorError as e:   # the learner's supervisor reads the cause from the exit status
+        print(f"error: {name}: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     finally:
         client.close()
 
@@ -185,6 +190,9 @@ def main(argv=None) -> int:
                       auth_token=args.auth_token)
     except KeyboardInterrupt:
         return 130
+    except SimulatorError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     except (ConnectionError, TimeoutError, rllink.ProtocolError) as e:
         print(f"error: {address}: {e}", file=sys.stderr)
         return 1

@@ -68,6 +68,8 @@ class PolicyChunks:
         for i, (ret, length, done) in enumerate(zip(batch.chunk_returns().tolist(), batch.lengths.tolist(),
                                                      batch.is_done.tolist())):
             ret, length = ret + before[i][0], length + before[i][1]
+            if done and not length:   # an episode of no steps earned nothing: no return, no "solved"
+                continue
             if done:
                 if batch.agent_ids is not None:
                     self.returns_by_agent.setdefault(batch.agent_ids[i], deque(maxlen=self.window)).append(ret)
@@ -175,6 +177,7 @@ class EpisodeStore:
         self.steps_received = 0
         self.steps_taken = 0       # handed to the trainer (by the serving thread)
         self.steps_trained = 0     # trained on (by the training thread, once its update is done)
+        self.steps_skipped = 0     # taken for an update that was skipped (by the training thread)
         self.steps_dropped: dict[str, int] = {}
         self.steps_lost = 0        # stepped by a simulator that died before sending them: never received
         self.steps_by_conn: dict[str, int] = {}
@@ -229,10 +232,17 @@ class EpisodeStore:
             self.policies[pid].steps_trained += batch.num_steps
         self.steps_trained += sum(batch.num_steps for batch in chunks.values())
 
+    def skipped(self, chunks: dict[str, EpisodeBatch], reason: str) -> None:
+        """An update on ``chunks`` was skipped: their steps are dropped for ``reason`` (training
+        thread only; the serving thread never writes that key)."""
+        steps = sum(batch.num_steps for batch in chunks.values())
+        self.steps_skipped += steps
+        count(self.steps_dropped, reason, steps)
+
     @property
     def in_flight(self) -> int:
         """Steps taken for an update that has not finished (or never will: the run ended)."""
-        return self.steps_taken - self.steps_trained
+        return self.steps_taken - self.steps_trained - self.steps_skipped
 
     def counters(self) -> dict:
         """The counts and return windows, for a checkpoint, with each policy's under
@@ -253,7 +263,7 @@ class EpisodeStore:
         statistics among ``arrays`` (by policy id)."""
         for key in ("steps_received", "steps_trained", "steps_lost", "episodes_completed"):
             setattr(self, key, int(counters[key]))
-        self.steps_taken = self.steps_trained
+        self.steps_taken, self.steps_skipped = self.steps_trained, 0
         self.steps_dropped = {k: int(v) for k, v in counters["steps_dropped"].items()}
         self.steps_by_conn = {k: int(v) for k, v in counters["steps_by_conn"].items()}
         self.returns.extend(counters["returns"])

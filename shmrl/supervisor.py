@@ -31,6 +31,8 @@ import threading
 import time
 from collections import deque
 
+from shmrl.config import SIM_EXIT_REASONS
+
 log = logging.getLogger("shmrl.supervisor")
 
 
@@ -47,6 +49,8 @@ def run_queue_wait_s(pid: int | None) -> float:
 
 
 def describe_exit(code: int | None) -> str:
+    if code in SIM_EXIT_REASONS:   # the simulator said why it stopped
+        return f"{SIM_EXIT_REASONS[code]} (exit code {code})"
     if code is not None and code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"

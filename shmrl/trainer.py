@@ -22,6 +22,7 @@ from shmrl.checkpoint import CheckpointError
 from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, env_name,
                           resolve_config, saved_config, validate)
 from shmrl.episode import EpisodeBatch
+from shmrl.hub import Bounds
 from shmrl.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
 from shmrl.report import Clock, metrics_row, progress_line, run_summary
 from shmrl.resume import (load_resume_checkpoint, policy_arrays, policy_file, policy_prefix, ppo_state,
@@ -112,6 +113,7 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
                       batch_wait_timeout=config.hang_timeout, window=config.return_window,
                       state_size=max(net.state_size for net in setup.nets.values()),
                       league_size=config.league, league_every=config.league_every,
+                      bounds=Bounds(max_obs_abs=config.max_obs_abs, max_reward_abs=config.max_reward_abs),
                       extra_config=None if not setup.multiagent else {
                           "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
     if setup.resumed:
@@ -153,24 +155,50 @@ def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: 
         serving.publish({})
         return None
     chunks = {pid: EpisodeBatch.concat(b) for pid, b in batches.items()}
-    per_policy, lags = {}, []
+    per_policy, lags, skipped = {}, [], {}
     for pid, sub in chunks.items():
         ppo = ppos[pid]
         seq = sub.weights_seq_no
-        lags.extend((version - seq[seq >= 0]).tolist())
         scale = ppo.config.reward_scale * serving.store.policies[pid].reward_scale()
-        per_policy[pid] = {**ppo.update(ppo.make_batch(sub, reward_scale=scale), progress),
-                           "batch_steps": sub.num_steps, "reward_scale": scale}
+        result = ppo.update(ppo.make_batch(sub, reward_scale=scale), progress)
+        if "skipped" in result:   # the weights stay as they were; its steps are dropped
+            skipped[pid] = result["skipped"]
+            continue
+        lags.extend((version - seq[seq >= 0]).tolist())
+        per_policy[pid] = {**result, "batch_steps": sub.num_steps, "reward_scale": scale}
+        if result["ratio_out_of_bounds"] and serving.updates % 100 == 0:   # now and then, not every update
+            from shmrl.ppo import MAX_LOG_RATIO   # loaded already (torch is, by now)
+
+            log.warning("policy %r: %.1f%% of the batch's steps have a behaviour action_logp more than %g from "
+                        "the policy's own (a client's absurd log-probabilities): they get no policy gradient",
+                        pid, 100 * result["ratio_out_of_bounds"], MAX_LOG_RATIO)
         ppo.update_obs_stats(sub)
-    serving.store.trained(chunks)   # only this thread writes steps_trained
+    if skipped:
+        skip_update(serving, {pid: chunks[pid] for pid in skipped}, skipped)
+        if not per_policy:
+            serving.publish({})   # the weights as they were: the clients waiting for new ones go on
+            return None
+    else:
+        serving.skipped_in_a_row = 0
+    serving.store.trained({pid: chunks[pid] for pid in per_policy})   # only this thread writes steps_trained
     serving.updates += 1
-    serving.publish({pid: ppos[pid].published_weights() for pid in chunks})
+    serving.publish({pid: ppos[pid].published_weights() for pid in per_policy})
     total = sum(p["batch_steps"] for p in per_policy.values())
     stats = {k: sum(p[k] * p["batch_steps"] for p in per_policy.values()) / total
              for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale")}
     stats.update(update=serving.updates, batch_steps=total, policy_lag=float(np.mean(lags)) if lags else 0.0,
                  train_s=time.perf_counter() - t0, weights_seq_no=serving.weights_seq_no, policies=per_policy)
     return stats
+
+
+def skip_update(serving: Serving, chunks: dict, skipped: dict) -> None:
+    """Count an update skipped for a non-finite loss or gradient (``skipped``: policy id ->
+    why; ``chunks``: theirs, whose steps are dropped). Those policies keep their weights."""
+    serving.updates_skipped += 1
+    serving.skipped_in_a_row += 1
+    for pid, why in skipped.items():
+        log.warning("update skipped: policy %r: %s (%d in a row)", pid, why, serving.skipped_in_a_row)
+    serving.store.skipped(chunks, "update skipped: loss or gradient not finite")
 
 
 def check_health(serving: Serving, supervisor) -> None:
@@ -190,6 +218,9 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
     while True:
         batch = serving.next_batch(0.05)
         check_health(serving, supervisor)
+        if serving.skipped_in_a_row >= config.max_skipped_updates:
+            raise RunFailed(f"{serving.skipped_in_a_row} updates in a row were skipped: their loss or gradient "
+                            "was not finite (see the WARNINGs above); the weights are those before them")
         if len(store.returns) >= store.returns.maxlen and store.return_mean() >= config.stop_return:
             return EXIT_SOLVED
         if store.steps_received >= config.max_env_steps:

@@ -62,6 +62,9 @@ FLAG_VALUES = [
     # settings that could not be set before config.py
     (["--return-window", "20"], "return_window", 20), (["--max-restarts", "0"], "max_restarts", 0),
     (["--restart-window", "inf"], "restart_window", math.inf),
+    # the bounds of issue 22 (the weights are never poisoned)
+    (["--max-obs-abs", "1e3"], "max_obs_abs", 1e3), (["--max-reward-abs", "50"], "max_reward_abs", 50.0),
+    (["--max-skipped-updates", "2"], "max_skipped_updates", 2),
 ]
 
 
@@ -70,7 +73,8 @@ def test_every_flag_of_the_old_command_line_is_still_there():
     parser = build_parser(resolve_config(Config(), spec), spec)
     options = {o for action in parser._actions for o in action.option_strings}
     assert OLD_OPTION_STRINGS <= options, OLD_OPTION_STRINGS - options
-    assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window"}
+    assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window", "--max-obs-abs",
+                                            "--max-reward-abs", "--max-skipped-updates"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):
