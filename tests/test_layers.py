@@ -24,7 +24,7 @@ PACKAGE = ROOT / "shmrl"
 # name that does not exist yet is harmless here.
 LAYERS = {
     "base types": ["config", "presets", "spaces", "episode", "stats", "checkpoint", "metrics"],
-    "protocol": ["rllink"],
+    "protocol": ["rllink_codec", "rllink_episodes", "rllink"],
     "transports": ["transport"],
     "model": ["onnx_graph", "net", "ppo", "onnx_policy"],
     "env adapters": ["envspec", "pz_envs", "envs"],
