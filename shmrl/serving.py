@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import os
 import queue
 import selectors
 import socket
@@ -24,6 +23,7 @@ from shmrl.hub import Hub
 from shmrl.onnx_graph import ModelTemplate
 from shmrl.onnx_policy import encode_onnx_file
 from shmrl.store import EpisodeStore
+from shmrl.transport.base import WakePipe
 
 log = logging.getLogger("shmrl.learner")
 
@@ -40,13 +40,9 @@ class Serving:
     waiting, and chunks more than ``max_policy_lag`` versions old are dropped as stale.
     """
 
-    def __init__(self, servers: list, policy_specs: dict[str, EnvSpec], templates: dict[str, ModelTemplate],
-                 initial_weights: dict[str, dict], *, env_steps_per_sample: int, train_batch_size: int,
-                 multiagent: bool = False, on_policy: bool = True, max_policy_lag: int = 2,
-                 auth_token: str | None = None, window: int = 100, first_weights_seq_no: int = 1,
-                 housekeeping=None, reward_gamma: float | None = None, batch_wait_timeout: float | None = None,
-                 state_size: int = 0, extra_config: dict | None = None, league_size: int = 0,
-                 league_every: int = 10):
+    def __init__(self, servers: list, config, policy_specs: dict[str, EnvSpec], templates: dict[str, ModelTemplate],
+                 initial_weights: dict[str, dict], *, multiagent: bool = False, first_weights_seq_no: int = 1,
+                 housekeeping=None, state_size: int = 0, extra_config: dict | None = None):
         """Serves the policies ``policy_specs`` (policy id -> EnvSpec; a single-agent run's
         one is ``DEFAULT_POLICY``) and publishes their ``initial_weights`` (into the graphs
         ``templates``, by policy id) at once, as version ``first_weights_seq_no``: clients
@@ -54,44 +50,48 @@ class Serving:
         chunks, PPO and ONNX model, all published together. ``multiagent``: the clients
         speak RLlib's multi-agent messages (see ``Hub``).
 
+        ``config`` (the run's ``Config``) gives the sizes (train batch, sample), the
+        pacing (``async_sampling``, ``max_policy_lag``), ``auth_token``, the return window,
+        reward normalization (rewards scaled by the running std of discounted returns, see
+        ``PolicyChunks``), the league (every ``league_every`` updates a frozen copy of each
+        policy joins it as ``policy@version``; it keeps the last ``league`` of them), and
+        ``hang_timeout``: once a client waits for new weights, the batch waits at most this
+        long for the clients still sampling (one that went silent must not stall
+        everyone), then trains on what it has.
+
         ``housekeeping(serving)``, if given, runs in the serving thread after every round
-        of requests (the supervisor watches the simulators from there). ``reward_gamma``:
-        scale rewards by the running std of discounted returns (see ``PolicyChunks``).
-        ``batch_wait_timeout``: once a client waits for new weights, the batch waits at
-        most this long for the clients still sampling (one that went silent, heartbeat or
-        not, must not stall everyone), then trains on what it has. ``state_size``: the
-        floats of a recurrent policy's state (0: none). With ``league_size``, every
-        ``league_every`` updates a frozen copy of each policy joins the league
-        (``policy@version``), which keeps the last ``league_size`` of them."""
+        of requests (the supervisor watches the simulators from there). ``state_size``: the
+        floats of a recurrent policy's state (0: none). ``extra_config``: more fields for
+        SET_CONFIG (a multi-agent run's policy map)."""
         self.servers, self.multiagent = servers, multiagent
-        self.train_batch_size = train_batch_size
-        self.max_policy_lag = max_policy_lag
-        self.store = EpisodeStore(policy_specs, window, reward_gamma)
-        self.hub = Hub(policy_specs, self.store, env_steps_per_sample, on_policy,
-                       max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token,
+        self.train_batch_size = config.train_batch_size
+        self.max_policy_lag = config.max_policy_lag
+        on_policy = not config.async_sampling
+        reward_gamma = config.gamma if config.normalize_reward else None
+        self.store = EpisodeStore(policy_specs, config.return_window, reward_gamma)
+        self.hub = Hub(policy_specs, self.store, config.env_steps_per_sample, on_policy,
+                       max_pending_steps=None if on_policy else self.train_batch_size, auth_token=config.auth_token,
                        state_size=state_size, multiagent=multiagent, extra_config=extra_config)
-        self.league_size, self.league_every = league_size, max(1, league_every)
+        self.league_size, self.league_every = config.league or 0, max(1, config.league_every or 1)
         self.league: dict = {}          # "policy@version" -> (version, ONNX file): frozen snapshots
         self.model_seqs: dict = {}      # policy id -> the version its current model was published at
         self.templates = templates
         self.model_bytes: dict[str, bytes] = {}   # policy id -> its current ONNX model
         self._files: dict[str, str] = {}           # policy id -> the same, as SET_STATE's onnx_file
         self.housekeeping = housekeeping
-        self.batch_wait_timeout = batch_wait_timeout
+        self.batch_wait_timeout = config.hang_timeout
         self.short_batches = 0                     # trained without a client that was too slow
         self.weights_seq_no = first_weights_seq_no - 1
         self.updates = 0
         self._batches: queue.Queue = queue.Queue(maxsize=1)
         self._published: queue.Queue = queue.Queue()
         self._batch_out = False                    # a batch was handed over, no new weights yet
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_pipe = WakePipe()               # publish() and stop() wake the serving thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # why the serving thread ended, if it did
         self._selector = selectors.DefaultSelector()
-        for fd in [self._wake_r, *(server.fileno() for server in servers)]:
+        for fd in [self._wake_pipe.fileno(), *(server.fileno() for server in servers)]:
             self._selector.register(fd, selectors.EVENT_READ)
         self.publish(initial_weights)
         self.poll(0.0)
@@ -102,10 +102,7 @@ class Serving:
         Returns the number of requests handled."""
         if timeout > 0:
             self._selector.select(timeout)
-        try:
-            os.read(self._wake_r, 1 << 12)
-        except BlockingIOError:
-            pass
+        self._wake_pipe.drain()
         while not self._published.empty():
             version, policies = self._published.get_nowait()
             self.hub.set_state(version, policies)
@@ -189,21 +186,13 @@ class Serving:
             log.exception("the serving thread failed")
             self.failure = e
 
-    def _wake(self) -> None:
-        """Make the serving thread's next wait return at once."""
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full: a wake-up is pending anyway
-
     def stop(self) -> None:
         self._stop.set()
-        self._wake()  # the serving thread stops now, not at its next timeout
+        self._wake_pipe.wake()  # the serving thread stops now, not at its next timeout
         if self._thread is not None:
             self._thread.join(5.0)
         self._selector.close()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self._wake_pipe.close()
 
     # ------------------------------------------------------------ the training thread
     def next_batch(self, timeout: float) -> tuple[dict, int] | None:
@@ -232,7 +221,7 @@ class Serving:
         policies.update({name: {"onnx_file": f, "weights_seq_no": seq, "frozen": True}
                          for name, (seq, f) in self.league.items()})
         self._published.put((self.weights_seq_no, policies))
-        self._wake()
+        self._wake_pipe.wake()
 
 
 def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list[str], object]:
@@ -312,7 +301,7 @@ def ring_bytes(config, spec, nets: dict) -> dict:
     if getattr(spec, "multiagent", False):   # each step may be any agent's; every policy and snapshot in a reply
         specs = list(spec.agent_specs.values())
         steps += config.envs_per_sim * len(spec.agents)   # a turn may end past the sample size
-        nets = nets * (1 + config.league)
+        nets = nets * (1 + (config.league or 0))
         extra = 256                                       # agent and module ids
     request = 0
     for s in specs:

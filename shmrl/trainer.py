@@ -100,16 +100,10 @@ def set_up(config, servers_given: bool = False) -> Setup:
 def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
     """The serving side, its first weights published (before torch is even imported)."""
     config = setup.config
-    serving = Serving(servers, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
-                      setup.first_weights, multiagent=setup.multiagent,
-                      env_steps_per_sample=config.env_steps_per_sample, train_batch_size=config.train_batch_size,
-                      on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
-                      auth_token=config.auth_token, first_weights_seq_no=setup.first_seq,
+    serving = Serving(servers, config, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
+                      setup.first_weights, multiagent=setup.multiagent, first_weights_seq_no=setup.first_seq,
                       housekeeping=supervisor.check if supervisor else None,
-                      reward_gamma=config.gamma if config.normalize_reward else None,
-                      batch_wait_timeout=config.hang_timeout, window=config.return_window,
                       state_size=max(net.state_size for net in setup.nets.values()),
-                      league_size=config.league, league_every=config.league_every,
                       extra_config=None if not setup.multiagent else {
                           "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
     if setup.resumed:
