@@ -10,6 +10,7 @@ This module knows nothing of sockets, shared memory or torch.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,6 +19,10 @@ from shmrl.rllink_codec import (CODECS, HEADER_LEN, MAGIC, MAX_BODY_LEN, Protoco
                                 _MultiColumns, _show, decode, encode, encode_binary, encode_json,
                                 episodes_body_bytes, frame, parse_header, set_state_body_bytes)
 from shmrl.rllink_episodes import _columns, _count, _episode, _is_bool, _module_id, _multi_batch, _require
+
+__all__ = ["CODECS", "HEADER_LEN", "MAGIC", "MAX_BODY_LEN", "REPLY_TYPES", "REQUEST_TYPES", "MessageLimits",
+           "MessageType", "ProtocolError", "decode", "decode_reply", "decode_request", "encode", "encode_binary",
+           "encode_json", "episodes_body_bytes", "frame", "parse_header", "set_state_body_bytes", "show", "validate"]
 
 
 class MessageType(str, enum.Enum):
@@ -36,6 +41,7 @@ class MessageType(str, enum.Enum):
     HEARTBEAT = "HEARTBEAT"
 
 
+show = _show   # a bounded repr, for messages that quote hostile input
 _T = MessageType
 REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE,
                            _T.HEARTBEAT})
@@ -51,15 +57,23 @@ _REQUEST_FIELDS = {
 }
 
 
-def decode_request(body) -> dict:
-    return validate(decode(body), "request")
+@dataclass(frozen=True)
+class MessageLimits:
+    """The most chunks and env steps one EPISODES message may carry (a server's bound on
+    the work and memory of one message); None: no bound."""
+    max_chunks: int | None = None
+    max_steps: int | None = None
+
+
+def decode_request(body, limits: MessageLimits | None = None) -> dict:
+    return validate(decode(body), "request", limits)
 
 
 def decode_reply(body) -> dict:
     return validate(decode(body), "reply")
 
 
-def _request(msg: dict, t: MessageType) -> dict:
+def _request(msg: dict, t: MessageType, limits: MessageLimits | None = None) -> dict:
     for key in msg:
         if key not in _REQUEST_FIELDS[t]:
             raise ProtocolError(f"{t.value}: unexpected field {_show(key)}")
@@ -91,6 +105,9 @@ def _request(msg: dict, t: MessageType) -> dict:
     if len(set(counts.values())) > 1:
         raise ProtocolError(f"{t.value}: 'timesteps' = {counts['timesteps']} and 'env_steps' = "
                             f"{counts['env_steps']} disagree")
+    if limits is not None and limits.max_chunks is not None and _chunks(episodes) > limits.max_chunks:
+        raise ProtocolError(f"{t.value}: {_chunks(episodes)} chunks in one message, over the server's limit of "
+                            f"{limits.max_chunks}")
     with np.errstate(all="ignore"):  # overflow in float32 casts is reported as non-finite
         if isinstance(episodes, (_Columns, EpisodeBatch)):
             batch = _columns(episodes if isinstance(episodes, _Columns) else episodes.columns(), t.value)
@@ -110,12 +127,26 @@ def _request(msg: dict, t: MessageType) -> dict:
             raise ProtocolError(f"{t.value}: 'episodes' must be a list, got {type(episodes).__name__}")
     out["episodes"] = batch
     steps = batch.num_steps
+    if limits is not None and limits.max_steps is not None and steps > limits.max_steps:
+        raise ProtocolError(f"{t.value}: {steps} env steps in one message, over the server's limit of "
+                            f"{limits.max_steps}")
     for key, count in counts.items():
         if count != steps:
             raise ProtocolError(f"{t.value}: {key!r} = {count} but the episodes hold {steps} steps "
                                 f"(lengths that disagree)")
     out["timesteps"] = steps
     return out
+
+
+def _chunks(episodes) -> int:
+    """How many chunks ``episodes`` holds, as far as can be told before validating them."""
+    if isinstance(episodes, (EpisodeBatch, MultiAgentBatch)):
+        return episodes.num_chunks
+    if isinstance(episodes, (list, tuple)):
+        return len(episodes)
+    modules = episodes.values() if isinstance(episodes, _MultiColumns) else [episodes]
+    return sum(len(cols["lengths"]) for cols in modules
+               if isinstance(cols, dict) and isinstance(cols.get("lengths"), np.ndarray) and cols["lengths"].ndim)
 
 
 def _reply(msg: dict, t: MessageType) -> dict:
@@ -157,8 +188,9 @@ def _policies(policies) -> dict:
     return out
 
 
-def validate(msg: dict, role: str | None = None) -> dict:
-    """A normalized copy of `msg`; role "request", "reply" or None (either)."""
+def validate(msg: dict, role: str | None = None, limits: MessageLimits | None = None) -> dict:
+    """A normalized copy of `msg`; role "request", "reply" or None (either); ``limits``
+    bound a request's episodes."""
     if role not in ("request", "reply", None):
         raise ValueError(f"role must be 'request', 'reply' or None, not {role!r}")
     if not isinstance(msg, dict):
@@ -172,7 +204,7 @@ def validate(msg: dict, role: str | None = None) -> dict:
     if t in REQUEST_TYPES:
         if role == "reply":
             raise ProtocolError(f"{t.value!r} is a request type, not a reply")
-        return _request(msg, t)
+        return _request(msg, t, limits)
     if role == "request":
         raise ProtocolError(f"{t.value!r} is a reply type, not a request")
     return _reply(msg, t)

@@ -25,7 +25,7 @@ from shmrl.episode import EpisodeBatch
 from shmrl.report import Clock, metrics_row, progress_line, run_summary
 from shmrl.resume import (load_resume_checkpoint, policy_arrays, policy_file, policy_prefix, ppo_state,
                           restore_store, save_checkpoint, saved_policy)
-from shmrl.serving import Serving, open_transports
+from shmrl.serving import Serving, check_policy_fits_a_frame, open_transports
 from shmrl.store import DEFAULT_POLICY
 
 log = logging.getLogger("shmrl.run")
@@ -80,6 +80,7 @@ def set_up(config, servers_given: bool = False) -> Setup:
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
         config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
+    check_policy_fits_a_frame(config, nets, multiagent)
     resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent)
                if config.resume else None)
     if resumed:
@@ -104,6 +105,7 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
                       setup.first_weights, multiagent=setup.multiagent, first_weights_seq_no=setup.first_seq,
                       housekeeping=supervisor.check if supervisor else None,
                       state_size=max(net.state_size for net in setup.nets.values()),
+                      agents=setup.spec.agents if setup.multiagent else None,
                       extra_config=None if not setup.multiagent else {
                           "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
     if setup.resumed:

@@ -62,6 +62,10 @@ FLAG_VALUES = [
     # settings that could not be set before config.py
     (["--return-window", "20"], "return_window", 20), (["--max-restarts", "0"], "max_restarts", 0),
     (["--restart-window", "inf"], "restart_window", math.inf),
+    # the bounds of one client (issue 22)
+    (["--max-json-frame-bytes", "4096"], "max_json_frame_bytes", 4096), (["--client-budget", "5000"], "client_budget", 5000),
+    (["--max-message-steps", "300"], "max_message_steps", 300),
+    (["--max-message-chunks", "400"], "max_message_chunks", 400),
 ]
 
 
@@ -70,7 +74,9 @@ def test_every_flag_of_the_old_command_line_is_still_there():
     parser = build_parser(resolve_config(Config(), spec), spec)
     options = {o for action in parser._actions for o in action.option_strings}
     assert OLD_OPTION_STRINGS <= options, OLD_OPTION_STRINGS - options
-    assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window"}
+    assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window",
+                                            "--max-json-frame-bytes", "--client-budget", "--max-message-steps",
+                                            "--max-message-chunks"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):
