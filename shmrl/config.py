@@ -157,9 +157,10 @@ class TransportSettings:
         "--max-message-chunks, at most --max-frame-bytes)", kind=int, metavar="N",
         check=Rule(">= 1024", lambda v: v >= 1024))
     client_budget: int | None = setting(
-        None, "env steps one client may have waiting for training; beyond them its chunks are "
-        "dropped and counted ('over the client's budget') (default: 4 train batches, or 4 "
-        "samples if larger)", kind=int, check=at_least(1), metavar="N")
+        None, "env steps one client may have waiting for training; once they are there, a TCP "
+        "client is not read until they are trained, and what arrives anyway is dropped and counted "
+        "('over the client's budget') (default: 4 train batches, or 4 samples if larger)", kind=int,
+        check=at_least(1), metavar="N")
     max_message_steps: int | None = setting(
         None, "env steps one EPISODES message may carry; more close that connection (default: "
         "--client-budget)", kind=int, check=at_least(1), metavar="N")

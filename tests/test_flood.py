@@ -4,11 +4,13 @@ real TcpServer served by a real Serving thread (no trainer: batches are not cons
 whatever a client sends stays pending unless the server bounds it)."""
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -329,3 +331,23 @@ def test_the_learners_memory_stays_bounded_while_a_client_floods(start_run):
         assert peak - before < 200 << 20, f"the learner grew by {(peak - before) >> 20} MiB under {sent} env steps"
     finally:
         sock.close()
+
+
+# ---------------------------------------------------------------- the tool that measures all this
+
+@pytest.mark.slow   # a whole run, torch and all, and a window per attack
+def test_abuse_messages_reports_memory_and_round_trips_under_each_attack(tmp_path):
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    out = subprocess.run([sys.executable, str(tools / "abuse.py"), "messages", "--seconds", "1", "--json",
+                          "--only", "huge-json", "surrogate", "empty"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode in (0, 1), out.stderr[-3000:]   # 1: a gate failed on a loaded machine
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert list(result["rows"]) == ["quiet", "busy", "huge-json", "surrogate", "empty"]
+    for name, row in result["rows"].items():
+        assert row["rtt_ms"]["PING"] > 0 and row["rss_peak_mib"] >= row["rss_before_mib"] > 0
+        if name not in ("quiet", "busy"):
+            assert row["run_alive"]
+    assert result["rows"]["huge-json"]["attacker"]["closed"] >= 1      # refused, and back for more
+    assert result["rows"]["surrogate"]["attacker"]["closed"] >= 1
+    assert result["rows"]["empty"]["attacker"]["replies"] >= 1         # answered, the good client sampling too
