@@ -262,7 +262,8 @@ def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list
             largest = episodes_bytes(spec, list(nets.values()), limits.max_chunks)
             tcp = TcpServer(host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
                             max_binary_frame_bytes=min(config.max_frame_bytes, largest),
-                            max_json_frame_bytes=config.max_json_frame_bytes or min(config.max_frame_bytes, 8 * largest),
+                            max_json_frame_bytes=(config.max_json_frame_bytes
+                                                  or min(config.max_frame_bytes, 8 * largest)),
                             limits=limits,
                             first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None,
                             heartbeat_s=heartbeat_period(config.hang_timeout), heartbeat_timeout=config.hang_timeout)

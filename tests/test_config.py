@@ -63,7 +63,8 @@ FLAG_VALUES = [
     (["--return-window", "20"], "return_window", 20), (["--max-restarts", "0"], "max_restarts", 0),
     (["--restart-window", "inf"], "restart_window", math.inf),
     # the bounds of one client (issue 22)
-    (["--max-json-frame-bytes", "4096"], "max_json_frame_bytes", 4096), (["--client-budget", "5000"], "client_budget", 5000),
+    (["--max-json-frame-bytes", "4096"], "max_json_frame_bytes", 4096),
+    (["--client-budget", "5000"], "client_budget", 5000),
     (["--max-message-steps", "300"], "max_message_steps", 300),
     (["--max-message-chunks", "400"], "max_message_chunks", 400),
 ]
