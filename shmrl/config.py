@@ -158,6 +158,22 @@ class TransportSettings:
         64 << 20, "largest TCP frame body accepted; a bigger header closes that connection "
         "before its body is read (default: %(default)s)", metavar="N",
         check=Rule(">= 1024 (a PING alone takes 16)", lambda v: v >= 1024))
+    max_json_frame_bytes: int | None = setting(
+        None, "largest TCP frame body accepted in JSON, whose decoding takes the server far longer "
+        "per byte than binary (default: 8 times the largest binary EPISODES message within "
+        "--max-message-chunks, at most --max-frame-bytes)", kind=int, metavar="N",
+        check=Rule(">= 1024", lambda v: v >= 1024))
+    client_budget: int | None = setting(
+        None, "env steps one client may have waiting for training; once they are there, a TCP "
+        "client is not read until they are trained, and what arrives anyway is dropped and counted "
+        "('over the client's budget') (default: 4 train batches, or 4 samples if larger)", kind=int,
+        check=at_least(1), metavar="N")
+    max_message_steps: int | None = setting(
+        None, "env steps one EPISODES message may carry; more close that connection (default: "
+        "--client-budget)", kind=int, check=at_least(1), metavar="N")
+    max_message_chunks: int | None = setting(
+        None, "chunks one EPISODES message may carry; more close that connection (default: "
+        "--max-message-steps + 1024)", kind=int, check=at_least(1), metavar="N")
     ray: str | None = setting(
         None, "place the simulators as Ray actors across the nodes of the Ray cluster at ADDRESS "
         "(auto: the one this machine belongs to; HOST:6379); those on this node use shared "

@@ -20,6 +20,7 @@ from shmrl.store import DEFAULT_POLICY, EpisodeStore
 
 log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
+OVER_BUDGET = "over the client's budget"   # of pending env steps: why a flood's steps are dropped
 
 def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
     """Why validated chunks do not fit the environment (and the policy's recurrent state of
@@ -137,12 +138,16 @@ class Hub:
     def __init__(self, policy_specs: dict[str, EnvSpec], store: EpisodeStore, env_steps_per_sample: int,
                  on_policy: bool = True, max_pending_steps: int | None = None,
                  auth_token: str | None = None, state_size: int = 0, multiagent: bool = False,
-                 extra_config: dict | None = None, bounds: Bounds = Bounds()):
+                 extra_config: dict | None = None, client_budget: int | None = None, agents=None,
+                 bounds: Bounds = Bounds()):
         """``policy_specs``: the run's policies (policy id -> EnvSpec of its agents; a
         single-agent run's one is ``DEFAULT_POLICY``); ``multiagent``: the clients speak in
         agents and modules (RLlib's multi-agent messages); ``extra_config``: more fields
-        for SET_CONFIG (a multi-agent run's policy map); ``bounds``: what a chunk may hold
-        (chunks beyond them are refused and counted, the connection goes on)."""
+        for SET_CONFIG (a multi-agent run's policy map); ``client_budget``: the env steps one
+        connection may have waiting for training, past which its chunks are dropped and
+        counted (None: no budget); ``agents``: the env's agent ids, the only ones a
+        multi-agent chunk may carry (None: any); ``bounds``: what a chunk may hold (chunks
+        beyond them are refused and counted, the connection goes on)."""
         self.policy_specs, self.store, self.state_size = policy_specs, store, state_size
         self.multiagent = multiagent
         self.auth_token = auth_token
@@ -162,6 +167,10 @@ class Hub:
         self.opened: dict[str, float] = {}       # conn_id -> time.monotonic() of its first message
         self.refusals_logged: set = set()        # (conn_id, reason): each is logged once per client
         self.heartbeats_ignored = 0              # HEARTBEATs that claimed more steps than could be stepped
+        self.client_budget = client_budget
+        self.agents = None if agents is None else frozenset(agents)
+        self.over_budget: set[str] = set()       # connections told (in the log) that they are over budget
+        self.held: set[str] = set()              # connections not read (their budget is spent), by transports that can
 
     def set_state(self, weights_seq_no: int, policies: dict) -> None:
         """Publish new weights and release every client waiting for them. ``policies``: the
@@ -171,9 +180,7 @@ class Hub:
         else:   # RLlib's single-agent message, its bytes (key order included) as RLlib's JSON has them
             self.state_msg = {"type": T.SET_STATE.value, "onnx_file": policies[DEFAULT_POLICY]["onnx_file"],
                               "weights_seq_no": weights_seq_no}
-        waiting, self.waiting, self.waiting_since = self.waiting, [], None
-        for conn_id in waiting:
-            self._reply(conn_id, self.state_msg)
+        self.release_waiting()
 
     def all_waiting(self) -> bool:
         return bool(self.sampling) and len(self.waiting) == len(self.sampling)
@@ -188,7 +195,8 @@ class Hub:
             # Only a PING with the token opens a connection; anything else gets nothing
             # but a closed connection (the reason is logged, never sent).
             token = msg.get("auth_token", "") if kind == T.PING.value else ""
-            if not hmac.compare_digest(token.encode(), self.auth_token.encode()):
+            # "surrogatepass": a lone surrogate (valid JSON) is a wrong token, not a crash.
+            if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), self.auth_token.encode()):
                 self.servers[conn_id].drop(conn_id, "authentication failed: PING without the right auth_token"
                                            if kind == T.PING.value else f"{kind} before an authenticated PING")
                 self.forget(conn_id)
@@ -211,10 +219,14 @@ class Hub:
         else:  # EPISODES, EPISODES_AND_GET_STATE
             batch = msg["episodes"]
             chunks, reason = chunks_by_policy(batch, self.policy_specs, self.multiagent, self.state_size)
+            reason = reason or self._unknown_agents(batch)
             if reason:
                 self._drop(conn_id, reason, batch.num_steps)
                 return
-            self.store.add(conn_id, self._refuse_out_of_bounds(conn_id, chunks))
+            chunks = self._refuse_out_of_bounds(conn_id, chunks)
+            if self._within_budget(conn_id, sum(sub.num_steps for sub in chunks.values())):
+                self.store.add(conn_id, chunks)
+                self._hold_if_full(conn_id)
             if kind == T.EPISODES_AND_GET_STATE.value:
                 self.sampling.add(conn_id)
                 full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
@@ -259,6 +271,56 @@ class Hub:
             self.refusals_logged.add((conn_id, reason))
             log.warning("%s: %s (logged once per client)", self.name(conn_id), text)
 
+    def _unknown_agents(self, batch) -> str | None:
+        """Why a multi-agent message's agent ids are not the env's (each id would take a
+        row of the per-agent return table, and a line of every metrics row), or None."""
+        if self.agents is None or not isinstance(batch, MultiAgentBatch):
+            return None
+        for sub in batch.policies.values():
+            unknown = set(sub.agent_ids or ()) - self.agents
+            if unknown:
+                return (f"agent ids {rllink.show(sorted(map(str, unknown)))} are not the env's "
+                        f"(its agents: {rllink.show(sorted(self.agents))})")
+        return None
+
+    def _within_budget(self, conn_id: str, steps: int) -> bool:
+        """Whether the connection may add ``steps`` to those it has waiting for training
+        (one message may cross the budget); if not they are dropped and counted, and the log
+        says so once per connection. Those a transport can hold back are not read once
+        their budget is spent (``_hold_if_full``): only what was in flight is dropped."""
+        if self.client_budget is None or not steps:
+            return True
+        if self.store.pending_of(conn_id) < self.client_budget:
+            return True
+        self.store.drop(OVER_BUDGET, steps)
+        if conn_id not in self.over_budget:
+            self.over_budget.add(conn_id)
+            log.warning("%s: env steps dropped, %s (%d env steps)", self.name(conn_id), OVER_BUDGET,
+                        self.client_budget)
+        return False
+
+    def _hold_if_full(self, conn_id: str) -> None:
+        """Backpressure: stop reading a connection whose budget is spent, where its
+        transport can (TCP); ``release_held`` reads it again once its steps are trained."""
+        hold = getattr(self.servers[conn_id], "hold", None)
+        if (self.client_budget is not None and hold is not None and conn_id not in self.held
+                and self.store.pending_of(conn_id) >= self.client_budget):
+            self.held.add(conn_id)
+            hold(conn_id, True)
+
+    def release_held(self) -> None:
+        """Read again the held connections whose steps have gone to training."""
+        for conn_id in [c for c in self.held if self.store.pending_of(c) < self.client_budget]:
+            self.held.discard(conn_id)
+            self.servers[conn_id].hold(conn_id, False)
+
+    def release_waiting(self) -> None:
+        """Answer every waiting client with the current weights (new ones; or, when nothing
+        is pending, no update will come to release them: chunks without steps)."""
+        waiting, self.waiting, self.waiting_since = self.waiting, [], None
+        for conn_id in waiting:
+            self._reply(conn_id, self.state_msg)
+
     def _reply(self, conn_id: str, msg: dict) -> None:
         self.servers[conn_id].reply(conn_id, msg)
 
@@ -284,6 +346,8 @@ class Hub:
         self.names.pop(conn_id, None)
         self.opened.pop(conn_id, None)
         self.refusals_logged = {key for key in self.refusals_logged if key[0] != conn_id}
+        self.over_budget.discard(conn_id)
+        self.held.discard(conn_id)
         self.sampling.discard(conn_id)
         self.authenticated.discard(conn_id)
         if conn_id in self.waiting:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import os
 import queue
 import selectors
 import socket
@@ -20,12 +19,14 @@ import time
 
 import numpy as np
 
+from shmrl import rllink
 from shmrl.config import ConfigError
 from shmrl.envs import EnvSpec
 from shmrl.hub import Bounds, Hub
 from shmrl.onnx_graph import ModelTemplate
 from shmrl.onnx_policy import encode_onnx_file
 from shmrl.store import EpisodeStore
+from shmrl.transport.base import WakePipe
 
 log = logging.getLogger("shmrl.learner")
 
@@ -42,13 +43,9 @@ class Serving:
     waiting, and chunks more than ``max_policy_lag`` versions old are dropped as stale.
     """
 
-    def __init__(self, servers: list, policy_specs: dict[str, EnvSpec], templates: dict[str, ModelTemplate],
-                 initial_weights: dict[str, dict], *, env_steps_per_sample: int, train_batch_size: int,
-                 multiagent: bool = False, on_policy: bool = True, max_policy_lag: int = 2,
-                 auth_token: str | None = None, window: int = 100, first_weights_seq_no: int = 1,
-                 housekeeping=None, reward_gamma: float | None = None, batch_wait_timeout: float | None = None,
-                 state_size: int = 0, extra_config: dict | None = None, league_size: int = 0,
-                 league_every: int = 10, bounds: Bounds = Bounds()):
+    def __init__(self, servers: list, config, policy_specs: dict[str, EnvSpec], templates: dict[str, ModelTemplate],
+                 initial_weights: dict[str, dict], *, multiagent: bool = False, first_weights_seq_no: int = 1,
+                 housekeeping=None, state_size: int = 0, extra_config: dict | None = None, agents=None):
         """Serves the policies ``policy_specs`` (policy id -> EnvSpec; a single-agent run's
         one is ``DEFAULT_POLICY``) and publishes their ``initial_weights`` (into the graphs
         ``templates``, by policy id) at once, as version ``first_weights_seq_no``: clients
@@ -56,31 +53,39 @@ class Serving:
         chunks, PPO and ONNX model, all published together. ``multiagent``: the clients
         speak RLlib's multi-agent messages (see ``Hub``).
 
+        ``config`` (the run's ``Config``) gives the sizes (train batch, sample), the
+        pacing (``async_sampling``, ``max_policy_lag``), ``auth_token``, the return window,
+        reward normalization (rewards scaled by the running std of discounted returns, see
+        ``PolicyChunks``), the league (every ``league_every`` updates a frozen copy of each
+        policy joins it as ``policy@version``; it keeps the last ``league`` of them), each
+        client's budget of pending env steps, and ``hang_timeout``: once a client waits for
+        new weights, the batch waits at most this long for the clients still sampling (one
+        that went silent must not stall everyone), then trains on what it has.
+
         ``housekeeping(serving)``, if given, runs in the serving thread after every round
-        of requests (the supervisor watches the simulators from there). ``reward_gamma``:
-        scale rewards by the running std of discounted returns (see ``PolicyChunks``).
-        ``batch_wait_timeout``: once a client waits for new weights, the batch waits at
-        most this long for the clients still sampling (one that went silent, heartbeat or
-        not, must not stall everyone), then trains on what it has. ``state_size``: the
-        floats of a recurrent policy's state (0: none). With ``league_size``, every
-        ``league_every`` updates a frozen copy of each policy joins the league
-        (``policy@version``), which keeps the last ``league_size`` of them. ``bounds``: what
-        a client's chunk may hold (``shmrl.hub.refused_chunks``)."""
+        of requests (the supervisor watches the simulators from there). ``state_size``: the
+        floats of a recurrent policy's state (0: none). ``extra_config``: more fields for
+        SET_CONFIG (a multi-agent run's policy map); ``agents``: a multi-agent env's agent
+        ids, the only ones its chunks may carry."""
         self.servers, self.multiagent = servers, multiagent
-        self.train_batch_size = train_batch_size
-        self.max_policy_lag = max_policy_lag
-        self.store = EpisodeStore(policy_specs, window, reward_gamma)
-        self.hub = Hub(policy_specs, self.store, env_steps_per_sample, on_policy,
-                       max_pending_steps=None if on_policy else train_batch_size, auth_token=auth_token,
-                       state_size=state_size, multiagent=multiagent, extra_config=extra_config, bounds=bounds)
-        self.league_size, self.league_every = league_size, max(1, league_every)
+        self.train_batch_size = config.train_batch_size
+        self.max_policy_lag = config.max_policy_lag
+        on_policy = not config.async_sampling
+        reward_gamma = config.gamma if config.normalize_reward else None
+        self.store = EpisodeStore(policy_specs, config.return_window, reward_gamma)
+        self.hub = Hub(policy_specs, self.store, config.env_steps_per_sample, on_policy,
+                       max_pending_steps=None if on_policy else self.train_batch_size, auth_token=config.auth_token,
+                       state_size=state_size, multiagent=multiagent, extra_config=extra_config,
+                       client_budget=client_budget(config), agents=agents,
+                       bounds=Bounds(max_obs_abs=config.max_obs_abs, max_reward_abs=config.max_reward_abs))
+        self.league_size, self.league_every = config.league or 0, max(1, config.league_every or 1)
         self.league: dict = {}          # "policy@version" -> (version, ONNX file): frozen snapshots
         self.model_seqs: dict = {}      # policy id -> the version its current model was published at
         self.templates = templates
         self.model_bytes: dict[str, bytes] = {}   # policy id -> its current ONNX model
         self._files: dict[str, str] = {}           # policy id -> the same, as SET_STATE's onnx_file
         self.housekeeping = housekeeping
-        self.batch_wait_timeout = batch_wait_timeout
+        self.batch_wait_timeout = config.hang_timeout
         self.short_batches = 0                     # trained without a client that was too slow
         self.weights_seq_no = first_weights_seq_no - 1
         self.updates = 0
@@ -89,14 +94,12 @@ class Serving:
         self._batches: queue.Queue = queue.Queue(maxsize=1)
         self._published: queue.Queue = queue.Queue()
         self._batch_out = False                    # a batch was handed over, no new weights yet
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_pipe = WakePipe()               # publish() and stop() wake the serving thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # why the serving thread ended, if it did
         self._selector = selectors.DefaultSelector()
-        for fd in [self._wake_r, *(server.fileno() for server in servers)]:
+        for fd in [self._wake_pipe.fileno(), *(server.fileno() for server in servers)]:
             self._selector.register(fd, selectors.EVENT_READ)
         try:
             self.publish(initial_weights)
@@ -111,10 +114,7 @@ class Serving:
         Returns the number of requests handled."""
         if timeout > 0:
             self._selector.select(timeout)
-        try:
-            os.read(self._wake_r, 1 << 12)
-        except BlockingIOError:
-            pass
+        self._wake_pipe.drain()
         while not self._published.empty():
             version, policies = self._published.get_nowait()
             self.hub.set_state(version, policies)
@@ -122,6 +122,8 @@ class Serving:
         n = self._serve_requests()
         if self.housekeeping is not None:
             self.housekeeping(self)
+        if not self._batch_out and not self.store.pending_steps and self.hub.all_waiting():
+            self.hub.release_waiting()   # they sent chunks without steps: no update will come
         if not self._batch_out and self.ready():
             # Asynchronous clients go on sampling while a batch trains: a batch is still one
             # batch, so that learning per env step is what it is on-policy; the rest waits.
@@ -129,6 +131,8 @@ class Serving:
             batches = self.store.take(self.weights_seq_no, max_lag, self.train_batch_size)
             self._batches.put((batches, self.weights_seq_no))
             self._batch_out = True
+        if self.hub.held:
+            self.hub.release_held()
         return n
 
     def _serve_requests(self) -> int:
@@ -136,9 +140,18 @@ class Serving:
         n = 0
         for server in self.servers:
             for conn_id, msg in server.poll(0.0):
-                self.hub.handle(server, conn_id, msg)
+                self._handle(server, conn_id, msg)
                 n += 1
         return n
+
+    def _handle(self, server, conn_id: str, msg: dict | None) -> None:
+        """One request; whatever it raises closes its connection only, never the run."""
+        try:
+            self.hub.handle(server, conn_id, msg)
+        except Exception as e:
+            log.exception("%s: its %s raised", self.hub.name(conn_id), (msg or {}).get("type", "close"))
+            server.drop(conn_id, f"internal error on its input: {type(e).__name__}: {e}"[:300])
+            self.hub.forget(conn_id)
 
     # ------------------------------------------------------------ for launchers (serving thread only)
     def connection_named(self, name: str) -> str | None:
@@ -198,21 +211,13 @@ class Serving:
             log.exception("the serving thread failed")
             self.failure = e
 
-    def _wake(self) -> None:
-        """Make the serving thread's next wait return at once."""
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full: a wake-up is pending anyway
-
     def stop(self) -> None:
         self._stop.set()
-        self._wake()  # the serving thread stops now, not at its next timeout
+        self._wake_pipe.wake()  # the serving thread stops now, not at its next timeout
         if self._thread is not None:
             self._thread.join(5.0)
         self._selector.close()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self._wake_pipe.close()
 
     # ------------------------------------------------------------ the training thread
     def next_batch(self, timeout: float) -> tuple[dict, int] | None:
@@ -246,7 +251,7 @@ class Serving:
         policies.update({name: {"onnx_file": f, "weights_seq_no": seq, "frozen": True}
                          for name, (seq, f) in self.league.items()})
         self._published.put((self.weights_seq_no, policies))
-        self._wake()
+        self._wake_pipe.wake()
 
 
 def finite_weights(weights: dict) -> dict:
@@ -273,7 +278,15 @@ def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list
         from shmrl.transport.tcp import TcpServer
         host = launcher.node_ip if remote and config.tcp_host == type(config).tcp_host else config.tcp_host
         try:
+            limits = message_limits(config)
+            # A frame larger than the largest message within the limits is refused from its
+            # first bytes, before it is read (JSON writes a number in up to ~8 times the bytes).
+            largest = episodes_bytes(spec, list(nets.values()), limits.max_chunks)
             tcp = TcpServer(host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
+                            max_binary_frame_bytes=min(config.max_frame_bytes, largest),
+                            max_json_frame_bytes=(config.max_json_frame_bytes
+                                                  or min(config.max_frame_bytes, 8 * largest)),
+                            limits=limits,
                             first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None,
                             heartbeat_s=heartbeat_period(config.hang_timeout), heartbeat_timeout=config.hang_timeout)
         except BaseException as e:
@@ -291,6 +304,17 @@ def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list
         if config.transport == "tcp":
             addresses = [f"tcp:{host}:{port}"] * config.sims
     return servers, addresses, shm
+
+
+def client_budget(config) -> int:
+    """The env steps one connection may have waiting for training (--client-budget)."""
+    return config.client_budget or 4 * max(config.train_batch_size, config.env_steps_per_sample or 1)
+
+
+def message_limits(config) -> rllink.MessageLimits:
+    """The most chunks and env steps one EPISODES message may carry."""
+    steps = config.max_message_steps or client_budget(config)
+    return rllink.MessageLimits(max_chunks=config.max_message_chunks or steps + 1024, max_steps=steps)
 
 
 def heartbeat_period(hang_timeout: float) -> float:
@@ -320,30 +344,54 @@ def listen_error(config, e: Exception) -> str:
 
 
 
-def ring_bytes(config, spec, nets: dict) -> dict:
-    """Ring capacities that take every frame of this run: a simulator's EPISODES message
-    (``env_steps_per_sample`` rounded up to whole steps of its envs) and a SET_STATE of
-    its policies (``nets``: policy id -> PolicyNet)."""
+def set_state_bytes(nets: list) -> int:
+    """An upper bound on a SET_STATE body carrying the models of ``nets`` (PolicyNets),
+    from their shapes alone: float32 weights and the graphs around them."""
+    params = sum(math.prod(shape) for n in nets for shape in n.template.shapes.values())
+    return rllink.set_state_body_bytes(4 * params + 4096 * len(nets))
+
+
+def check_policy_fits_a_frame(config, nets: dict, multiagent: bool) -> None:
+    """ConfigError unless every SET_STATE of this run fits one RLlink frame (8 digits of
+    length: 99,999,999 bytes); checked from the networks' shapes, before any weight exists."""
+    every = list(nets.values()) * (1 + (config.league or 0) if multiagent else 1)
+    size = set_state_bytes(every)
+    if size > rllink.MAX_BODY_LEN:
+        params = sum(math.prod(shape) for n in nets.values() for shape in n.template.shapes.values())
+        raise ConfigError(f"the policy is too large to send: {params:,} parameters (--hidden {config.hidden}, "
+                          f"--layers {config.layers}) make a SET_STATE message of up to {size:,} bytes, over "
+                          f"RLlink's frame limit of {rllink.MAX_BODY_LEN:,}; use a smaller --hidden or --layers")
+
+
+def episodes_bytes(spec, nets: list, steps: int) -> int:
+    """An upper bound on the binary body of an EPISODES message of ``steps`` env steps of
+    ``spec``'s env (each may begin a chunk of its own) for the policies ``nets``."""
     import numpy as np
 
-    from shmrl import rllink
-    from shmrl.transport.shm import ShmServer, ring_bytes_for
-
-    steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
-    specs, nets, extra = [spec], list(nets.values()), 0
-    if getattr(spec, "multiagent", False):   # each step may be any agent's; every policy and snapshot in a reply
-        specs = list(spec.agent_specs.values())
-        steps += config.envs_per_sim * len(spec.agents)   # a turn may end past the sample size
-        nets = nets * (1 + config.league)
-        extra = 256                                       # agent and module ids
+    specs, extra = [spec], 0
+    if getattr(spec, "multiagent", False):
+        specs, extra = list(spec.agent_specs.values()), 256   # agent and module ids
     request = 0
     for s in specs:
         leaves = s.obs.leaves
         obs_bytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
         request = max(request, rllink.episodes_body_bytes(steps, obs_bytes + extra, s.actions.action_size,
                                                           s.policy_outputs, len(leaves), nets[0].state_size))
-    params = sum(math.prod(shape) for n in nets for shape in n.template.shapes.values())
-    reply = rllink.set_state_body_bytes(4 * params + 4096 * len(nets))   # float32 weights and the graphs around them
+    return request
+
+
+def ring_bytes(config, spec, nets: dict) -> dict:
+    """Ring capacities that take every frame of this run: a simulator's EPISODES message
+    (``env_steps_per_sample`` rounded up to whole steps of its envs) and a SET_STATE of
+    its policies (``nets``: policy id -> PolicyNet)."""
+    from shmrl.transport.shm import ShmServer, ring_bytes_for
+
+    steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
+    nets = list(nets.values())
+    if getattr(spec, "multiagent", False):   # each step may be any agent's; every policy and snapshot in a reply
+        steps += config.envs_per_sim * len(spec.agents)   # a turn may end past the sample size
+        nets = nets * (1 + (config.league or 0))
+    request = episodes_bytes(spec, nets, steps)
+    reply = set_state_bytes(nets)
     return {"request_ring_bytes": ring_bytes_for(8 + request, ShmServer.REQUEST_RING_BYTES),
             "reply_ring_bytes": ring_bytes_for(8 + reply, ShmServer.REPLY_RING_BYTES)}
-

@@ -40,7 +40,9 @@ class PolicyChunks:
         (``reward_stats``), by which rewards are scaled for training (VecNormalize's reward
         normalization, at the learner and per client stream instead of in a wrapper)."""
         self.pending: list[EpisodeBatch] = []
+        self.pending_conns: list[str] = []     # the connection each pending batch came from
         self.pending_steps = 0
+        self.pending_by_conn: dict[str, int] = {}   # conn_id -> its env steps in ``pending``
         self.returns: deque = deque(maxlen=window)
         self.lengths: deque = deque(maxlen=window)
         self.episodes_completed = 0
@@ -83,6 +85,8 @@ class PolicyChunks:
         self.episodes_completed += len(completed)
         if batch.num_steps:
             self.pending.append(batch)
+            self.pending_conns.append(conn_id)
+            count(self.pending_by_conn, conn_id, batch.num_steps)
             self.pending_steps += batch.num_steps
             self.steps_received += batch.num_steps
             count(self.steps_by_conn, conn_id, batch.num_steps)
@@ -113,30 +117,55 @@ class PolicyChunks:
             del self._open[key]
 
     def take(self, version: int, max_lag: int | None, max_steps: int | None, dropped: dict) -> list[EpisodeBatch]:
-        """The oldest pending batches, up to ``max_steps`` steps (the last one may go over;
-        None: all), without the chunks sampled with weights more than ``max_lag`` versions
-        older than ``version``, which are counted into ``dropped`` as stale. Chunks without
-        a version (RLlib's client sends none) count as current."""
+        """The oldest pending batches, up to ``max_steps`` steps (None: all; the last batch
+        may go over, unless that would make the update more than twice ``max_steps``: then
+        it is cut between its chunks, and only a single chunk may go over), without the chunks
+        sampled with weights more than ``max_lag`` versions older than ``version``, which
+        are counted into ``dropped`` as stale. Chunks without a version (RLlib's client
+        sends none) count as current."""
         if max_lag is not None:
             fresh = []
-            for batch in self.pending:
+            for batch, conn_id in zip(self.pending, self.pending_conns):
                 seq = batch.weights_seq_no
                 stale = (seq >= 0) & (version - seq > max_lag)
                 if stale.any():
                     n_stale = int(batch.lengths[stale].sum())
                     count(dropped, "stale", n_stale)
-                    self.pending_steps -= n_stale
+                    self._unpend(conn_id, n_stale)
                     batch = batch.select(~stale)
                 if batch.num_steps:
-                    fresh.append(batch)
-            self.pending = fresh
-        n, steps = 0, 0
-        while n < len(self.pending) and (max_steps is None or steps < max_steps):
-            steps += self.pending[n].num_steps
-            n += 1
-        taken, self.pending = self.pending[:n], self.pending[n:]
-        self.pending_steps -= steps
+                    fresh.append((batch, conn_id))
+            self.pending, self.pending_conns = [b for b, _ in fresh], [c for _, c in fresh]
+        taken, steps = [], 0
+        while self.pending and (max_steps is None or steps < max_steps):
+            batch, conn_id = self.pending[0], self.pending_conns[0]
+            if max_steps is not None and steps + batch.num_steps > 2 * max_steps and batch.num_chunks > 1:
+                batch, rest = self._cut(batch, max_steps - steps)
+                self.pending[0] = rest
+            else:
+                self.pending.pop(0)
+                self.pending_conns.pop(0)
+            taken.append(batch)
+            steps += batch.num_steps
+            self._unpend(conn_id, batch.num_steps)
         return taken
+
+    @staticmethod
+    def _cut(batch: EpisodeBatch, steps: int) -> tuple[EpisodeBatch, EpisodeBatch]:
+        """The first chunks of ``batch`` that hold at most ``steps`` steps (at least one
+        chunk), and the rest: one message of many chunks makes updates of the batch size."""
+        ends = np.cumsum(batch.lengths)
+        first = max(1, int(np.searchsorted(ends, steps, side="right")))
+        head = np.arange(batch.num_chunks) < first
+        return batch.select(head), batch.select(~head)
+
+    def _unpend(self, conn_id: str, steps: int) -> None:
+        self.pending_steps -= steps
+        left = self.pending_by_conn.get(conn_id, 0) - steps
+        if left > 0:
+            self.pending_by_conn[conn_id] = left
+        else:
+            self.pending_by_conn.pop(conn_id, None)
 
     def counters(self) -> dict:
         """This policy's counts and return window, for a checkpoint (the run's keys)."""
@@ -201,6 +230,10 @@ class EpisodeStore:
     @property
     def pending_steps(self) -> int:
         return sum(policy.pending_steps for policy in self.policies.values())
+
+    def pending_of(self, conn_id: str) -> int:
+        """The env steps from ``conn_id`` waiting for training (its budget's use)."""
+        return sum(policy.pending_by_conn.get(conn_id, 0) for policy in self.policies.values())
 
     def forget(self, conn_id: str) -> None:
         """A connection closed: its open episodes will never complete."""

@@ -22,12 +22,11 @@ from shmrl.checkpoint import CheckpointError
 from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, env_name,
                           resolve_config, saved_config, validate)
 from shmrl.episode import EpisodeBatch
-from shmrl.hub import Bounds
 from shmrl.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
 from shmrl.report import Clock, metrics_row, progress_line, run_summary
 from shmrl.resume import (load_resume_checkpoint, policy_arrays, policy_file, policy_prefix, ppo_state,
                           restore_store, save_checkpoint, saved_policy, spent_budget)
-from shmrl.serving import Serving, open_transports
+from shmrl.serving import Serving, check_policy_fits_a_frame, open_transports
 from shmrl.store import DEFAULT_POLICY
 
 log = logging.getLogger("shmrl.run")
@@ -82,6 +81,7 @@ def set_up(config, servers_given: bool = False) -> Setup:
         name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
         config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
+    check_policy_fits_a_frame(config, nets, multiagent)
     resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent,
                                      saved_config(config))
                if config.resume else None)
@@ -103,17 +103,11 @@ def set_up(config, servers_given: bool = False) -> Setup:
 def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
     """The serving side, its first weights published (before torch is even imported)."""
     config = setup.config
-    serving = Serving(servers, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
-                      setup.first_weights, multiagent=setup.multiagent,
-                      env_steps_per_sample=config.env_steps_per_sample, train_batch_size=config.train_batch_size,
-                      on_policy=not config.async_sampling, max_policy_lag=config.max_policy_lag,
-                      auth_token=config.auth_token, first_weights_seq_no=setup.first_seq,
+    serving = Serving(servers, config, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
+                      setup.first_weights, multiagent=setup.multiagent, first_weights_seq_no=setup.first_seq,
                       housekeeping=supervisor.check if supervisor else None,
-                      reward_gamma=config.gamma if config.normalize_reward else None,
-                      batch_wait_timeout=config.hang_timeout, window=config.return_window,
                       state_size=max(net.state_size for net in setup.nets.values()),
-                      league_size=config.league, league_every=config.league_every,
-                      bounds=Bounds(max_obs_abs=config.max_obs_abs, max_reward_abs=config.max_reward_abs),
+                      agents=setup.spec.agents if setup.multiagent else None,
                       extra_config=None if not setup.multiagent else {
                           "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
     if setup.resumed:

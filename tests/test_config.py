@@ -65,6 +65,11 @@ FLAG_VALUES = [
     # the bounds of issue 22 (the weights are never poisoned)
     (["--max-obs-abs", "1e3"], "max_obs_abs", 1e3), (["--max-reward-abs", "50"], "max_reward_abs", 50.0),
     (["--max-skipped-updates", "2"], "max_skipped_updates", 2),
+    # the bounds of one client (issue 22)
+    (["--max-json-frame-bytes", "4096"], "max_json_frame_bytes", 4096),
+    (["--client-budget", "5000"], "client_budget", 5000),
+    (["--max-message-steps", "300"], "max_message_steps", 300),
+    (["--max-message-chunks", "400"], "max_message_chunks", 400),
 ]
 
 
@@ -74,7 +79,8 @@ def test_every_flag_of_the_old_command_line_is_still_there():
     options = {o for action in parser._actions for o in action.option_strings}
     assert OLD_OPTION_STRINGS <= options, OLD_OPTION_STRINGS - options
     assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window", "--max-obs-abs",
-                                            "--max-reward-abs", "--max-skipped-updates"}
+                                            "--max-reward-abs", "--max-skipped-updates", "--max-json-frame-bytes",
+                                            "--client-budget", "--max-message-steps", "--max-message-chunks"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):

@@ -19,7 +19,7 @@ from shmrl.net import PolicyNet
 from shmrl.onnx_policy import OnnxPolicy, init_mlp_weights, with_log_std
 from shmrl.sampler import Sampler
 from shmrl.spaces import action_layout
-from shmrl.config import PPOSettings, with_defaults
+from shmrl.config import Config, PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer
@@ -97,8 +97,8 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
     weights = named(with_log_std(init_mlp_weights([3, 64, 64, 1], 1.0, np.random.default_rng(0)), [-0.7]))
     ppo = PPO(net, with_defaults(PPOSettings), initial_weights=weights)
     server = InProcServer()
-    learner = Serving([server], {DEFAULT_POLICY: spec}, {DEFAULT_POLICY: net.template}, {DEFAULT_POLICY: weights},
-                      env_steps_per_sample=256, train_batch_size=256)
+    learner = Serving([server], Config(env_steps_per_sample=256, train_batch_size=256), {DEFAULT_POLICY: spec},
+                      {DEFAULT_POLICY: net.template}, {DEFAULT_POLICY: weights})
     client = server.connect(timeout=10)
     thread = threading.Thread(target=run_simulator, args=(client, "Pendulum-v1"), kwargs=dict(max_messages=1),
                               daemon=True)

@@ -15,7 +15,7 @@ import pytest
 from shmrl import rllink
 from shmrl.actor import SimulatorError, check_sample
 from shmrl.supervisor import describe_exit
-from shmrl.config import SIM_EXIT_POLICY_NOT_FINITE, ConfigError, PPOSettings, with_defaults
+from shmrl.config import SIM_EXIT_POLICY_NOT_FINITE, Config, ConfigError, PPOSettings, with_defaults
 from shmrl.episode import EpisodeBatch
 from shmrl.net import PolicyNet
 from shmrl.ppo import PPO
@@ -217,8 +217,8 @@ def honest_stats() -> dict:
 
 def test_trainer_skips_counts_and_never_publishes_nan():
     ppo = cartpole_ppo()
-    serving = Serving([], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: ppo.net.template},
-                      {DEFAULT_POLICY: ppo.published_weights()}, env_steps_per_sample=64, train_batch_size=64)
+    serving = Serving([], Config(env_steps_per_sample=64, train_batch_size=64), {DEFAULT_POLICY: SPEC},
+                      {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: ppo.published_weights()})
     try:
         model = serving.model_bytes[DEFAULT_POLICY]
         poisoned = honest_chunks()
@@ -324,5 +324,5 @@ def test_nan_first_weights_are_refused_not_served():
     ppo = cartpole_ppo()
     nan_weights = {k: np.full_like(v, np.nan) for k, v in ppo.published_weights().items()}
     with pytest.raises(ConfigError, match="the first weights of policy 'default' are not finite"):
-        Serving([], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: nan_weights},
-                env_steps_per_sample=64, train_batch_size=64)
+        Serving([], Config(env_steps_per_sample=64, train_batch_size=64), {DEFAULT_POLICY: SPEC},
+                {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: nan_weights})

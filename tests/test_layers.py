@@ -22,7 +22,7 @@ PACKAGE = ROOT / "shmrl"
 # it. Names are modules under shmrl/ ("transport" is the package and every module in it).
 LAYERS = {
     "base types": ["config", "presets", "spaces", "sampler", "episode", "rollout", "stats", "checkpoint", "metrics", "logdir"],
-    "protocol": ["rllink"],
+    "protocol": ["rllink_codec", "rllink_episodes", "rllink"],
     "transports": ["transport"],
     "model": ["onnx_graph", "net", "ppo", "onnx_policy"],
     "env adapters": ["envspec", "pz_envs", "envs"],

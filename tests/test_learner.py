@@ -9,7 +9,7 @@ import shmrl
 from shmrl.envs import env_spec
 from shmrl.episode import Episode, EpisodeBatch
 from shmrl.net import PolicyNet
-from shmrl.config import PPOSettings, with_defaults
+from shmrl.config import Config, PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.serving import Serving
 from shmrl.sim import run_simulator
@@ -83,8 +83,8 @@ def test_store_drops_stale_chunks_and_takes_the_oldest_first():
 def learner_and_server():
     server = InProcServer()
     ppo = PPO(PolicyNet(SPEC, 64), with_defaults(PPOSettings, epochs=2, minibatch_size=64))
-    learner = Serving([server], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: ppo.net.template},
-                      {DEFAULT_POLICY: ppo.published_weights()}, env_steps_per_sample=32, train_batch_size=64)
+    learner = Serving([server], Config(env_steps_per_sample=32, train_batch_size=64), {DEFAULT_POLICY: SPEC},
+                      {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: ppo.published_weights()})
     yield learner, server, ppo
     learner.stop()
     server.close()

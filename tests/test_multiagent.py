@@ -288,9 +288,8 @@ def test_the_league_keeps_the_last_snapshots_frozen():
     specs = spec.policy_specs(policy_mapper("shared"))
     cfg = resolve_config(Config(env=FirstWins, hidden=16), spec)
     net = policy_net(cfg, specs["shared"])
-    learner = Serving([], specs, {"shared": net.template}, {"shared": net.initial_weights(0)}, multiagent=True,
-                      env_steps_per_sample=64, train_batch_size=64, league_size=2,
-                      league_every=1)
+    learner = Serving([], Config(env_steps_per_sample=64, train_batch_size=64, league=2, league_every=1), specs,
+                      {"shared": net.template}, {"shared": net.initial_weights(0)}, multiagent=True)
     try:
         for update in range(1, 5):
             learner.updates = update

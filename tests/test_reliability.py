@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (all_gone, alive, check_books, descendants, make_episode, metrics_rows, process_name,
                       process_state, read_to_eof, serve_until, shm_entries, summary_of, wait_until)
+from shmrl.config import Config
 from shmrl.envs import env_spec
 from shmrl.episode import EpisodeBatch
 from shmrl.serving import Serving
@@ -198,8 +199,9 @@ def test_supervisor_counts_the_steps_a_dead_simulator_never_sent(no_shm_leftover
     try:
         supervisor = Supervisor([f"shm:{server.address(0)}"], env="CartPole-v1", seed=0, shm_server=server)
         net = PolicyNet(env_spec("CartPole-v1"), 64)
-        learner = Serving([server], {DEFAULT_POLICY: net.spec}, {DEFAULT_POLICY: net.template},
-                          {DEFAULT_POLICY: net.initial_weights(0)}, env_steps_per_sample=64, train_batch_size=10_000)
+        learner = Serving([server], Config(env_steps_per_sample=64, train_batch_size=10_000),
+                          {DEFAULT_POLICY: net.spec}, {DEFAULT_POLICY: net.template},
+                          {DEFAULT_POLICY: net.initial_weights(0)})
         doomed = fork.Process(target=sends_60_of_100, args=(server.address(0),), name="doomed")
         doomed.start()
         doomed.join(10)

@@ -42,10 +42,12 @@ def test_a_failure_in_the_serving_thread_ends_the_run_as_failed(monkeypatch, tmp
     import shmrl
     from shmrl.store import EpisodeStore
 
-    def broken_add(self, conn_id, batch):
+    # In taking a batch, not in one client's message: an exception from a client's input
+    # only closes that connection (tests/test_flood.py); this one is the run's own.
+    def broken_take(self, *args, **kwargs):
         raise RuntimeError("injected: the store is broken")
 
-    monkeypatch.setattr(EpisodeStore, "add", broken_add)
+    monkeypatch.setattr(EpisodeStore, "take", broken_take)
     out = {}
     run = threading.Thread(target=lambda: out.update(summary=shmrl.train(
         sims=1, max_env_steps=100_000, logdir=str(tmp_path / "logs"))), daemon=True)

@@ -16,7 +16,7 @@ from shmrl.serving import Serving
 from shmrl.store import DEFAULT_POLICY
 from shmrl.net import MASKED_LOGIT, PolicyNet
 from shmrl.onnx_policy import OnnxPolicy
-from shmrl.config import PPOSettings, with_defaults
+from shmrl.config import Config, PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.sampler import Sampler
 from shmrl.spaces import action_layout, from_gym, obs_layout
@@ -150,8 +150,8 @@ def test_a_bad_dict_observation_closes_only_its_connection(caplog):
     spec = robot_spec()
     net = PolicyNet(spec, 16)
     server = InProcServer(codec="json")
-    learner = Serving([server], {DEFAULT_POLICY: spec}, {DEFAULT_POLICY: net.template},
-                      {DEFAULT_POLICY: net.initial_weights(0)}, env_steps_per_sample=8, train_batch_size=10_000)
+    learner = Serving([server], Config(env_steps_per_sample=8, train_batch_size=10_000), {DEFAULT_POLICY: spec},
+                      {DEFAULT_POLICY: net.template}, {DEFAULT_POLICY: net.initial_weights(0)})
     good, evil = server.connect(timeout=5), server.connect(timeout=5)
     bad = robot_batch(np.random.default_rng(4))
     bad.obs = {**bad.obs, "camera": bad.obs["camera"][:, :, :4]}

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from shmrl.config import Config
 from shmrl import rllink
 from shmrl.serving import Serving
 from shmrl.store import DEFAULT_POLICY
@@ -243,9 +244,8 @@ def test_a_client_waiting_for_its_reply_is_never_timed_out(net):
 def test_an_on_policy_batch_waits_on_a_silent_client_at_most_the_timeout(timeout, caplog):
     server = InProcServer()
     net = PolicyNet(SPEC, 16)
-    learner = Serving([server], {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: net.template},
-                      {DEFAULT_POLICY: net.initial_weights(0)}, env_steps_per_sample=32, train_batch_size=64,
-                      batch_wait_timeout=timeout)
+    learner = Serving([server], Config(env_steps_per_sample=32, train_batch_size=64, hang_timeout=timeout),
+                      {DEFAULT_POLICY: SPEC}, {DEFAULT_POLICY: net.template}, {DEFAULT_POLICY: net.initial_weights(0)})
     learner.start()
     sent = threading.Thread()
     try:

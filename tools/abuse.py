@@ -3,6 +3,9 @@ kinds of hostile clients attack its RLlink port at once.
 
     python tools/abuse.py [--rounds 3] [--abuse-seconds 12] [--idle 200] [--json]
     python tools/abuse.py --quick --json      # seconds: one short round, 4 MiB frames, 20 idle
+    python tools/abuse.py messages [--seconds 5] [--json]   # hostile messages, one attack at a
+                                              # time (tools/abuse_messages.py: floods, huge
+                                              # messages, empty ones, a bad token, foreign agents)
 
 The server is the real thing: ``python -m shmrl.run --sims 0 --tcp-port 0`` (no auth
 token, the TCP defaults of the command line: 10 s frame timeout, no idle timeout, 64 MiB
@@ -85,12 +88,12 @@ class Server:
 
     LISTENING = re.compile(r"listening for RLlink clients on (\S+):(\d+)")
 
-    def __init__(self, logdir: str, max_frame_bytes: int):
+    def __init__(self, logdir: str, max_frame_bytes: int, extra: tuple = ()):
         env = {k: v for k, v in os.environ.items() if k != "SHMRL_AUTH_TOKEN"}  # auth-free
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         self.cmd = [sys.executable, "-m", "shmrl.run", "--sims", "0", "--tcp-port", "0",
                     "--max-frame-bytes", str(max_frame_bytes), "--stop-return", "1e9",
-                    "--max-env-steps", str(10 ** 12), "--logdir", logdir, "--log-every", "0"]
+                    "--max-env-steps", str(10 ** 12), "--logdir", logdir, "--log-every", "0", *extra]
         self.lines: list[tuple[float, str]] = []   # (time.monotonic(), line), appended by the reader
         self._new = threading.Condition()
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -194,7 +197,8 @@ class GoodClient:
 
     def __init__(self, port: int, args):
         cmd = [sys.executable, str(HERE), "_good-client", "--port", str(port),
-               "--gap-ms", str(args.gap_ms), "--train-every", str(args.train_every)]
+               "--gap-ms", str(args.gap_ms), "--train-every", str(args.train_every),
+               *(["--token", args.token] if getattr(args, "token", None) else [])]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, name="abuse-good-client", daemon=True).start()
@@ -280,7 +284,7 @@ def good_client(args) -> int:
     try:
         sock = socket.create_connection(("127.0.0.1", args.port), timeout=WAIT_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        exchange(sock, frame({"type": "PING"}), "PING")
+        exchange(sock, frame({"type": "PING", **({"auth_token": args.token} if args.token else {})}), "PING")
         sock.sendall(frame({"type": "GET_CONFIG"}))
         config = json.loads(recv_exactly(sock, rllink.parse_header(recv_exactly(sock, rllink.HEADER_LEN))))
         steps = int(config["env_steps_per_sample"])
@@ -799,6 +803,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.add_argument("--port", type=int, required=True)
             p.add_argument("--gap-ms", type=float, required=True)
             p.add_argument("--train-every", type=float, required=True)
+            p.add_argument("--token", default=None)
         return p.parse_args(argv)
     p = argparse.ArgumentParser(prog="python tools/abuse.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -855,7 +860,11 @@ def _terminate(signum, frame_):
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["messages"]:   # hostile messages, one attack at a time: tools/abuse_messages.py
+        import abuse_messages
+        return abuse_messages.main(argv[1:])
+    args = parse_args(argv)
     if getattr(args, "cmd", None) in ("_good-client", "_sink"):
         # Ctrl-C in a terminal reaches the whole group: the parent stops its workers itself
         # (they end when their stdin closes).

@@ -43,6 +43,7 @@ log = logging.getLogger("shmrl.transport")
 _T = rllink.MessageType
 _ANSWERED = frozenset(t.value for t in (_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES_AND_GET_STATE))
 _PONG = _T.PONG.value
+_EPISODES = _T.EPISODES.value
 _HEADER = rllink.HEADER_LEN
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 _LISTENER, _WAKE = object(), object()  # selector tags besides connections
@@ -69,7 +70,7 @@ class _Conn:
     ``events``; the rest are shared with the learner's thread, under the server's lock."""
 
     __slots__ = ("sock", "conn_id", "inbuf", "body_len", "frame_start", "last_traffic", "sendq", "frames",
-                 "events", "out", "out_bytes", "owed", "unpolled", "paused", "closed", "reason", "offered",
+                 "events", "out", "out_bytes", "owed", "unpolled", "paused", "held", "closed", "reason", "offered",
                  "codec", "heartbeat")
 
     def __init__(self, sock: socket.socket, conn_id: str, now: float):
@@ -86,6 +87,7 @@ class _Conn:
         self.owed = 0                     # requests received whose reply has not been queued
         self.unpolled = 0                 # requests waiting for poll()
         self.paused = False               # not read until poll() takes its requests
+        self.held = False                 # not read until the learner lets it go (hold())
         self.closed = False               # no more requests delivered, replies ignored
         self.reason: str | None = None    # set when the learner's side closes it: why
         self.offered = False              # its last PING offered the binary codec
@@ -109,7 +111,9 @@ class TcpServer(Closeable):
                  frame_timeout: float = 10.0, idle_timeout: float | None = None,
                  max_out_bytes: int = 64 << 20, max_connections: int = 1024,
                  max_buffered_bytes: int = 256 << 20, first_frame_max_bytes: int | None = None,
-                 hello_timeout: float = 30.0, heartbeat_s: float = 1.0, heartbeat_timeout: float = 10.0):
+                 hello_timeout: float = 30.0, heartbeat_s: float = 1.0, heartbeat_timeout: float = 10.0,
+                 max_json_frame_bytes: int | None = None, max_binary_frame_bytes: int | None = None,
+                 limits: rllink.MessageLimits | None = None):
         if frame_timeout <= 0 or hello_timeout <= 0 or (idle_timeout is not None and idle_timeout <= 0):
             raise ValueError("frame_timeout, hello_timeout and idle_timeout must be > 0 (idle_timeout None: off)")
         if not 0 < heartbeat_s < heartbeat_timeout:
@@ -127,6 +131,13 @@ class TcpServer(Closeable):
             raise ValueError("max_frame_bytes must be >= 0, max_out_bytes, max_connections and "
                              "max_buffered_bytes > 0")
         self.max_frame_bytes, self.max_out_bytes = max_frame_bytes, max_out_bytes
+        # Each codec's frames may be held smaller, judged from the body's first 4 bytes:
+        # JSON costs the IO thread far more per byte (a 59 MB frame of tiny episodes:
+        # seconds during which no other client is read), and a binary frame need not be
+        # larger than the largest message ``limits`` (chunks, steps of one message) allow.
+        self.max_json_frame_bytes = max_frame_bytes if max_json_frame_bytes is None else max_json_frame_bytes
+        self.max_binary_frame_bytes = max_frame_bytes if max_binary_frame_bytes is None else max_binary_frame_bytes
+        self.limits = limits
         # The largest first frame of a connection: with an auth token the first request must
         # be a PING, so nobody unauthenticated gets a big frame read and decoded.
         self.first_frame_max_bytes = max_frame_bytes if first_frame_max_bytes is None else first_frame_max_bytes
@@ -228,6 +239,18 @@ class TcpServer(Closeable):
             if conn.out_bytes > self.max_out_bytes:
                 self._close_later_locked(conn, f"not reading its replies: {conn.out_bytes} bytes queued "
                                                f"(max_out_bytes {self.max_out_bytes})")
+            self._todo.add(conn)
+            self._wake_io_locked()
+
+    def hold(self, conn_id: str, held: bool = True) -> None:
+        """Stop reading ``conn_id`` (backpressure: the learner has enough of its steps), or
+        with ``held`` False read it again. Its replies still go out; while held it cannot
+        time out. Unknown or closed: ignored."""
+        with self._lock:
+            conn = self._conns.get(conn_id)
+            if conn is None or conn.closed or conn.held == held:
+                return
+            conn.held = held
             self._todo.add(conn)
             self._wake_io_locked()
 
@@ -346,7 +369,7 @@ class TcpServer(Closeable):
             self._guarded(conn, self._set_events)
 
     def _serve(self, conn: _Conn, mask: int) -> None:
-        if mask & _READ and not conn.paused:
+        if mask & _READ and not conn.paused and not conn.held:
             self._read(conn)
         if mask & _WRITE and conn.sock is not None:
             self._write(conn)
@@ -391,20 +414,29 @@ class TcpServer(Closeable):
                     conn.body_len = rllink.parse_header(
                         buf[:_HEADER], self.max_frame_bytes if conn.frames else self.first_frame_max_bytes)
                 end = _HEADER + conn.body_len
+                if len(buf) >= _HEADER + 4 or len(buf) >= end:
+                    self._check_codec_size(conn.body_len, buf[_HEADER:_HEADER + 4] == rllink.MAGIC)
                 if len(buf) < end:
                     return
                 body = bytes(memoryview(buf)[_HEADER:end])  # one copy; the view is gone before del
                 del buf[:end]
                 conn.body_len, conn.frame_start = None, now
                 conn.frames += 1
-                if not self._deliver(conn, rllink.decode_request(body)):
+                if not self._deliver(conn, rllink.decode_request(body, self.limits)):
                     return
+                if conn.paused or conn.held:
+                    return   # what else was read waits in the buffer until the learner lets it go
         except rllink.ProtocolError as e:
             self.frames_rejected += 1
             self._close(conn, str(e))
         finally:
             if conn.sock is not None and conn.paused:
                 self._set_events(conn)  # stop reading until poll() catches up
+
+    def _check_codec_size(self, n: int, binary: bool) -> None:
+        limit, codec = (self.max_binary_frame_bytes, "binary") if binary else (self.max_json_frame_bytes, "JSON")
+        if n > limit:
+            raise rllink.ProtocolError(f"{codec} frame of {n} bytes exceeds the maximum of {limit} for {codec}")
 
     def _deliver(self, conn: _Conn, msg: dict) -> bool:
         with self._lock:
@@ -415,7 +447,10 @@ class TcpServer(Closeable):
                 conn.owed += 1
             if msg["type"] == _T.PING.value:
                 conn.offered = "binary" in msg.get("codecs", ())
-            if conn.unpolled >= self.MAX_UNPOLLED:
+            # After EPISODES (no reply, so nothing else paces the client) the connection
+            # is not read until the learner has taken it: a flooder over its budget gets
+            # held (``hold``) before more of its frames are decoded only to be dropped.
+            if conn.unpolled >= self.MAX_UNPOLLED or msg["type"] == _EPISODES:
                 conn.paused = True
             self._queue_locked(conn, msg)
         return True
@@ -441,6 +476,8 @@ class TcpServer(Closeable):
             else:
                 conn.sendq.extend(frames)
                 self._guarded(conn, self._write)
+                if conn.inbuf and conn.sock is not None and not (conn.paused or conn.held):
+                    self._guarded(conn, self._parse, time.monotonic())   # frames read before a pause
 
     def _write(self, conn: _Conn) -> None:
         queue, sent = conn.sendq, 0
@@ -464,7 +501,7 @@ class TcpServer(Closeable):
         self._set_events(conn)
 
     def _set_events(self, conn: _Conn) -> None:
-        want = (0 if conn.paused else _READ) | (_WRITE if conn.sendq else 0)
+        want = (0 if conn.paused or conn.held else _READ) | (_WRITE if conn.sendq else 0)
         if want == conn.events:
             return
         if want & _READ and not conn.events & _READ and conn.inbuf:
@@ -489,13 +526,13 @@ class TcpServer(Closeable):
     def _check_conn(self, conn: _Conn, now: float) -> None:
         if conn.closed:
             return
-        if conn.inbuf and not conn.paused:
+        if conn.inbuf and not conn.paused and not conn.held:
             if now - conn.frame_start > self.frame_timeout:
                 self._close(conn, f"frame incomplete after {self.frame_timeout:g} s: slow or stalled "
                                   f"client (got {conn.frame_progress()})")
         elif not conn.frames and now - conn.last_traffic > self.hello_timeout:
             self._close(conn, f"sent nothing in the {self.hello_timeout:g} s after connecting")
-        elif conn.owed or conn.unpolled or conn.out_bytes:
+        elif conn.owed or conn.unpolled or conn.out_bytes or conn.held:
             return  # the learner holds it up, not the client
         elif conn.heartbeat and now - conn.last_traffic > self.heartbeat_timeout:
             with self._lock:
