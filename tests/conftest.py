@@ -1,11 +1,13 @@
 """What every test file shares: the slow set left out of the default run, bounded waits
 (``wait_until`` and what is built on it: ``Run.wait_until``, ``all_gone``, ``serve_until``),
 ``python -m shmrl.run`` in a process of its own (``start_run``), a run's summary and
-metrics, the process and /dev/shm checks, ``need`` for the optional env families, and
-RLlink messages as RLlib writes them with the ``net`` fixture (TCP servers, a hub loop,
-sockets and threads, all closed in teardown)."""
+metrics, the process and /dev/shm checks, a full disk (``small_disk``), ``need`` for the
+optional env families and CartPole beside gymnasium's, and RLlink messages as RLlib
+writes them (and in binary, as shmrl's simulators do) with the ``net`` fixture (TCP
+servers, a hub loop, sockets and threads, all closed in teardown)."""
 import importlib.util
 import json
+import logging
 import os
 import re
 import selectors
@@ -16,12 +18,14 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 
+from shmrl import rllink
 from shmrl.envs import env_spec, make_env   # none of these imports torch: simulator processes import this module
 from shmrl.episode import Episode
 from shmrl.hub import Hub
@@ -75,6 +79,34 @@ def need(module: str, extra: str):
     installs it: the test extra has every family, a smaller install skips with a reason."""
     return pytest.importorskip(module, reason=f"{module} is not installed: pip install 'shmrl[{extra}]' "
                                               "(the test extra has it)")
+
+
+def balancing_action(obs) -> int:
+    """CartPole's action that keeps the pole up for all 500 steps: push toward the side
+    it falls to."""
+    return int(obs[2] + 0.5 * obs[3] > 0)
+
+
+def step_beside_gymnasium(env_id: str, mine, seed: int, next_action, atol: float) -> tuple[int, bool, bool]:
+    """Reset ``mine`` and gymnasium's ``env_id`` with ``seed`` and step both with the same
+    actions until the episode ends, checking each step; returns (steps, terminated, truncated)."""
+    ref = need("gymnasium", "gym").make(env_id)
+    ref_obs, _ = ref.reset(seed=seed)
+    obs, _ = mine.reset(seed=seed)
+    np.testing.assert_array_equal(obs, ref_obs)  # same seeding, same reset distribution
+    for steps in range(1, 1001):   # both envs end episodes by 500 steps: one that never ends fails here
+        # Step both from the same state: gymnasium uses np.cos/np.sin, we use math's, and
+        # a last-bit difference would grow along a chaotic trajectory.
+        mine._state = tuple(float(v) for v in ref.unwrapped.state)
+        action = next_action(ref_obs)
+        ref_obs, ref_r, ref_term, ref_trunc, _ = ref.step(action)
+        obs, r, term, trunc, _ = mine.step(action)
+        np.testing.assert_allclose(obs, ref_obs, rtol=1e-6, atol=atol)
+        assert r == pytest.approx(float(ref_r), rel=1e-9, abs=1e-9)
+        assert (term, trunc) == (ref_term, ref_trunc)
+        if term or trunc:
+            return steps, term, trunc
+    raise AssertionError(f"{env_id}: no episode end in 1000 steps")
 
 
 def serve_until(learner, condition, timeout: float, what: str):
@@ -226,6 +258,24 @@ def children():
         p.join(5)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 200 KiB tmpfs: a real full disk (ENOSPC). Needs root and mount(8)."""
+    where = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+    where.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(where)],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot mount a small tmpfs for a full disk here: {e}")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs for a full disk here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=10)
+
+
 class Run:
     """``python -m shmrl.run`` in its own process group, always killed in teardown."""
 
@@ -317,6 +367,31 @@ def run_beside_example_client(start_run, tmp_path, game: str, *run_args, timeout
     return run, out
 
 
+# A module of a user env factory (format it with the paths ``armed`` and ``hung``): the first
+# env to step after ``armed`` exists creates ``hung`` and hangs for good.
+HANGING_ENV = """
+import os, time
+from shmrl.envs import make_env as _make
+
+def make_env():
+    env = _make("CartPole-v1")
+    step = env.step
+
+    def step_or_hang(action):
+        if os.path.exists({armed!r}):
+            try:   # the first env to step once armed hangs, for good
+                os.close(os.open({hung!r}, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                time.sleep(3600)
+        return step(action)
+
+    env.step = step_or_hang
+    return env
+"""
+
+
 # ------------------------------------------------- RLlink messages, TCP servers and a hub loop
 
 def rllib_frame(msg: dict) -> bytes:
@@ -365,6 +440,70 @@ def make_episode(n: int, seed: int) -> Episode:
         ep.add_step(t % 2, 1.0, rnd.normal(size=4).astype(np.float32),
                     rnd.normal(size=2).astype(np.float32), -0.5, terminated=t == n - 1)
     return ep
+
+
+def chunk(obs0, n, *, terminated=False, truncated=False, id=None, obs_dim=4, action=0):
+    """A finalized episode chunk of ``n`` steps whose observations count up from ``obs0``
+    (so that continuations glue by obs); it ends as told on its last step."""
+    ep = Episode(np.full(obs_dim, obs0, np.float32), id=id)
+    for t in range(n):
+        ep.add_step(action, 1.0, np.full(obs_dim, obs0 + t + 1, np.float32), np.zeros(2, np.float32), -0.7,
+                    terminated=terminated and t == n - 1, truncated=truncated and t == n - 1)
+    return ep.finalize()
+
+
+# The env spec of the CartPole every RLlink helper here plays.
+SPEC = env_spec("CartPole-v1")
+
+
+def state_frame(seq: int, onnx_file: str = "abc") -> bytes:
+    """The SET_STATE the hub sends for weights ``seq``, as RLlib's JSON frame."""
+    return rllib_frame({"type": "SET_STATE", "onnx_file": onnx_file, "weights_seq_no": seq})
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        assert part, f"EOF after {len(data)} of {n} bytes"
+        data += part
+    return data
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    """One whole frame, its 8-byte header included."""
+    header = recv_exactly(sock, 8)
+    return header + recv_exactly(sock, int(header))
+
+
+def conn_id_of(sock_or_client) -> str:
+    """The id the TCP server gives the connection of a raw socket or a TcpClient."""
+    host, port = (sock_or_client.local_address if isinstance(sock_or_client, TcpClient)
+                  else sock_or_client.getsockname()[:2])
+    return f"tcp:{host}:{port}"
+
+
+def log_lines(caplog, conn_id: str, level=logging.WARNING) -> list[str]:
+    """The log messages at ``level`` about connection ``conn_id``."""
+    messages = [r.getMessage() for r in caplog.records if r.levelno == level]
+    return [m for m in messages if m.startswith(conn_id + ":")]
+
+
+def binary_frame(msg: dict) -> bytes:
+    """``msg`` framed in shmrl's binary codec."""
+    return rllink.frame(rllink.encode_binary(msg))
+
+
+def decode_frame(data: bytes) -> dict:
+    """The message in one whole frame, JSON or binary."""
+    assert int(data[:8]) == len(data) - 8
+    return rllink.decode(data[8:])
+
+
+def binary_episodes(steps: int, seed: int = 0) -> dict:
+    """An EPISODES_AND_GET_STATE as shmrl's simulators send it in binary: columns."""
+    msg = rllink.validate(episodes_msg(steps, seed), "request")
+    return {"type": "EPISODES_AND_GET_STATE", "episodes": msg["episodes"], "timesteps": steps}
 
 
 def read_to_eof(sock: socket.socket, timeout: float = 5.0) -> bytes:

@@ -13,8 +13,7 @@ import time
 import numpy as np
 import psutil
 
-from conftest import episodes_msg, load_tool, rllib_frame
-from test_tcp_transport import conn_id_of, log_lines, recv_frame
+from conftest import conn_id_of, episodes_msg, load_tool, log_lines, recv_frame, rllib_frame
 
 abuse_tool = load_tool("abuse")
 

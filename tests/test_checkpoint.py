@@ -3,32 +3,12 @@ state.json or a folder replaced by a file is a clear CheckpointError (passed ove
 newest intact checkpoint), and a full disk removes the half-written one and keeps the rest."""
 import json
 import os
-import subprocess
-import uuid
 
 import numpy as np
 import pytest
 
 from shmrl import checkpoint
 from shmrl.checkpoint import CheckpointError
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 200 KiB tmpfs: a real full disk (ENOSPC). Needs root and mount(8)."""
-    where = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    where.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(where)],
-                              capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"cannot mount a small tmpfs for a full disk here: {e}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs for a full disk here: {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=10)
 
 
 def arrays(value: float = 0.5, size: int = 8) -> dict:

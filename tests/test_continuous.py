@@ -23,8 +23,7 @@ from shmrl.config import Config, PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer
-from conftest import need
-from test_envs import step_beside_gymnasium
+from conftest import need, step_beside_gymnasium
 
 
 # A Box observation of 3 and a Box action of 2 dimensions.

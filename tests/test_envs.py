@@ -1,35 +1,8 @@
 import numpy as np
 import pytest
 
-from conftest import need
+from conftest import balancing_action, step_beside_gymnasium
 from shmrl.envs import CartPole, LoopVecEnv, VecCartPole, env_spec, make_env, make_vec_env
-
-
-def balancing_action(obs) -> int:
-    # Push toward the side the pole falls to: keeps CartPole up for all 500 steps.
-    return int(obs[2] + 0.5 * obs[3] > 0)
-
-
-def step_beside_gymnasium(env_id: str, mine, seed: int, next_action, atol: float) -> tuple[int, bool, bool]:
-    """Reset ``mine`` and gymnasium's ``env_id`` with ``seed`` and step both with the same
-    actions until the episode ends, checking each step; returns (steps, terminated, truncated)."""
-    ref = need("gymnasium", "gym").make(env_id)
-    ref_obs, _ = ref.reset(seed=seed)
-    obs, _ = mine.reset(seed=seed)
-    np.testing.assert_array_equal(obs, ref_obs)  # same seeding, same reset distribution
-    for steps in range(1, 1001):   # both envs end episodes by 500 steps: one that never ends fails here
-        # Step both from the same state: gymnasium uses np.cos/np.sin, we use math's, and
-        # a last-bit difference would grow along a chaotic trajectory.
-        mine._state = tuple(float(v) for v in ref.unwrapped.state)
-        action = next_action(ref_obs)
-        ref_obs, ref_r, ref_term, ref_trunc, _ = ref.step(action)
-        obs, r, term, trunc, _ = mine.step(action)
-        np.testing.assert_allclose(obs, ref_obs, rtol=1e-6, atol=atol)
-        assert r == pytest.approx(float(ref_r), rel=1e-9, abs=1e-9)
-        assert (term, trunc) == (ref_term, ref_trunc)
-        if term or trunc:
-            return steps, term, trunc
-    raise AssertionError(f"{env_id}: no episode end in 1000 steps")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7])

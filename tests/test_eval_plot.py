@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import need, quick_cartpole
+from conftest import balancing_action, need, quick_cartpole
 from shmrl import eval as shmrl_eval
 from shmrl.onnx_policy import OnnxPolicy, OnnxPublisher
-from test_envs import balancing_action
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [4, 2, 2, 2]  # CartPole: 4 observations, two hidden ReLU units, 2 logits

@@ -22,9 +22,8 @@ from shmrl.ppo import PPO
 from shmrl.serving import Serving
 from shmrl.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.trainer import update
-from test_tcp_binary import binary_episodes, binary_frame, decode_frame
-from conftest import episodes_msg, net, rllib_frame, wait_until  # noqa: F401 (net: a fixture)
-from test_tcp_transport import SPEC, conn_id_of, recv_frame
+from conftest import (SPEC, binary_episodes, binary_frame, conn_id_of, decode_frame, episodes_msg, recv_frame,
+                      rllib_frame, wait_until)
 
 CODECS = ["json", "binary"]
 

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 import shmrl
-from shmrl.envs import env_spec
-from shmrl.episode import Episode, EpisodeBatch
+from shmrl.episode import EpisodeBatch
 from shmrl.net import PolicyNet
 from shmrl.config import Config, PPOSettings, with_defaults
 from shmrl.ppo import PPO
@@ -19,17 +18,7 @@ from shmrl.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.trainer import train_with_servers, update
 from shmrl.transport.inproc import InProcServer
 
-from conftest import request_while_serving, serve_until
-
-SPEC = env_spec("CartPole-v1")
-
-
-def chunk(obs0, n, *, terminated=False, truncated=False, id=None, obs_dim=4, action=0):
-    ep = Episode(np.full(obs_dim, obs0, np.float32), id=id)
-    for t in range(n):
-        ep.add_step(action, 1.0, np.full(obs_dim, obs0 + t + 1, np.float32), np.zeros(2, np.float32), -0.7,
-                    terminated=terminated and t == n - 1, truncated=truncated and t == n - 1)
-    return ep.finalize()
+from conftest import SPEC, chunk, request_while_serving, serve_until
 
 
 def test_store_glues_continuations_by_obs_and_by_id():

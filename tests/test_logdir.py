@@ -13,7 +13,6 @@ import pytest
 from shmrl import logdir
 from shmrl.config import ConfigError
 from shmrl.metrics import MetricsLog
-from test_checkpoint import small_disk  # noqa: F401,F811  (a fixture)
 
 
 def test_a_second_lock_is_refused_naming_the_holder(tmp_path):
@@ -97,7 +96,7 @@ def test_a_line_without_its_newline_is_completed_before_appending(tmp_path):
     assert [r["update"] for r in logdir.read_rows(path)] == [1, 2, 3]
 
 
-def test_a_full_disk_leaves_whole_lines_and_the_old_summary(small_disk):  # noqa: F811
+def test_a_full_disk_leaves_whole_lines_and_the_old_summary(small_disk):
     metrics = MetricsLog(small_disk)
     row = {"update": 0, "pad": "x" * 3000}
     with pytest.raises(logdir.LogdirWriteError, match=r"cannot write .*metrics.jsonl: No space left on device"):
@@ -246,7 +245,7 @@ def test_a_resume_whose_budget_is_spent_trains_nothing(tmp_path):
     assert {p: p.read_bytes() for p in before} == before   # no checkpoint, metrics or summary rewritten
 
 
-def test_a_full_disk_ends_the_run_with_one_error_line(small_disk, tmp_path):  # noqa: F811
+def test_a_full_disk_ends_the_run_with_one_error_line(small_disk, tmp_path):
     proc = run_once(*QUICK, "--stop-return", 1e9, "--max-env-steps", 10_000_000, "--checkpoint-every", 2,
                     "--logdir", small_disk, cwd=tmp_path, timeout=180)
     assert proc.returncode == 3, proc.stdout + proc.stderr

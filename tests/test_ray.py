@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import alive, check_books, descendants, summary_of, wait_until
-from test_tcp_binary import HANGING_ENV   # the env that hangs once armed
+from conftest import HANGING_ENV, alive, check_books, descendants, summary_of, wait_until
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'shmrl[ray]'")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]   # slow: a two-node cluster to start, ~30 s in all

@@ -20,24 +20,8 @@ from shmrl.store import DEFAULT_POLICY
 from shmrl.net import PolicyNet
 from shmrl.transport.inproc import InProcServer
 from shmrl.transport.tcp import ConnectionClosed, TcpClient
-from test_learner import chunk
-from conftest import check_books, episodes_msg, read_to_eof, rllib_frame, summary_of, wait_until
-from test_tcp_transport import SPEC, log_lines, recv_frame, state_frame
-
-
-def binary_frame(msg: dict) -> bytes:
-    return rllink.frame(rllink.encode_binary(msg))
-
-
-def decode_frame(data: bytes) -> dict:
-    assert int(data[:8]) == len(data) - 8
-    return rllink.decode(data[8:])
-
-
-def binary_episodes(steps: int, seed: int = 0) -> dict:
-    """An EPISODES_AND_GET_STATE as shmrl's simulators send it in binary: columns."""
-    msg = rllink.validate(episodes_msg(steps, seed), "request")
-    return {"type": "EPISODES_AND_GET_STATE", "episodes": msg["episodes"], "timesteps": steps}
+from conftest import (HANGING_ENV, SPEC, binary_episodes, binary_frame, check_books, chunk, decode_frame, episodes_msg,
+                      log_lines, read_to_eof, recv_frame, rllib_frame, state_frame, summary_of, wait_until)
 
 
 # ---------------------------------------------------------------- negotiation
@@ -280,29 +264,6 @@ def test_an_on_policy_batch_waits_on_a_silent_client_at_most_the_timeout(timeout
 
 
 # ---------------------------------------------------------------- a hung local TCP simulator
-
-HANGING_ENV = """
-import os, time
-from shmrl.envs import make_env as _make
-
-def make_env():
-    env = _make("CartPole-v1")
-    step = env.step
-
-    def step_or_hang(action):
-        if os.path.exists({armed!r}):
-            try:   # the first env to step once armed hangs, for good
-                os.close(os.open({hung!r}, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                pass
-            else:
-                time.sleep(3600)
-        return step(action)
-
-    env.step = step_or_hang
-    return env
-"""
-
 
 def test_a_hung_local_tcp_simulator_is_closed_and_restarted(start_run, tmp_path, monkeypatch, no_shm_leftovers):
     """--transport tcp: the simulator's HEARTBEATs stop with its env, the server closes its

@@ -15,47 +15,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmrl.envs import env_spec
 from shmrl.rllink import ProtocolError
 from shmrl.transport.tcp import ConnectionClosed, TcpClient, TcpServer, parse_address
 
-from conftest import Net, episodes_msg, read_to_eof, rllib_episodes, rllib_frame, wait_until
+from conftest import (Net, conn_id_of, episodes_msg, log_lines, read_to_eof, recv_exactly, recv_frame, rllib_episodes,
+                      rllib_frame, state_frame, wait_until)
 
-SPEC = env_spec("CartPole-v1")
 CONFIG = {"type": "SET_CONFIG", "env_steps_per_sample": 8, "force_on_policy": True}
-
-
-def state_frame(seq: int, onnx_file: str = "abc") -> bytes:
-    return rllib_frame({"type": "SET_STATE", "onnx_file": onnx_file, "weights_seq_no": seq})
-
-
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        assert chunk, f"EOF after {len(data)} of {n} bytes"
-        data += chunk
-    return data
-
-
-def recv_frame(sock: socket.socket) -> bytes:
-    header = recv_exactly(sock, 8)
-    return header + recv_exactly(sock, int(header))
-
-
-def conn_id_of(sock_or_client) -> str:
-    host, port = (sock_or_client.local_address if isinstance(sock_or_client, TcpClient)
-                  else sock_or_client.getsockname()[:2])
-    return f"tcp:{host}:{port}"
 
 
 def io_threads(server) -> list:
     return [t for t in threading.enumerate() if t.name == f"shmrl-tcp-{server.address[1]}"]
-
-
-def log_lines(caplog, conn_id: str, level=logging.WARNING) -> list[str]:
-    messages = [r.getMessage() for r in caplog.records if r.levelno == level]
-    return [m for m in messages if m.startswith(conn_id + ":")]
 
 
 def keep_sampling(net: Net, server: TcpServer, served: list) -> None:
