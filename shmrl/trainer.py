@@ -10,133 +10,26 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from shmrl.checkpoint import CheckpointError
-from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, env_name,
-                          resolve_config, saved_config, validate)
+from shmrl.config import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, saved_config
 from shmrl.episode import EpisodeBatch
 from shmrl.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
 from shmrl.report import Clock, metrics_row, progress_line, run_summary
-from shmrl.resume import (load_resume_checkpoint, policy_arrays, policy_file, policy_prefix, ppo_state,
-                          restore_store, save_checkpoint, saved_policy, spent_budget)
-from shmrl.serving import Serving, check_policy_fits_a_frame, open_transports
-from shmrl.store import DEFAULT_POLICY
+from shmrl.resume import policy_file, save_checkpoint, spent_budget
+from shmrl.serving import Serving, open_transports
+from shmrl.setup_run import Setup, make_ppos, make_serving, set_up
 
 log = logging.getLogger("shmrl.run")
 
 
 class RunFailed(RuntimeError):
     """A part of the run failed (a simulator died, a transport broke)."""
-
-
-def policy_net(config, spec):
-    """The published policy of this run's configuration."""
-    from shmrl.net import PolicyNet
-
-    return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
-                     log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn,
-                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size)
-
-
-@dataclass
-class Setup:
-    """A run before anything starts: its settings resolved, its env, its set of policies
-    (by policy id; a single-agent run's one policy is ``DEFAULT_POLICY``)."""
-    config: object
-    spec: object
-    multiagent: bool             # the env has agents, the clients send RLlib's multi-agent messages
-    policy_specs: dict           # policy id -> EnvSpec of its agents
-    nets: dict                   # policy id -> PolicyNet
-    first_weights: dict          # policy id -> its weights to publish first
-    first_seq: int
-    resumed: tuple | None        # (path, arrays, state) of the checkpoint it goes on from
-
-
-def set_up(config, servers_given: bool = False) -> Setup:
-    """Everything that can refuse the run (ConfigError) short of opening its transports."""
-    from shmrl.envs import env_spec
-
-    spec = env_spec(config.env)
-    config = resolve_config(config, spec)
-    validate(config, spec, servers_given)
-    multiagent = getattr(spec, "multiagent", False)
-    policy_specs = {DEFAULT_POLICY: spec}
-    if multiagent:
-        from shmrl.envspec import policy_mapper
-
-        try:
-            policy_specs = spec.policy_specs(policy_mapper(config.policy_map))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if config.stop_return is None:  # the env's threshold; without one, train to the step budget
-        config.stop_return = spec.reward_threshold if spec.reward_threshold is not None else math.inf
-    if config.logdir is None:
-        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
-        config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
-    check_policy_fits_a_frame(config, nets, multiagent)
-    resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent,
-                                     saved_config(config))
-               if config.resume else None)
-    if resumed:
-        first_weights = {pid: saved_policy(resumed[1], policy_prefix(pid, multiagent)) for pid in nets}
-        first_seq = resumed[2]["weights_seq_no"] + 1
-    else:
-        first_weights = {pid: net.initial_weights(config.seed + i) for i, (pid, net) in enumerate(nets.items())}
-        first_seq = 1
-    from shmrl.metrics import tensorboard_available
-
-    if config.tensorboard is None:
-        config.tensorboard = tensorboard_available()
-    elif config.tensorboard and not tensorboard_available():
-        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
-    return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed)
-
-
-def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
-    """The serving side, its first weights published (before torch is even imported)."""
-    config = setup.config
-    serving = Serving(servers, config, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
-                      setup.first_weights, multiagent=setup.multiagent, first_weights_seq_no=setup.first_seq,
-                      housekeeping=supervisor.check if supervisor else None,
-                      state_size=max(net.state_size for net in setup.nets.values()),
-                      agents=setup.spec.agents if setup.multiagent else None,
-                      extra_config=None if not setup.multiagent else {
-                          "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
-    if setup.resumed:
-        path, arrays, state = setup.resumed
-        restore_store(serving.store, state, arrays, setup.multiagent)
-        serving.updates = state["update"]
-        print(f"resuming from {path} (update {state['update']}, {serving.store.steps_received} env steps, "
-              f"weights {setup.first_seq - 1})", flush=True)
-    return serving
-
-
-def make_ppos(setup: Setup) -> dict:
-    """One PPO per policy (policy id -> PPO), from the checkpoint when resuming."""
-    import torch
-
-    from shmrl.ppo import PPO
-
-    config = setup.config
-    # 0: every core, for strict on-policy runs whose update dominates (the simulators
-    # wait through it, so the learner may take their cores).
-    torch.set_num_threads(config.torch_threads or os.cpu_count() or 1)
-    ppos = {pid: PPO(net, config, seed=config.seed + i, initial_weights=setup.first_weights[pid])
-            for i, (pid, net) in enumerate(setup.nets.items())}
-    if setup.resumed:
-        _, arrays, state = setup.resumed
-        for pid, ppo in ppos.items():
-            ppo.set_state(policy_arrays(arrays, policy_prefix(pid, setup.multiagent)),
-                          ppo_state(state, pid, setup.multiagent))
-    return ppos
 
 
 def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: float = 0.0) -> dict | None:

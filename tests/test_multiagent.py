@@ -23,7 +23,7 @@ from shmrl.store import EpisodeStore  # noqa: E402
 from shmrl.multiagent import MultiAgentSampler, PolicySet, play, policy_mapper  # noqa: E402
 from shmrl.onnx_policy import encode_onnx_file  # noqa: E402
 from shmrl.config import Config, resolve_config  # noqa: E402
-from shmrl.trainer import policy_net  # noqa: E402
+from shmrl.setup_run import policy_net  # noqa: E402
 
 
 class Relay(ParallelEnv):

@@ -19,7 +19,7 @@ from shmrl.config import PPOSettings, with_defaults
 from shmrl.ppo import PPO
 from shmrl.resume import restore_store, saved_policy
 from shmrl.run import parse_args, resolve_config
-from shmrl.trainer import policy_net
+from shmrl.setup_run import policy_net
 from shmrl.stats import RunningMeanStd, discounted_sums
 
 

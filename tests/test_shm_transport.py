@@ -258,7 +258,7 @@ def test_rings_take_every_frame_of_the_run(env, hidden, envs_per_sim, steps):
     from shmrl.onnx_policy import encode_onnx_file
     from shmrl.config import Config, resolve_config
     from shmrl.serving import ring_bytes
-    from shmrl.trainer import policy_net
+    from shmrl.setup_run import policy_net
     from shmrl.sim import make_sampler
     from shmrl.transport.ring import Ring
 

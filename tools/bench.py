@@ -93,7 +93,7 @@ def run_policy(env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: i
     that shmrl.run publishes for it (numpy and the ONNX template only: no torch)."""
     from shmrl.envs import env_spec
     from shmrl.config import Config, resolve_config
-    from shmrl.trainer import policy_net
+    from shmrl.setup_run import policy_net
 
     spec = env_spec(env)
     config = resolve_config(Config(env=env, envs_per_sim=envs_per_sim,
