@@ -632,3 +632,16 @@ def net():
         yield n
     finally:
         n.teardown()
+
+
+class FakeServer:
+    """A transport's reply side that records what the Hub sends and drops."""
+
+    def __init__(self):
+        self.replies, self.dropped = [], []
+
+    def reply(self, conn_id, msg):
+        self.replies.append((conn_id, msg))
+
+    def drop(self, conn_id, reason):
+        self.dropped.append((conn_id, reason))

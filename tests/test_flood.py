@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import wait_until
+from conftest import FakeServer, wait_until
 from shmrl import rllink
 from shmrl.config import Config
 from shmrl.envs import env_spec
@@ -265,17 +265,6 @@ def test_a_policy_too_big_for_one_frame_is_refused_at_start(tmp_path, hidden):
 
 
 # ---------------------------------------------------------------- item 18: agent ids are the env's
-
-class FakeServer:
-    def __init__(self):
-        self.replies, self.dropped = [], []
-
-    def reply(self, conn_id, msg):
-        self.replies.append((conn_id, msg))
-
-    def drop(self, conn_id, reason):
-        self.dropped.append((conn_id, reason))
-
 
 def multi_agent_chunk(agent_id, steps: int = 3) -> dict:
     return {"obs": [[0.0] * 4] * (steps + 1), "actions": [0] * steps, "rewards": [1.0] * steps,

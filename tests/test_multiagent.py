@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import need, run_beside_example_client, summary_of
+from conftest import FakeServer, need, run_beside_example_client, summary_of
 need("pettingzoo", "pettingzoo")
 from gymnasium import spaces as gs  # noqa: E402
 from pettingzoo import AECEnv, ParallelEnv  # noqa: E402
@@ -184,17 +184,6 @@ def test_set_state_with_policies_is_validated():
                 {"p": {"onnx_file": "x", "weights_seq_no": 1, "frozen": "yes"}}):
         with pytest.raises(rllink.ProtocolError):
             rllink.validate({"type": "SET_STATE", "weights_seq_no": 3, "policies": bad})
-
-
-class FakeServer:
-    def __init__(self):
-        self.replies, self.dropped = [], []
-
-    def reply(self, conn_id, msg):
-        self.replies.append((conn_id, msg))
-
-    def drop(self, conn_id, reason):
-        self.dropped.append((conn_id, reason))
 
 
 def test_a_chunk_for_an_unknown_policy_closes_only_that_connection():
