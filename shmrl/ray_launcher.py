@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+
+from shmrl.config import ConfigError
 
 log = logging.getLogger("shmrl.ray")
 
@@ -29,6 +32,18 @@ def import_ray():
     except ImportError:
         raise ImportError("--ray needs Ray: pip install 'shmrl[ray]'") from None
     return ray
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """ConnectionError unless something listens at ``address`` (HOST:PORT; "auto", "local" and
+    ray:// addresses are Ray's to resolve)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ConnectionError(f"nothing answers at {address} ({e.strerror or e})") from None
 
 
 class SimActor:
@@ -80,8 +95,15 @@ class RayLauncher:
         self.ray = ray = import_ray()
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
+            check_reachable(address)   # ray.init retries an address where nothing listens for minutes
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      **(init_kwargs or {}))
+        most = max((node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]), default=0.0)
+        if sim_cpus > most:   # such an actor could never be placed: its simulator would "hang" forever
+            if self.owns_ray:
+                ray.shutdown()
+            raise ConfigError(f"--sim-cpus {sim_cpus:g}: no node of the Ray cluster at {address} has that many "
+                              f"CPUs (the most one has: {most:g}); each simulator actor reserves --sim-cpus")
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
         self.tcp_address: str | None = None  # set by the run once its TCP server listens

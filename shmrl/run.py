@@ -66,6 +66,8 @@ def train(config: Config, t_start: float | None = None) -> tuple[int, dict]:
             launcher = RayLauncher(config.ray, sim_cpus=config.sim_cpus)
         except ImportError as e:
             raise ConfigError(str(e)) from None
+        except ConfigError:
+            raise
         except (ConnectionError, RuntimeError, ValueError) as e:  # what ray.init raises for no cluster there
             raise ConfigError(f"--ray {config.ray}: cannot connect to the Ray cluster: {e}") from None
         if not config.auth_token:  # the port is open to the cluster's network: never without a secret

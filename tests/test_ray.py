@@ -83,6 +83,24 @@ def test_cartpole_solved_with_simulators_on_both_nodes(cluster, start_run, tmp_p
           f"clients {sorted(clients)}")
 
 
+@pytest.mark.parametrize("address, sim_cpus, message", [
+    ("127.0.0.1:1", 1, "--ray 127.0.0.1:1: cannot connect to the Ray cluster: nothing answers at 127.0.0.1:1"),
+    (None, 100, "--sim-cpus 100: no node of the Ray cluster at"),   # None: the test's cluster (4 CPUs a node)
+])
+def test_a_ray_cluster_that_cannot_run_the_simulators_is_one_error_line(cluster, start_run, tmp_path, address,
+                                                                         sim_cpus, message):
+    """Issue 22, item 19: an address where nothing listens, or actors that no node can
+    place, are refused at start (exit 2, one line), not retried or restarted forever."""
+    run = start_run("--ray", address or cluster.address, "--sims", 1, "--sim-cpus", sim_cpus,
+                    "--logdir", tmp_path / "run")
+    wait_until(lambda: run.proc.poll() is not None, 60, "the run to refuse the cluster")
+    out = run.output()
+    assert run.proc.returncode == 2, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], out[-3000:]
+    assert "Traceback" not in out and not (tmp_path / "run").exists()
+
+
 def test_a_hung_remote_simulator_is_named_closed_and_its_actor_restarted(
         cluster, env_dir, start_run, tmp_path, no_shm_leftovers):
     armed, hung = tmp_path / "armed", tmp_path / "hung"
