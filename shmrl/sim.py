@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         p.error(str(e))
     if args.connect:
-        from shmrl.transport.tcp import parse_address
+        from shmrl.transport.tcp_client import parse_address
 
         try:
             parse_address(args.connect)

@@ -36,6 +36,6 @@ def connect(address: str, timeout: float = 30.0, *, codec: str = "binary",
         from shmrl.transport.shm import ShmClient
         return ShmClient(rest, timeout=timeout, codec=codec)
     if kind == "tcp":
-        from shmrl.transport.tcp import TcpClient, parse_address
+        from shmrl.transport.tcp_client import TcpClient, parse_address
         return TcpClient(*parse_address(rest), timeout=timeout, codec=codec, client_name=name)
     raise ValueError(f"unknown address {address!r}: expected shm:SEGMENT or tcp:HOST:PORT")
