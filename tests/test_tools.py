@@ -334,6 +334,32 @@ def test_abuse_quick(tool):
     assert c["server_exit_code"] == 143 and c["shm_files_left"] == [] and c["server_group_alive"] is False
 
 
+def test_abuse_messages_quick(tool):
+    rc, out, err = tool("abuse_messages.py", "--quick", "--json", timeout=180)
+    assert rc in (0, 1), err[-3000:]                # 1: a gate failed on a loaded machine, still a report
+    r = last_json(out)
+    assert list(r["rows"]) == ["quiet", "busy", "empty", "surrogate", "agent-ids"]
+    assert r["ok"] == (rc == 0)
+    for name, row in r["rows"].items():
+        assert positive(row["rtt_ms"]["PING"]) and row["rss_peak_mib"] >= row["rss_before_mib"] > 0
+        if name not in ("quiet", "busy"):
+            assert row["run_alive"], name
+    assert r["rows"]["surrogate"]["attacker"]["closed"] >= 1        # a wrong token: closed, and back for more
+    assert r["rows"]["empty"]["attacker"]["replies"] >= 1            # an empty EPISODES_AND_GET_STATE is answered
+
+
+def test_processes_quick(tool):
+    rc, out, err = tool("processes.py", "--quick", "--json", timeout=180)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    roles = sorted(p["role"] for p in r["processes"])
+    assert roles[:2] == ["fork server", "learner"] and roles.count("simulator 0") == roles.count("simulator 1") == 1
+    assert all(positive(p["pss_mib"]) and p["rss_mib"] >= p["uss_mib"] for p in r["processes"])
+    assert r["pss_mib"] == pytest.approx(sum(p["pss_mib"] for p in r["processes"]))
+    assert r["updates"] >= 1 and r["summary_written"]                # stopped as after Ctrl-C: it wrote its summary
+    assert r["exit_status"] == 130 and r["group_left"] is False and r["shm_left"] == []
+
+
 @pytest.mark.slow   # among the suite's longest (25-40 s)
 @pytest.mark.skipif(not SB3_PYTHON.exists(), reason="no stable-baselines3 virtualenv: `python tools/sb3_baseline.py "
                                                     "--setup` makes it (.ci/run does, before the tests)")

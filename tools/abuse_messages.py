@@ -3,6 +3,7 @@
 under each (issue 22, items 13-18).
 
     python tools/abuse.py messages [--seconds 5] [--only NAME ...] [--json]
+    python tools/abuse_messages.py --quick --json   # seconds: the cheap attacks, short windows
 
 The good client is tools/abuse.py's (a fresh interpreter, RLlib's framing: PING,
 GET_STATE and, every --train-every s, EPISODES_AND_GET_STATE, which waits for one PPO
@@ -44,6 +45,8 @@ from shmrl import rllink
 from shmrl.episode import EpisodeBatch
 
 TOKEN = "abuse-messages-token"
+# --quick: only checks that the tool works (its figures are not ones to quote).
+QUICK = {"seconds": 0.5, "only": ["empty", "surrogate", "agent-ids"], "train_every": 0.2}
 ATTACKS = ("flood-binary", "flood-json", "huge-binary", "huge-json", "empty", "surrogate", "agent-ids")
 CONTROL = "busy"   # not an attack: a second honest client sampling flat out, so the trainer never rests
 
@@ -230,6 +233,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-ratio", type=float, default=2.0, help="largest RTT ratio that passes (default: %(default)s)")
     p.add_argument("--max-growth-mib", type=float, default=512.0,
                    help="largest rise of the server's VmRSS over its start (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"seconds: {QUICK} (flags given still win); checks the tool, not the server")
+    if "--quick" in argv:
+        p.set_defaults(**QUICK)
     args = p.parse_args(argv)
     args.token = TOKEN
     try:
@@ -244,3 +251,7 @@ def main(argv: list[str]) -> int:
     else:
         show(result)
     return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
