@@ -39,8 +39,7 @@ class PolicyChunks:
         """``reward_gamma``: keep the running variance of each stream's discounted return
         (``reward_stats``), by which rewards are scaled for training (VecNormalize's reward
         normalization, at the learner and per client stream instead of in a wrapper)."""
-        self.pending: list[EpisodeBatch] = []
-        self.pending_conns: list[str] = []     # the connection each pending batch came from
+        self.pending: list[tuple[str, EpisodeBatch]] = []   # (the connection it came from, a batch)
         self.pending_steps = 0
         self.pending_by_conn: dict[str, int] = {}   # conn_id -> its env steps in ``pending``
         self.returns: deque = deque(maxlen=window)
@@ -84,8 +83,7 @@ class PolicyChunks:
                 self._open[key] = (ret, length, discounted[i])
         self.episodes_completed += len(completed)
         if batch.num_steps:
-            self.pending.append(batch)
-            self.pending_conns.append(conn_id)
+            self.pending.append((conn_id, batch))
             count(self.pending_by_conn, conn_id, batch.num_steps)
             self.pending_steps += batch.num_steps
             self.steps_received += batch.num_steps
@@ -125,7 +123,7 @@ class PolicyChunks:
         sends none) count as current."""
         if max_lag is not None:
             fresh = []
-            for batch, conn_id in zip(self.pending, self.pending_conns):
+            for conn_id, batch in self.pending:
                 seq = batch.weights_seq_no
                 stale = (seq >= 0) & (version - seq > max_lag)
                 if stale.any():
@@ -134,17 +132,16 @@ class PolicyChunks:
                     self._unpend(conn_id, n_stale)
                     batch = batch.select(~stale)
                 if batch.num_steps:
-                    fresh.append((batch, conn_id))
-            self.pending, self.pending_conns = [b for b, _ in fresh], [c for _, c in fresh]
+                    fresh.append((conn_id, batch))
+            self.pending = fresh
         taken, steps = [], 0
         while self.pending and (max_steps is None or steps < max_steps):
-            batch, conn_id = self.pending[0], self.pending_conns[0]
+            conn_id, batch = self.pending[0]
             if max_steps is not None and steps + batch.num_steps > 2 * max_steps and batch.num_chunks > 1:
                 batch, rest = self._cut(batch, max_steps - steps)
-                self.pending[0] = rest
+                self.pending[0] = (conn_id, rest)
             else:
                 self.pending.pop(0)
-                self.pending_conns.pop(0)
             taken.append(batch)
             steps += batch.num_steps
             self._unpend(conn_id, batch.num_steps)

@@ -93,7 +93,7 @@ def test_absurd_values_are_refused_per_chunk_counted_and_logged_once(net, caplog
     assert store.steps_dropped == {reason: 24}
     assert store.steps_received == 32 and store.pending_steps == 8     # only the honest steps wait
     assert all(np.all(np.abs(b.obs) < 1e6) and np.all(np.abs(b.rewards) < 1e6) and np.all(b.action_logp <= 0)
-               for b in store.policies[DEFAULT_POLICY].pending)
+               for _, b in store.policies[DEFAULT_POLICY].pending)
     lines = refusal_lines(caplog, reason)
     assert len(lines) == 1 and "(mallory)" in lines[0] and conn_id_of(s) in lines[0], lines
     assert hub.closed() == []
@@ -123,7 +123,7 @@ def test_a_version_from_the_future_is_refused_never_a_negative_lag(net, caplog, 
     store = hub.store
     assert store.steps_dropped == {"weights_seq_no from the future": 24}
     pending = store.policies[DEFAULT_POLICY].pending
-    assert len(pending) == 1 and set(pending[0].weights_seq_no.tolist()) == {1}   # a lag of >= 0 only
+    assert len(pending) == 1 and set(pending[0][1].weights_seq_no.tolist()) == {1}   # a lag of >= 0 only
     assert len(refusal_lines(caplog, "weights_seq_no from the future")) == 1
     assert hub.closed() == [] and not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
