@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from shmrl import rllink
-from shmrl.actor import Actor, check_policy_fits, handshake as _handshake   # the name of an argument below
+from shmrl.actor import Actor, check_policy_fits, check_sample, handshake as _handshake   # the name of an argument below
 from shmrl.envs import resolve_env
 from shmrl.envspec import POLICY_MAPS, SHARED_POLICY, MultiAgentSpec, policy_mapper  # noqa: F401 (as before)
 from shmrl.episode import Episode, EpisodeBatch, MultiAgentBatch, new_episode_id
@@ -253,6 +253,8 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
             sampler.step()
             client.heartbeat(sent + sampler.steps)
         batch = sampler.take()
+        for policy_batch in batch.policies.values():   # a NaN is the env's or the policy's: say so here
+            check_sample(policy_batch, spec.env_id)
         reply = client.request({"type": T.EPISODES_AND_GET_STATE.value, "episodes": batch,
                                 "timesteps": batch.num_steps})
         sent += batch.num_steps

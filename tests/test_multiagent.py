@@ -410,3 +410,52 @@ def test_a_simulator_whose_env_does_not_fit_the_run_says_so(start_run, tmp_path,
     proc = subprocess.run([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", sim_env],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+NAN_PAIR = '''
+import math
+
+import numpy as np
+from gymnasium import spaces
+from pettingzoo import ParallelEnv
+
+
+class NanPair(ParallelEnv):
+    """Two agents; at the third step agent 'b' gets a NaN reward."""
+    metadata = {"name": "nan_pair"}
+    possible_agents = ["a", "b"]
+
+    def observation_space(self, agent):
+        return spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def action_space(self, agent):
+        return spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        self.t, self.agents = 0, list(self.possible_agents)
+        return {a: np.zeros(2, np.float32) for a in self.agents}, {a: {} for a in self.agents}
+
+    def step(self, actions):
+        self.t += 1
+        rewards = {a: math.nan if (a == "b" and self.t == 3) else 1.0 for a in actions}
+        done = {a: self.t >= 10 for a in actions}
+        return ({a: np.zeros(2, np.float32) for a in actions}, rewards, done,
+                {a: False for a in actions}, {a: {} for a in actions})
+'''
+
+
+def test_a_multiagent_envs_nan_ends_the_run_with_one_line_naming_it(start_run, tmp_path):
+    """The multi-agent loop checks its chunks as the single-agent one does: the env's NaN is
+    named by the simulator and in the run's one error line, not dropped as a bad chunk."""
+    (tmp_path / "broken_ma.py").write_text(NAN_PAIR)   # the run's working directory: importable
+    run = start_run("--env", "broken_ma:NanPair", "--sims", 1, "--max-env-steps", 4096,
+                    "--env-steps-per-sample", 64, "--max-restarts", 0, "--logdir", tmp_path / "logs")
+    run.proc.wait(timeout=90)
+    out = run.output()
+    assert run.proc.returncode == 3, out[-3000:]
+    assert "returned a reward that is not finite (nan)" in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: simulator")]
+    assert len(errors) == 1, out[-3000:]
+    assert "stopped: its env returned an observation or reward that is not finite" in errors[0], out[-3000:]
+    summary = summary_of(tmp_path / "logs")
+    assert "not finite" in summary["error"] and summary["env_steps"] == 0
