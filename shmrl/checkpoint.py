@@ -110,7 +110,7 @@ def load(path: Path) -> tuple[dict[str, np.ndarray], dict]:
 
 
 MAX_COUNT = 2**62   # far above any real count; its successor still fits an int64
-COUNTERS = ("steps_received", "steps_trained", "steps_lost", "episodes_completed")
+COUNTERS = ("steps_received", "steps_trained", "steps_refused", "steps_lost", "episodes_completed")
 
 
 def check_state(state: dict) -> None:

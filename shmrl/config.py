@@ -107,8 +107,9 @@ class RunSettings:
         "(default: %(default)s; None: the env's reward threshold, or none: train to the budget)",
         kind=float, preset=True, metavar="R", allow_inf=True)
     max_env_steps: int | None = setting(
-        1_000_000, "give up (exit 1) after N env steps received, counting those before a --resume "
-        "(default: %(default)s)", preset=True, check=at_least(1), metavar="N")
+        1_000_000, "give up (exit 1) after N env steps accepted (received, less the chunks refused as they "
+        "came in: over a client's budget, out of bounds, not fitting the env), counting those before a "
+        "--resume (default: %(default)s)", preset=True, check=at_least(1), metavar="N")
     return_window: int = setting(
         100, "the mean return reported, and compared with --stop-return, is that of the last N complete "
         "episodes (default: %(default)s)", check=at_least(1), metavar="N")

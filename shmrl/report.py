@@ -17,11 +17,13 @@ class Clock:
 
 def counts(serving, supervisor) -> dict:
     """Where every env step went: received = trained + pending (waiting, or in an update
-    that has not finished) + dropped (by reason); lost: stepped by simulators that died
+    that has not finished) + dropped (by reason); accepted: received less those refused as
+    they came in (what --max-env-steps counts); lost: stepped by simulators that died
     before sending them, never received. A frame that could not be decoded has no steps to
     count: it counts as a bad frame."""
     store = serving.store
-    return {"env_steps": store.steps_received, "env_steps_trained": store.steps_trained,
+    return {"env_steps": store.steps_received, "env_steps_accepted": store.steps_accepted,
+            "env_steps_trained": store.steps_trained,
             "env_steps_pending": store.pending_steps + store.in_flight,
             "env_steps_dropped": dict(store.steps_dropped),
             "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),

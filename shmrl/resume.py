@@ -111,14 +111,19 @@ def save_checkpoint(logdir: Path, update: int, weights_seq_no: int, store, ppos:
         "ppo": ppo_values if multiagent else ppo_values[DEFAULT_POLICY]})
 
 
+def accepted_steps(counters: dict) -> int:
+    """A checkpoint's env steps that count toward --max-env-steps (``EpisodeStore.steps_accepted``)."""
+    return int(counters["steps_received"]) - int(counters.get("steps_refused", 0))
+
+
 def spent_budget(config, resumed: tuple | None) -> dict | None:
     """When the run resumed (``resumed``: path, arrays, state) has already received its
     ``--max-env-steps``, say so and return its summary (exit status 1): it samples
     nothing and writes nothing. None when there is budget left."""
-    if not resumed or resumed[2]["counters"]["steps_received"] < config.max_env_steps:
+    if not resumed or accepted_steps(resumed[2]["counters"]) < config.max_env_steps:
         return None
     path, _, state = resumed
-    steps = state["counters"]["steps_received"]
+    steps = accepted_steps(state["counters"])
     print(f"step budget exhausted: {config.resume} already has {steps} env steps (--max-env-steps "
           f"{config.max_env_steps}); nothing trained or written (a larger --max-env-steps goes on)", flush=True)
     return {"solved": False, "exit_status": EXIT_BUDGET, "error": None, "env_steps": steps,

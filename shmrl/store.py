@@ -205,6 +205,7 @@ class EpisodeStore:
         self.steps_trained = 0     # trained on (by the training thread, once its update is done)
         self.steps_skipped = 0     # taken for an update that was skipped (by the training thread)
         self.steps_dropped: dict[str, int] = {}
+        self.steps_refused = 0     # of those dropped, refused as they came in (``drop``): never the run's budget
         self.steps_lost = 0        # stepped by a simulator that died before sending them: never received
         self.steps_by_conn: dict[str, int] = {}
         self.first_steps_at: float | None = None   # time.time() when the first env steps arrived
@@ -238,9 +239,17 @@ class EpisodeStore:
             policy.forget(conn_id)
 
     def drop(self, reason: str, steps: int) -> None:
-        """Count steps received but not trained on (never silently lost)."""
+        """Count steps received but refused as they came in (over a client's budget, out
+        of bounds, not fitting the env): dropped, never silently lost, and not part of
+        ``steps_accepted``, so a flooding or hostile client cannot spend the run's budget."""
         self.steps_received += steps
+        self.steps_refused += steps
         count(self.steps_dropped, reason, steps)
+
+    @property
+    def steps_accepted(self) -> int:
+        """Steps received less those refused as they came in: what --max-env-steps counts."""
+        return self.steps_received - self.steps_refused
 
     def take(self, version: int = 0, max_lag: int | None = None,
              max_steps: int | None = None) -> dict[str, list[EpisodeBatch]]:
@@ -283,7 +292,7 @@ class EpisodeStore:
         if untrained:
             count(dropped, PENDING_AT_CHECKPOINT, untrained)
         return {"steps_received": self.steps_received, "steps_trained": self.steps_trained,
-                "steps_dropped": dropped, "steps_lost": self.steps_lost,
+                "steps_dropped": dropped, "steps_refused": self.steps_refused, "steps_lost": self.steps_lost,
                 "steps_by_conn": dict(self.steps_by_conn), "episodes_completed": self.episodes_completed,
                 "returns": list(self.returns), "lengths": list(self.lengths),
                 "policies": {pid: policy.counters() for pid, policy in self.policies.items()}}
@@ -295,6 +304,7 @@ class EpisodeStore:
             setattr(self, key, int(counters[key]))
         self.steps_taken, self.steps_skipped = self.steps_trained, 0
         self.steps_dropped = {k: int(v) for k, v in counters["steps_dropped"].items()}
+        self.steps_refused = int(counters.get("steps_refused", 0))   # checkpoints before it: none known
         self.steps_by_conn = {k: int(v) for k, v in counters["steps_by_conn"].items()}
         self.returns.extend(counters["returns"])
         self.lengths.extend(counters["lengths"])

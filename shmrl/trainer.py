@@ -110,7 +110,7 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
                             "was not finite (see the WARNINGs above); the weights are those before them")
         if len(store.returns) >= store.returns.maxlen and store.return_mean() >= config.stop_return:
             return EXIT_SOLVED
-        if store.steps_received >= config.max_env_steps:
+        if store.steps_accepted >= config.max_env_steps:
             return EXIT_BUDGET
         stats = update(serving, ppos, *batch, progress=store.steps_trained / config.max_env_steps) if batch else None
         if not stats:

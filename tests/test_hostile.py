@@ -325,3 +325,30 @@ def test_nan_first_weights_are_refused_not_served():
     with pytest.raises(ConfigError, match="the first weights of policy 'default' are not finite"):
         Serving([], Config(env_steps_per_sample=64, train_batch_size=64), {DEFAULT_POLICY: SPEC},
                 {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: nan_weights})
+
+
+def test_refused_steps_do_not_spend_the_step_budget(start_run, tmp_path):   # dropped flood steps
+    """Chunks refused as they come in are counted (env_steps, env_steps_dropped) but never
+    accepted: a hostile client cannot end a run by sending steps it will not train on."""
+    import socket
+    import time
+
+    run = start_run("--sims", 0, "--tcp-port", 0, "--max-env-steps", 128, "--train-batch-size", 64,
+                    "--env-steps-per-sample", 64, "--logdir", tmp_path / "logs")
+    with socket.create_connection(("127.0.0.1", run.tcp_port()), timeout=60) as s:
+        s.settimeout(60)
+        s.sendall(rllib_frame({"type": "PING"}))
+        recv_frame(s)
+        talk(s, "json", hostile("json", steps=64, seed=8))   # answered after update 1: the trainer runs
+        for seed in range(4):   # 256 steps refused, twice the budget
+            assert talk(s, "json", hostile("json", steps=64, seed=seed, rewards=filled(3e38)))["type"] == "SET_STATE"
+        time.sleep(0.5)   # the training loop looks at the budget every 50 ms
+        assert run.proc.poll() is None, run.output()[-3000:]
+        s.sendall(hostile("json", steps=64, seed=9))   # 64 honest steps more: the budget is spent
+        run.proc.wait(timeout=90)
+    out = run.output()
+    assert run.proc.returncode == 1 and "step budget exhausted" in out, out[-3000:]
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["env_steps"] == 384 and summary["env_steps_accepted"] == 128, summary
+    assert summary["env_steps_trained"] + summary["env_steps_pending"] == 128
+    assert summary["env_steps_dropped"] == {"reward out of bounds": 256}
