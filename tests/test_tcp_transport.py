@@ -112,6 +112,29 @@ def test_a_connection_is_not_read_while_its_requests_wait_for_poll(net):
 
 # ---------------------------------------------------------------- many clients
 
+@pytest.mark.parametrize("factor", [1e6, 1e3])
+def test_a_costly_frame_makes_its_connection_wait_its_turn(net, monkeypatch, factor):
+    """Fairness: after a frame that took the IO thread t s to decode, its connection is not
+    read again for REST_FACTOR * t while the others are served (a JSON flooder cannot keep
+    the thread, and the interpreter, to itself); then what it sent meanwhile is read."""
+    monkeypatch.setattr(TcpServer, "MIN_REST_S", 0.0)      # every frame rests, PINGs too
+    monkeypatch.setattr(TcpServer, "REST_FACTOR", factor)  # 1e6: seconds at least; 1e3: ms
+    server = net.server()
+    greedy, other = net.raw(server), net.raw(server)
+    greedy.sendall(rllib_frame({"type": "PING"}) * 2)
+    got = []
+    wait_until(lambda: got.extend(server.poll(0.05)) or got, 5, "the first PING")
+    other.sendall(rllib_frame({"type": "GET_STATE"}))
+    wait_until(lambda: got.extend(server.poll(0.05)) or len(got) >= 2, 5, "the other client's request")
+    ping, get_state = (conn_id_of(greedy), {"type": "PING"}), (conn_id_of(other), {"type": "GET_STATE"})
+    if factor == 1e6:   # resting: its second PING is not read while the other client is
+        time.sleep(0.3)
+        assert got + server.poll() == [ping, get_state]
+    else:               # the rest ends: its second PING is read after all
+        wait_until(lambda: got.extend(server.poll(0.05)) or len(got) >= 3, 5, "the second PING")
+        assert sorted(got, key=str) == sorted([ping, ping, get_state], key=str)
+
+
 def test_32_clients_at_once_on_one_port(net):
     server = net.server()
     hub = net.hub(server)

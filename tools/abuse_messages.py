@@ -21,8 +21,8 @@ flooder feeds it (the floods' steps are trained on, up to the flooder's budget a
   surrogate      a PING whose auth_token is a lone surrogate ("\\ud800", valid JSON)
   agent-ids      multi-agent chunks of made-up agents ("mallory", 10**30, ...)
 
-Each row gives the good client's median round trip per request kind and its ratio to
-'quiet', the server's VmRSS before and at its peak, what the attacker saw (messages sent,
+Each row gives the good client's median round trip per request kind (and the 99th
+percentile of PING's and GET_STATE's) and its ratio to 'quiet', the server's VmRSS before and at its peak, what the attacker saw (messages sent,
 replies, connections closed) and whether the run still lives. Exit status 0 when, under
 every attack, the medians of PING and GET_STATE are within --max-ratio of 'quiet' (for
 the floods: of 'quiet' or of 'busy'), the peak VmRSS within --max-growth-mib of the start
@@ -40,7 +40,7 @@ import threading
 import numpy as np
 
 from abuse import GoodClient, RssSampler, Server, recv_exactly
-from bench import median
+from bench import median, percentile
 from shmrl import rllink
 from shmrl.episode import EpisodeBatch
 
@@ -157,6 +157,7 @@ def window(good: GoodClient, rss: RssSampler, label: str, seconds: float) -> dic
     before = rss.now_mib()
     out = good.measure(label, seconds)
     return {"rtt_ms": {k: median(v) * 1000 if v else None for k, v in out["rtt_s"].items()},
+            "rtt_p99_ms": {k: percentile(v, 99) * 1000 if v else None for k, v in out["rtt_s"].items()},
             "rss_before_mib": before, "rss_peak_mib": max(rss.of(label), default=before)}
 
 
@@ -204,17 +205,18 @@ def ratios(row: dict, ref: dict) -> dict:
 
 def show(result: dict) -> None:
     print(f"server VmRSS at start: {result['start_rss_mib']:.0f} MiB; {result['seconds']:g} s per window")
-    print(f"{'attack':<13} {'PING ms':>9} {'GET_STATE ms':>13} {'E&GS ms':>9}  {'x quiet P/G':>11}  {'x busy P/G':>11}"
-          f"  {'RSS peak MiB':>12}  {'sent':>7} {'replies':>7} {'closed':>6}  alive")
+    print(f"{'attack':<13} {'PING ms':>9} {'GET_STATE ms':>13} {'E&GS ms':>9}  {'p99 P/G ms':>11}  {'x quiet P/G':>11}"
+          f"  {'x busy P/G':>11}  {'RSS peak MiB':>12}  {'sent':>7} {'replies':>7} {'closed':>6}  alive")
     for name, row in result["rows"].items():
-        rtt, att = row["rtt_ms"], row.get("attacker", {})
+        rtt, p99, att = row["rtt_ms"], row["rtt_p99_ms"], row.get("attacker", {})
 
         def ms(k):
             return f"{rtt[k]:.2f}" if rtt.get(k) is not None else "-"
 
         def pair(ratio):
             return "/".join(f"{ratio[k]:.2f}" if ratio.get(k) else "-" for k in ("PING", "GET_STATE"))
-        print(f"{name:<13} {ms('PING'):>9} {ms('GET_STATE'):>13} {ms('EPISODES_AND_GET_STATE'):>9}  "
+        tail = "/".join(f"{p99[k]:.1f}" if p99.get(k) is not None else "-" for k in ("PING", "GET_STATE"))
+        print(f"{name:<13} {ms('PING'):>9} {ms('GET_STATE'):>13} {ms('EPISODES_AND_GET_STATE'):>9}  {tail:>11}  "
               f"{pair(row['ratio']):>11}  {pair(row['ratio_to_busy']):>11}  "
               f"{row['rss_peak_mib']:>12.0f}  {att.get('sent', '-'):>7} {att.get('replies', '-'):>7} "
               f"{att.get('closed', '-'):>6}  {row.get('run_alive', True)}")

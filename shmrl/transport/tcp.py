@@ -16,7 +16,9 @@ to it is hung (or its machine is gone): its connection is closed and counted in
 background IO thread owns every socket: it accepts, reads without blocking, refuses a
 frame from its header when it is too large, decodes and validates requests, and writes
 queued replies as fast as each socket takes them, so a client that waits for SET_STATE,
-stalls mid-frame or stops reading never holds up another. The learner's thread only
+stalls mid-frame or stops reading never holds up another. Nor does one that floods: a
+connection whose frame was costly to decode (JSON) rests for a multiple of that cost
+before its next frame is read, and replies go out before a flooder's next frame is decoded. The learner's thread only
 trades queues with it under one lock: ``poll`` takes the validated requests
 (``fileno()`` is a ``WakePipe`` that is readable while some wait); ``reply`` and
 ``drop`` queue work and wake the IO thread through a second one.
@@ -61,8 +63,8 @@ class _Conn:
     ``events``; the rest are shared with the learner's thread, under the server's lock."""
 
     __slots__ = ("sock", "conn_id", "inbuf", "body_len", "frame_start", "last_traffic", "sendq", "frames",
-                 "events", "out", "out_bytes", "owed", "unpolled", "paused", "held", "closed", "reason", "offered",
-                 "codec", "heartbeat")
+                 "rest_until", "events", "out", "out_bytes", "owed", "unpolled", "paused", "held", "closed",
+                 "reason", "offered", "codec", "heartbeat")
 
     def __init__(self, sock: socket.socket, conn_id: str, now: float):
         self.sock, self.conn_id = sock, conn_id
@@ -72,6 +74,7 @@ class _Conn:
         self.frame_start = now            # when its first byte arrived
         self.last_traffic = now
         self.sendq: collections.deque = collections.deque()  # frames (or unsent tails) being written
+        self.rest_until = 0.0             # not read before this time.monotonic(): its decoding's share
         self.events = 0                   # what the selector watches for
         self.out: list[bytes] = []        # reply frames from reply(), not yet taken by the IO thread
         self.out_bytes = 0                # reply bytes queued and not yet written
@@ -85,6 +88,10 @@ class _Conn:
         self.codec = "json"               # of the replies it gets (set by reply(), learner's thread)
         self.heartbeat = False            # it was told to send heartbeats: silence means hung
 
+    def stopped(self, now: float) -> bool:
+        """Not to be read now: the learner paused or held it, or it rests after a costly frame."""
+        return self.paused or self.held or self.rest_until > now
+
     def frame_progress(self) -> str:
         total = f"{_HEADER + self.body_len}" if self.body_len is not None else f"{_HEADER} header"
         return f"{len(self.inbuf)} of {total} bytes"
@@ -97,6 +104,12 @@ class TcpServer(Closeable):
     RECV_BYTES = 256 << 10   # one read, so also what may arrive beyond MAX_UNPOLLED
     MAX_ACCEPTS = 64         # per wake-up: a burst of connections cannot starve the clients
     ACCEPT_PAUSE_S = 0.5     # out of file descriptors: try accepting again after this long
+    # A connection whose frame took the IO thread t seconds to decode (JSON: ~2 ms per 64 KB)
+    # is not read again for REST_FACTOR * t: one client, flooding, gets at most 1/(1 +
+    # REST_FACTOR) of the thread (and of the GIL it holds meanwhile), and the rest is left to
+    # the others' requests and replies. Cheaper frames (binary, PINGs) never rest.
+    REST_FACTOR = 3.0
+    MIN_REST_S = 0.0005
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, max_frame_bytes: int = 64 << 20,
                  frame_timeout: float = 10.0, idle_timeout: float | None = None,
@@ -150,6 +163,7 @@ class TcpServer(Closeable):
         self._tick = max(0.01, min(1.0, frame_timeout / 4, hello_timeout / 4, (idle_timeout or math.inf) / 4,
                                    heartbeat_timeout / 8))
         self._next_check = 0.0
+        self._resting: set[_Conn] = set()   # connections with a rest_until (IO thread)
         self._recv_buf = memoryview(bytearray(self.RECV_BYTES))
         self._listener = self._selector = self._thread = None
         self._ready = self._wake = None
@@ -300,7 +314,10 @@ class TcpServer(Closeable):
             self._release()
 
     def _step(self) -> None:
-        for key, mask in self._selector.select(self._tick):
+        timeout = self._tick
+        if self._resting:
+            timeout = max(0.0, min(timeout, min(c.rest_until for c in self._resting) - time.monotonic()))
+        for key, mask in self._selector.select(timeout):
             if key.data is _LISTENER:
                 self._accept()
             elif key.data is not _WAKE:
@@ -308,6 +325,8 @@ class TcpServer(Closeable):
         if self._wake_pending:
             self._take_work()
         now = time.monotonic()
+        if self._resting:
+            self._wake_rested(now)
         if now >= self._next_check:
             self._next_check = now + self._tick
             self._check_timers(now)
@@ -360,7 +379,7 @@ class TcpServer(Closeable):
             self._guarded(conn, self._set_events)
 
     def _serve(self, conn: _Conn, mask: int) -> None:
-        if mask & _READ and not conn.paused and not conn.held:
+        if mask & _READ and not conn.stopped(time.monotonic()):
             self._read(conn)
         if mask & _WRITE and conn.sock is not None:
             self._write(conn)
@@ -413,16 +432,35 @@ class TcpServer(Closeable):
                 del buf[:end]
                 conn.body_len, conn.frame_start = None, now
                 conn.frames += 1
-                if not self._deliver(conn, rllink.decode_request(body, self.limits)):
+                started = time.perf_counter()
+                msg = rllink.decode_request(body, self.limits)
+                self._rest(conn, time.perf_counter() - started)
+                if not self._deliver(conn, msg):
                     return
-                if conn.paused or conn.held:
-                    return   # what else was read waits in the buffer until the learner lets it go
+                if conn.stopped(now):
+                    return   # what else was read waits in the buffer until it may be read again
         except rllink.ProtocolError as e:
             self.frames_rejected += 1
             self._close(conn, str(e))
         finally:
-            if conn.sock is not None and conn.paused:
-                self._set_events(conn)  # stop reading until poll() catches up
+            if conn.sock is not None and conn.stopped(now):
+                self._set_events(conn)  # stop reading until poll() catches up or the rest ends
+
+    def _rest(self, conn: _Conn, cost: float) -> None:
+        """Fairness: after a frame that cost ``cost`` s to decode, ``conn`` waits its turn."""
+        if cost >= self.MIN_REST_S:
+            conn.rest_until = time.monotonic() + self.REST_FACTOR * cost
+            self._resting.add(conn)
+
+    def _wake_rested(self, now: float) -> None:
+        """Read again the connections whose rest is over (and their frames already in)."""
+        for conn in [c for c in self._resting if c.rest_until <= now]:
+            self._resting.discard(conn)
+            conn.rest_until = 0.0
+            if conn.sock is not None:
+                self._guarded(conn, self._set_events)
+                if conn.inbuf and not conn.stopped(now):
+                    self._guarded(conn, self._parse, now)
 
     def _check_codec_size(self, n: int, binary: bool) -> None:
         limit, codec = (self.max_binary_frame_bytes, "binary") if binary else (self.max_json_frame_bytes, "JSON")
@@ -467,8 +505,11 @@ class TcpServer(Closeable):
             else:
                 conn.sendq.extend(frames)
                 self._guarded(conn, self._write)
-                if conn.inbuf and conn.sock is not None and not (conn.paused or conn.held):
-                    self._guarded(conn, self._parse, time.monotonic())   # frames read before a pause
+        # Every reply is on its way before a resumed flooder's next frame is decoded: that
+        # decode would otherwise hold up the reply the learner has just queued.
+        for conn, _, reason in work:
+            if reason is None and conn.inbuf and conn.sock is not None and not conn.stopped(time.monotonic()):
+                self._guarded(conn, self._parse, time.monotonic())   # frames read before a pause
 
     def _write(self, conn: _Conn) -> None:
         queue, sent = conn.sendq, 0
@@ -492,7 +533,7 @@ class TcpServer(Closeable):
         self._set_events(conn)
 
     def _set_events(self, conn: _Conn) -> None:
-        want = (0 if conn.paused or conn.held else _READ) | (_WRITE if conn.sendq else 0)
+        want = (0 if conn.stopped(time.monotonic()) else _READ) | (_WRITE if conn.sendq else 0)
         if want == conn.events:
             return
         if want & _READ and not conn.events & _READ and conn.inbuf:
@@ -517,7 +558,7 @@ class TcpServer(Closeable):
     def _check_conn(self, conn: _Conn, now: float) -> None:
         if conn.closed:
             return
-        if conn.inbuf and not conn.paused and not conn.held:
+        if conn.inbuf and not conn.stopped(now):
             if now - conn.frame_start > self.frame_timeout:
                 self._close(conn, f"frame incomplete after {self.frame_timeout:g} s: slow or stalled "
                                   f"client (got {conn.frame_progress()})")
@@ -549,6 +590,7 @@ class TcpServer(Closeable):
             return
         log.log(level, "%s: closing connection: %s", conn.conn_id, reason)
         conn.sock = None
+        self._resting.discard(conn)
         try:
             if conn.events:
                 self._selector.unregister(sock)
