@@ -192,9 +192,10 @@ class Serving:
         if (pending > 0 and hub.waiting_since is not None and self.batch_wait_timeout is not None
                 and time.monotonic() - hub.waiting_since > self.batch_wait_timeout):
             silent = sorted(hub.sampling - set(hub.waiting))
+            named = ", ".join(map(hub.name, silent[:8])) + (f" and {len(silent) - 8} more" if len(silent) > 8 else "")
             self.short_batches += 1
             log.warning("the batch waited %.1f s for %s; training on the %d env steps it has without them",
-                        time.monotonic() - hub.waiting_since, ", ".join(map(hub.name, silent)), pending)
+                        time.monotonic() - hub.waiting_since, named, pending)
             return True
         return False
 

@@ -102,6 +102,9 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     return sent
 
 
+REPLY_TIMEOUT_S = 600.0   # how long a simulator of a run waits for any one reply
+
+
 def set_process_name(name: str) -> None:
     """Show ``name`` in ps/top (Linux, best effort): simulators are easy to tell apart."""
     try:
@@ -127,11 +130,17 @@ def sim_process_main(address: str, env_id: str, seed: int, envs_per_sim: int = 1
         os.nice(nice)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    client = connect(address, name=name)
+    # A strict on-policy reply waits for the update, and the first one for the learner to
+    # load torch: with many simulators on few CPUs that takes far longer than a client's
+    # usual 30 s. The learner's death is seen at once anyway (end-of-file, a closed socket).
+    client = connect(address, REPLY_TIMEOUT_S, name=name)
     try:
         run_simulator(client, env_id, seed, envs_per_sim, auth_token=auth_token)
     except ConnectionError:
         pass  # the learner has finished or died: nothing left to do
+    except TimeoutError as e:   # one line, not a traceback: the learner is alive but stuck
+        print(f"error: {name}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except SimulatorError as e:   # the learner's supervisor reads the cause from the exit status
         print(f"error: {name}: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)

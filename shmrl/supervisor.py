@@ -26,14 +26,41 @@ forever would hide that.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
 from collections import deque
 
-from shmrl.config import SIM_EXIT_REASONS
+from shmrl.config import SIM_EXIT_REASONS, ConfigError
 
 log = logging.getLogger("shmrl.supervisor")
+
+# Files the learner holds open for each local simulator (measured: its segment's mapping,
+# its reply FIFO, its process's sentinel and one more pipe), and for itself (its log
+# folder, torch, TensorBoard, the TCP port's clients), with room to spare.
+FILES_PER_SIM, FILES_OF_THE_LEARNER = 4, 256
+
+
+def make_room_for(sims: int) -> None:
+    """Raise this process's soft limit of open files (RLIMIT_NOFILE, often 1024) up to its
+    hard limit when ``sims`` local simulators need more; ConfigError, one line naming the
+    limit, when even the hard limit is too low (else accept() and os.open fail later, one
+    traceback per simulator)."""
+    import resource
+
+    need = FILES_OF_THE_LEARNER + FILES_PER_SIM * sims
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(f"--sims {sims} needs about {need} open files in the learner ({FILES_PER_SIM} per "
+                          f"simulator), over this process's limit of {hard} (RLIMIT_NOFILE, hard: `ulimit -Hn`); "
+                          f"use at most --sims {max(0, (hard - FILES_OF_THE_LEARNER) // FILES_PER_SIM)}, or "
+                          f"raise the limit (`ulimit -n {need}` as root, LimitNOFILE= for a systemd service)")
+    new = hard if hard != resource.RLIM_INFINITY else need
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    log.info("raised the limit of open files from %d to %d for --sims %d", soft, new, sims)
 
 
 def run_queue_wait_s(pid: int | None) -> float:
@@ -126,6 +153,7 @@ class _Sim:
         self.started = 0.0            # time.monotonic() of this process's start
         self.steps_received_before = 0  # steps its connection had delivered before this process
         self.steps_seen = 0           # its heartbeat when last looked at
+        self.connected = False        # this process has had a TCP connection (its sign of life there)
         self.progress_at = 0.0        # when the heartbeat last grew (or the learner held it back)
         self.waited_at = 0.0          # its run-queue wait (run_queue_wait_s) at progress_at
         self.tcp_conn: str | None = None  # its TCP connection, when it has one
@@ -141,6 +169,11 @@ class Supervisor:
         self.nice = nice  # simulators run this much below the learner's CPU priority
         self.shm = shm_server  # heartbeats and slot resets; None: processes are only watched
         self.hang_timeout, self.max_restarts, self.restart_window = hang_timeout, max_restarts, restart_window
+        # Until its first sign of work a simulator is starting, not hung: many of them on few
+        # CPUs start one after another (and the learner answers their handshakes meanwhile),
+        # so each may wait far longer than --hang-timeout for its first step.
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.startup_timeout = hang_timeout * max(1.0, len(addresses) / cpus)
         self.launcher = launcher if launcher is not None else ForkLauncher()
         prefix = "shmrl-ray-sim" if self.launcher.remote else "shmrl-sim"
         self.sims = [_Sim(i, a, f"{prefix}{i}") for i, a in enumerate(addresses)]
@@ -184,7 +217,7 @@ class Supervisor:
         sim.proc = proc  # only once started: stop() stops every sim.proc
         sim.started = sim.progress_at = time.monotonic()
         sim.waited_at = 0.0  # a new process has waited for nothing yet
-        sim.steps_received_before, sim.steps_seen = steps_received_before, 0
+        sim.steps_received_before, sim.steps_seen, sim.connected = steps_received_before, 0, False
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop every simulator (SIGTERM, then SIGKILL after ``timeout`` s) and start no more."""
@@ -229,10 +262,21 @@ class Supervisor:
         if steps != sim.steps_seen or serving.held(sim.conn_id):
             # Progress, or held back by the learner.
             sim.steps_seen, sim.progress_at, sim.waited_at = steps, now, waited
-        elif (now - sim.progress_at) - (waited - sim.waited_at) > self.hang_timeout:
+        elif (now - sim.progress_at) - (waited - sim.waited_at) > self._limit(sim):
             return (f"hung: no env step for {now - sim.progress_at:.1f} s, {waited - sim.waited_at:.1f} s of "
-                    f"them waiting for a CPU (--hang-timeout {self.hang_timeout:g})")
+                    f"them waiting for a CPU ({self._limit_says(sim)})")
         return None
+
+    def _limit(self, sim: _Sim) -> float:
+        """How long ``sim`` may show no progress: --hang-timeout once its process has shown a
+        sign of work (an env step, a TCP connection), the startup grace before."""
+        return self.hang_timeout if sim.steps_seen or sim.connected else self.startup_timeout
+
+    def _limit_says(self, sim: _Sim) -> str:
+        if sim.steps_seen or sim.connected:
+            return f"--hang-timeout {self.hang_timeout:g}"
+        return (f"before its first env step: a startup grace of {self.startup_timeout:g} s, --hang-timeout "
+                f"{self.hang_timeout:g} times the simulators per CPU")
 
     def _tcp_trouble(self, sim: _Sim, serving, now: float) -> str | None:
         """A TCP simulator's connection closed (the server closes one whose HEARTBEATs stop)
@@ -246,12 +290,13 @@ class Supervisor:
         if sim.tcp_conn is None:
             sim.tcp_conn = conn_id
             if sim.tcp_conn is not None:
+                sim.connected = True
                 self._back(sim, now)
         if sim.tcp_conn is not None or self.launcher.starting(sim.proc):
             sim.progress_at = now
-        elif now - sim.progress_at > self.hang_timeout:
+        elif now - sim.progress_at > self._limit(sim):
             return (f"hung: not connected for {now - sim.progress_at:.1f} s while its process lives "
-                    f"(--hang-timeout {self.hang_timeout:g})")
+                    f"({self._limit_says(sim)})")
         return None
 
     def _back(self, sim: _Sim, now: float) -> None:

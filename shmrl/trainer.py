@@ -136,11 +136,13 @@ def train_run(config, t_start: float, launcher=None) -> tuple[int, dict]:
     opens a TCP port); returns (exit status, summary). Whatever happens (Ctrl-C and
     SIGTERM included) every process it started is stopped, every segment it made is
     unlinked, and the summary and a checkpoint are written."""
-    from shmrl.supervisor import Supervisor
+    from shmrl.supervisor import Supervisor, make_room_for
     from shmrl.transport.ring import ShmSpaceError
 
     setup = set_up(config)
     config = setup.config
+    if config.sims and not (launcher is not None and launcher.remote):
+        make_room_for(config.sims)
     try:
         servers, addresses, shm = open_transports(config, setup.spec, setup.nets, launcher)
     except ShmSpaceError as e:

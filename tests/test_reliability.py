@@ -411,3 +411,105 @@ def test_tcp_listens_on_loopback_unless_told_otherwise(start_run):
     run = start_run("--sims", 0, "--tcp-port", 0, "--stop-return", 1e9)
     run.wait_for("listening for RLlink clients on", timeout=30)  # printed from the bound socket's address
     assert re.search(r"listening for RLlink clients on 127\.0\.0\.1:\d+\n", run.output()), run.output()
+
+
+def open_files_limit(soft: int, hard: int):
+    """A preexec_fn that starts a run with this RLIMIT_NOFILE."""
+    def preexec():
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return preexec
+
+
+def test_sims_beyond_the_open_files_limit_are_refused_in_one_line(start_run, tmp_path):
+    """Each local simulator costs the learner a few open files: a --sims that the hard
+    limit cannot hold is refused at start, naming the limit, instead of failing later with
+    one traceback per simulator."""
+    from shmrl.supervisor import FILES_OF_THE_LEARNER, FILES_PER_SIM
+
+    need = FILES_OF_THE_LEARNER + FILES_PER_SIM * 16
+    run = start_run("--sims", 16, "--logdir", tmp_path / "logs", preexec_fn=open_files_limit(need - 8, need - 8))
+    run.proc.wait(timeout=60)
+    out = run.output()
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert run.proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    assert len(errors) == 1 and f"--sims 16 needs about {need} open files" in errors[0], out[-3000:]
+    assert f"limit of {need - 8} (RLIMIT_NOFILE" in errors[0] and "use at most --sims 14" in errors[0]
+    assert not list(tmp_path.glob("shmrl-sim*"))
+
+
+def test_a_low_soft_open_files_limit_is_raised_to_the_hard_one(start_run, tmp_path):
+    from shmrl.supervisor import FILES_OF_THE_LEARNER, FILES_PER_SIM
+
+    soft = FILES_OF_THE_LEARNER + FILES_PER_SIM   # room for one simulator, not for two
+    run = start_run("--sims", 2, "--max-env-steps", 2048, "--train-batch-size", 1024, "--logdir", tmp_path / "logs",
+                    preexec_fn=open_files_limit(soft, 4096))
+    run.proc.wait(timeout=120)
+    out = run.output()
+    assert run.proc.returncode == 1 and "Traceback" not in out, out[-3000:]   # the step budget ran out
+    assert f"raised the limit of open files from {soft} to 4096 for --sims 2" in out, out[-3000:]
+
+
+def test_a_simulator_is_not_hung_before_its_first_step_within_the_startup_grace(monkeypatch):
+    """Many simulators on few CPUs start one after another: before its first env step a
+    simulator gets --hang-timeout times the simulators per CPU, after it --hang-timeout."""
+    from types import SimpleNamespace
+
+    import shmrl.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor.os, "sched_getaffinity", lambda pid: {0, 1})
+    steps = {"now": 0}
+    shm = SimpleNamespace(env_steps=lambda i: steps["now"], client_pid=lambda i: None)
+    launcher = SimpleNamespace(remote=False, exit_reason=lambda proc: None)
+    sup = Supervisor([f"shm:slot{i}" for i in range(8)], env="CartPole-v1", seed=0, shm_server=shm,
+                     hang_timeout=1.0, launcher=launcher)
+    assert sup.startup_timeout == 4.0                                 # 8 simulators on 2 CPUs
+    sim = sup.sims[0]
+    sim.proc, sim.progress_at = object(), 100.0
+    serving = SimpleNamespace(held=lambda conn_id: False)
+    assert sup._trouble(sim, serving, now=103.5) is None               # starting: 3.5 s is within 4
+    why = sup._trouble(sim, serving, now=104.5)
+    assert why.startswith("hung: no env step for 4.5 s") and "before its first env step" in why, why
+    steps["now"] = 5                                                   # it stepped: --hang-timeout from now
+    assert sup._trouble(sim, serving, now=105.0) is None
+    why = sup._trouble(sim, serving, now=106.5)
+    assert why.startswith("hung: no env step for 1.5 s") and "(--hang-timeout 1)" in why, why
+
+
+SLOW_START_ENV = '''
+import time
+
+import numpy as np
+from gymnasium import spaces
+
+
+class SlowStart:
+    """CartPole-shaped, but making one takes 1.5 s (a game engine loading its level)."""
+    observation_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self):
+        time.sleep(1.5)
+
+    def reset(self, seed=None, options=None):
+        self.t = 0
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(4, np.float32), 1.0, False, self.t >= 20, {}
+'''
+
+
+def test_simulators_slower_to_start_than_the_hang_timeout_are_not_restarted(start_run, tmp_path):
+    """Six simulators on one CPU whose env takes longer to make than --hang-timeout: none
+    is taken for hung before its first step (they used to be restarted over and over)."""
+    pytest.importorskip("gymnasium", reason="the env is a gymnasium-style class")
+    (tmp_path / "slow_env.py").write_text(SLOW_START_ENV)   # the run's working directory: importable
+    run = start_run("--env", "slow_env:SlowStart", "--sims", 6, "--hang-timeout", 1, "--max-env-steps", 1536,
+                    "--train-batch-size", 768, "--sim-nice", 0, "--logdir", tmp_path / "logs",
+                    preexec_fn=lambda: os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}))
+    run.proc.wait(timeout=120)
+    out = run.output()
+    assert run.proc.returncode == 1 and "hung" not in out and "Traceback" not in out, out[-3000:]
+    assert summary_of(tmp_path / "logs")["simulator_restarts"] == 0
