@@ -259,8 +259,9 @@ class Supervisor:
             self._back(sim, now)
         pid = self.shm.client_pid(sim.index) or (None if self.launcher.remote else getattr(sim.proc, "pid", None))
         waited = run_queue_wait_s(pid)
-        if steps != sim.steps_seen or serving.held(sim.conn_id):
-            # Progress, or held back by the learner.
+        if steps != sim.steps_seen or serving.held(sim.conn_id) or self.shm.request_unread(sim.index):
+            # Progress, or held back by the learner (it has yet to read the simulator's request,
+            # or it holds the reply back until its next update).
             sim.steps_seen, sim.progress_at, sim.waited_at = steps, now, waited
         elif (now - sim.progress_at) - (waited - sim.waited_at) > self._limit(sim):
             return (f"hung: no env step for {now - sim.progress_at:.1f} s, {waited - sim.waited_at:.1f} s of "

@@ -130,7 +130,7 @@ def test_time_a_simulator_waits_for_a_cpu_is_not_taken_for_a_hang(monkeypatch):
 
     import shmrl.supervisor as supervisor
 
-    shm = SimpleNamespace(env_steps=lambda i: 7, client_pid=lambda i: 4321)
+    shm = SimpleNamespace(env_steps=lambda i: 7, client_pid=lambda i: 4321, request_unread=lambda i: False)
     launcher = SimpleNamespace(remote=False, exit_reason=lambda proc: None)
     sup = Supervisor(["shm:slot"], env="CartPole-v1", seed=0, shm_server=shm, hang_timeout=1.0,
                      launcher=launcher)
@@ -458,8 +458,9 @@ def test_a_simulator_is_not_hung_before_its_first_step_within_the_startup_grace(
     import shmrl.supervisor as supervisor
 
     monkeypatch.setattr(supervisor.os, "sched_getaffinity", lambda pid: {0, 1})
-    steps = {"now": 0}
-    shm = SimpleNamespace(env_steps=lambda i: steps["now"], client_pid=lambda i: None)
+    steps, unread = {"now": 0}, {"now": False}
+    shm = SimpleNamespace(env_steps=lambda i: steps["now"], client_pid=lambda i: None,
+                          request_unread=lambda i: unread["now"])
     launcher = SimpleNamespace(remote=False, exit_reason=lambda proc: None)
     sup = Supervisor([f"shm:slot{i}" for i in range(8)], env="CartPole-v1", seed=0, shm_server=shm,
                      hang_timeout=1.0, launcher=launcher)
@@ -474,6 +475,8 @@ def test_a_simulator_is_not_hung_before_its_first_step_within_the_startup_grace(
     assert sup._trouble(sim, serving, now=105.0) is None
     why = sup._trouble(sim, serving, now=106.5)
     assert why.startswith("hung: no env step for 1.5 s") and "(--hang-timeout 1)" in why, why
+    unread["now"] = True    # its request waits in its ring for a learner short of CPU: not its hang
+    assert sup._trouble(sim, serving, now=120.0) is None and sup._trouble(sim, serving, now=130.0) is None
 
 
 SLOW_START_ENV = '''

@@ -207,6 +207,11 @@ class ShmServer(Closeable):
     def client_pid(self, i: int) -> int | None:
         return self._slots[i].client_pid or None
 
+    def request_unread(self, i: int) -> bool:
+        """Whether client ``i`` has a request in its ring that the learner has not read yet:
+        it waits on the learner (a learner short of CPU), not the other way round."""
+        return self._slots[i].requests.pending()
+
     def reset(self, i: int) -> None:
         """Make slot ``i`` as new for a replacement client (stop the old one first)."""
         self._slots[i].reset()
