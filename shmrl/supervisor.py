@@ -16,7 +16,9 @@ serving round, about 50 ms) or when it hangs: the env-step count it writes into 
 shared-memory slot (its heartbeat) has not grown for ``hang_timeout`` seconds while the
 learner was not itself holding it back, not counting the time it waited for a CPU (its
 run-queue wait, /proc/PID/schedstat): on a machine busy with other work a simulator at
-low priority may not run for seconds, and that is not a hang; over TCP, its connection (found by the name it
+low priority may not run for seconds, and that is not a hang (nor is a request the learner
+has yet to read, nor the time before its first step up to ``hang_timeout`` times the
+simulators per CPU: many start one after another); over TCP, its connection (found by the name it
 gives in its PING) has been gone that long, closed for missing HEARTBEATs, while its
 process lives on. What it stepped but never sent is counted as lost (over TCP by the Hub,
 from its last HEARTBEAT). A simulator that keeps failing (``max_restarts`` within
