@@ -3,6 +3,8 @@ validated, the Hub's per-connection trajectories (what reaches the store, step b
 the hold in strict on-policy, recurrent state per slot, bad ACTs closing only their
 connection; and clients on raw sockets training a real run over TCP in both codecs."""
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +16,9 @@ from shmrl.hub import Hub
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import encode_onnx_file
 from shmrl.rllink import ProtocolError
+from shmrl.sim import run_server_inference
 from shmrl.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.transport.tcp import TcpClient
 
 SPEC = env_spec("CartPole-v1")
 
@@ -328,3 +332,43 @@ def test_raw_socket_clients_train_a_run(start_run, tmp_path, codec):
     assert versions == sorted(versions) and versions[-1] >= versions[0] + 3   # strict on-policy: a new one each
     run.wait_until(lambda out: "update    3" in out, 30, "the third update")
     assert "the first ACT of a connection carries no 'rewards'" in run.output()
+
+
+# ------------------------------------------------------------- shmrl.sim --server-inference
+
+def test_the_python_client_refuses_a_server_that_does_not_serve_actions():
+    class RLlibLike:   # answers PING as RLlib's server (and an older shmrl) does
+        def request(self, msg):
+            return {"type": "PONG"}
+
+    with pytest.raises(ConnectionError, match="does not serve actions"):
+        run_server_inference(RLlibLike())
+
+
+def test_the_python_client_steps_with_the_servers_actions(start_run, tmp_path):
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 64,
+                    "--train-batch-size", 128, "--logdir", tmp_path / "run")
+    client = TcpClient("127.0.0.1", run.tcp_port(), timeout=30, codec="binary")
+    try:
+        assert run_server_inference(client, "CartPole-v1", envs_per_sim=4, max_messages=100) == 400
+    finally:
+        client.close()
+    run.wait_until(lambda out: "update    2" in out, 30, "the second update")
+
+
+@pytest.mark.slow
+def test_server_inference_clients_solve_cartpole(start_run, tmp_path):
+    """CartPole to a 100-episode mean of 475 trained only through `python -m shmrl.sim
+    --server-inference` clients (4 processes x 4 envs) on a run with no simulators."""
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "run")
+    port = run.tcp_port()
+    clients = [subprocess.Popen([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}",
+                                 "--server-inference", "--envs-per-sim", "4", "--seed", str(i)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(4)]
+    try:
+        run.wait_for("solved: return", 240)
+        assert run.proc.wait(30) == 0
+    finally:
+        for p in clients:
+            p.kill()
+            p.wait(10)
