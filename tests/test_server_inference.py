@@ -372,3 +372,18 @@ def test_server_inference_clients_solve_cartpole(start_run, tmp_path):
         for p in clients:
             p.kill()
             p.wait(10)
+
+
+def test_box_actions_are_served_unclipped_and_reach_the_store():
+    spec = env_spec("Pendulum-v1")
+    hub, store = make_hub(steps=4, spec=spec)
+    c = Client(hub, codec="binary")
+    obs = np.zeros((2, *spec.obs_shape), np.float32)
+    c.send({"type": "ACT", "obs": obs})
+    for _ in range(2):
+        reply = c.actions()
+        assert reply["actions"].dtype == np.float32 and reply["actions"].shape == (2, 1)
+        c.send({"type": "ACT", "obs": obs, "rewards": np.full(2, -1.0, np.float32), "terminateds": np.zeros(2, bool),
+                "truncateds": np.zeros(2, bool)})
+    (batch,) = store.take()[DEFAULT_POLICY]
+    assert batch.actions.shape == (4, 1) and batch.num_chunks == 2 and not c.dropped()
