@@ -92,6 +92,10 @@ def test_act_and_actions_validate_in_both_codecs():
                                                    "weights_seq_no": 3}, codec))
         assert reply["actions"].tolist() == [1, 0] and reply["actions"].dtype == np.int64
         assert reply["weights_seq_no"] == 3
+    # JSON whole numbers read as integers: a final_obs of them still fits float obs
+    ints = rllink.decode_request(b'{"type": "ACT", "obs": [[0.5, 0, 0, 0]], "rewards": [1], "terminateds": [false], '
+                                 b'"truncateds": [true], "final_obs": [[1, 2, 3, 4]]}')
+    assert ints["final_obs"].tolist() == [[1, 2, 3, 4]] and ints["rewards"].dtype == np.float32
     ping = rllink.decode_request(rllink.encode_json({"type": "PING", "inference": "server"}))
     assert ping["inference"] == "server"
     assert rllink.decode_reply(b'{"type": "PONG", "inference": "server"}')["inference"] == "server"
@@ -387,3 +391,32 @@ def test_box_actions_are_served_unclipped_and_reach_the_store():
                 "truncateds": np.zeros(2, bool)})
     (batch,) = store.take()[DEFAULT_POLICY]
     assert batch.actions.shape == (4, 1) and batch.num_chunks == 2 and not c.dropped()
+
+
+@pytest.mark.parametrize("codec", ["json", "binary"])
+def test_dict_observations_with_an_action_mask(codec):
+    """A Dict observation (an image, nested leaves, an action mask): ACT carries it as an
+    object of arrays by leaf (binary) or one object per env (JSON); the served actions keep
+    to each env's mask, and the steps reach the store."""
+    from test_spaces import ROBOT_OBS, random_obs, robot_spec
+
+    spec = robot_spec()
+    hub, store = make_hub(steps=4, spec=spec)
+    assert set(hub.config_msg["observation_leaves"]) == {"camera", "state.joints", "state.mode", "buttons",
+                                                         "action_mask"}
+    rng = np.random.default_rng(0)
+
+    def wire(obs):   # the JSON form: one object per env
+        return obs if codec == "binary" else [{k: v[i].tolist() for k, v in obs.items()} for i in range(2)]
+
+    c = Client(hub, codec=codec)
+    obs = random_obs(ROBOT_OBS, rng, 2)
+    c.send({"type": "ACT", "obs": wire(obs)})
+    for _ in range(2):
+        reply = c.actions()
+        assert obs["action_mask"][np.arange(2), reply["actions"]].all()   # never a forbidden move
+        obs = random_obs(ROBOT_OBS, rng, 2)
+        c.send({"type": "ACT", "obs": wire(obs), "rewards": [0.5, 0.5], "terminateds": [False, False],
+                "truncateds": [False, False]})
+    (batch,) = store.take()[DEFAULT_POLICY]
+    assert batch.num_steps == 4 and batch.obs["camera"].dtype == np.uint8 and not c.dropped()
