@@ -5,11 +5,12 @@ connection; and clients on raw sockets training a real run over TCP in both code
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from conftest import FakeServer, read_to_eof, recv_frame
+from conftest import FakeServer, decode_frame, read_to_eof, recv_frame, wait_until
 from shmrl import rllink
 from shmrl.envs import env_spec, make_vec_env
 from shmrl.hub import Hub
@@ -420,3 +421,24 @@ def test_dict_observations_with_an_action_mask(codec):
                 "truncateds": [False, False]})
     (batch,) = store.take()[DEFAULT_POLICY]
     assert batch.num_steps == 4 and batch.obs["camera"].dtype == np.uint8 and not c.dropped()
+
+
+def test_a_held_act_is_not_taken_for_a_silent_client(net):
+    """A binary client owes heartbeats, but not while its ACT waits for new weights: the
+    server owes it the reply."""
+    server = net.server(heartbeat_s=0.1, heartbeat_timeout=0.5)
+    loop = net.hub(server, auto_publish=False, onnx_file=model_file())   # 8 env steps per sample
+    sock = net.raw(server)
+    sock.sendall(rllink.frame(rllink.encode_json({"type": "PING", "inference": "server", "codecs": ["binary"]})))
+    assert decode_frame(recv_frame(sock))["heartbeat_s"] == 0.1
+    obs = np.zeros((8, 4), np.float32)
+    sock.sendall(rllink.frame(rllink.encode_binary({"type": "ACT", "obs": obs})))
+    assert rllink.validate(decode_frame(recv_frame(sock)), "reply")["weights_seq_no"] == 1
+    sock.sendall(rllink.frame(rllink.encode_binary({"type": "ACT", "obs": obs, "rewards": np.ones(8, np.float32),
+                                                    "terminateds": np.zeros(8, bool),
+                                                    "truncateds": np.zeros(8, bool)})))
+    wait_until(lambda: loop.hub.waiting, 5, "the ACT held")
+    time.sleep(1.0)   # twice the heartbeat timeout, in silence
+    assert not loop.closed()
+    loop.auto_publish = True
+    assert rllink.validate(decode_frame(recv_frame(sock)), "reply")["weights_seq_no"] == 2
