@@ -36,7 +36,7 @@ _ACTIONS = T.ACTIONS.value
 class _Slots:
     """One connection's K envs: their open rollout, recurrent state and last actions."""
 
-    __slots__ = ("k", "rollout", "obs", "state", "last", "oldest", "queued")
+    __slots__ = ("k", "rollout", "obs", "state", "last", "oldest", "queued", "stepped")
 
     def __init__(self, k: int, steps: int, obs, state_size: int):
         self.k = k
@@ -46,6 +46,7 @@ class _Slots:
         self.last: tuple | None = None      # (actions, dist inputs, logp) of the last ACTIONS
         self.oldest: int | None = None      # the oldest version that sampled a step of the open rollout
         self.queued = False                 # its ACT waits for actions (queued or held)
+        self.stepped = 0                    # env steps it reported, in all
         self.rollout.start(obs, self.state)
 
 
@@ -125,6 +126,7 @@ class ServerInference:
                 else:
                     final[truncated] = final_obs[truncated]
         actions, dist_inputs, logp = slots.last
+        slots.stepped += slots.k
         slots.rollout.record(actions, dist_inputs, logp, obs, msg["rewards"], terminated, truncated, final)
         if final is not None and slots.state is not None:
             slots.state[done] = 0.0     # the next episode starts from zeros

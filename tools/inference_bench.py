@@ -74,6 +74,13 @@ class DrainServer:
         """Env steps so far: actions served (server-side inference) and steps received."""
         return self.hub.inference.rows + self.store.steps_received
 
+    def steps_by_client(self) -> dict[str, int]:
+        """Env steps each connection has stepped: reported in its ACTs (server-side
+        inference) or received (client-side)."""
+        out = dict(self.store.steps_by_conn)
+        out.update({conn_id: s.stepped for conn_id, s in self.hub.inference.slots.items()})
+        return out
+
     def serve_for(self, seconds: float) -> None:
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
@@ -95,6 +102,22 @@ class DrainServer:
     def close(self) -> None:
         self.selector.close()
         self.server.close()
+
+
+def fairness(after: dict, before: dict) -> dict:
+    """Each client's env steps over the window against the median: none starved means the
+    slowest is within 2x of it."""
+    steps = sorted(after[c] - before.get(c, 0) for c in after)
+    if not steps:
+        return {}
+    median = float(np.median(steps))
+    return {"client_steps_min": steps[0], "client_steps_median": median, "client_steps_max": steps[-1]}
+
+
+def rss_mb() -> float:
+    """This process's resident memory (the server's: TCP, Hub, store, the policy), MB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def start_clients(template: str, n: int, port: int, envs: int) -> list[subprocess.Popen]:
@@ -123,10 +146,11 @@ def measure(template: str, n: int, envs: int, seconds: float, env: str, probe: b
                                            "--seconds", str(seconds + START_S)], stdout=subprocess.PIPE, text=True))
         server.serve_until(lambda: len(server.hub.sampling) >= n, START_S, f"{n} clients sampling")
         server.serve_for(min(1.0, seconds / 2))   # warm: every client past its first samples
-        t0, s0 = time.monotonic(), server.steps()
+        t0, s0, by0 = time.monotonic(), server.steps(), server.steps_by_client()
         server.serve_for(seconds)
         rate = (server.steps() - s0) / (time.monotonic() - t0)
-        out = {"clients": n, "envs": envs, "env_steps_per_s": round(rate), "closed": server.closed}
+        out = {"clients": n, "envs": envs, "env_steps_per_s": round(rate), "closed": server.closed,
+               "server_rss_mb": round(rss_mb()), **fairness(server.steps_by_client(), by0)}
         if probe:
             procs[-1].terminate()   # it reports the round trips of its last 5 s
             server.serve_until(lambda: procs[-1].poll() is not None, 10, "the probe's report")
@@ -210,12 +234,14 @@ def main(argv=None) -> int:
     print(f"server-side inference, {args.env}, learner draining; load {result['loadavg_before']} -> "
           f"{result['loadavg_after']} on {result['cpus']} cpus")
     print(f"{'clients':>7} {'envs':>4} {'server-side steps/s':>20} {'ACT p50 ms':>10} {'p99 ms':>8} "
-          f"{'client-side steps/s':>20} {'ratio':>6}")
+          f"{'client-side steps/s':>20} {'ratio':>6} {'per-client steps min/median/max':>32} {'server MB':>9}")
     for i, s in enumerate(result["server_side"]):
         c = result["client_side"][i] if result["client_side"] else None
         ratio = f"{s['env_steps_per_s'] / c['env_steps_per_s']:.2f}" if c and c["env_steps_per_s"] else "-"
+        spread = f"{s.get('client_steps_min')}/{s.get('client_steps_median')}/{s.get('client_steps_max')}"
         print(f"{s['clients']:>7} {s['envs']:>4} {s['env_steps_per_s']:>20,} {s['rtt_ms_p50']:>10} "
-              f"{s['rtt_ms_p99']:>8} {(c['env_steps_per_s'] if c else '-'):>20} {ratio:>6}")
+              f"{s['rtt_ms_p99']:>8} {(c['env_steps_per_s'] if c else '-'):>20} {ratio:>6} {spread:>32} "
+              f"{s['server_rss_mb']:>9}")
     return 0
 
 
