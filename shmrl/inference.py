@@ -2,10 +2,10 @@
 policy for clients that cannot (a C engine without onnxruntime, a microcontroller).
 
 Such a client sends ACT (its K envs' observations and the outcome of their last step) and
-gets ACTIONS. ``ServerInference`` keeps, per connection, what its simulator would: a
-``Rollout`` of its K envs ([T, K, ...] arrays, one write per field per step, however many
-envs), each env's recurrent state, and the actions (with their distribution inputs and
-log-probabilities) that its last ACTIONS gave. The ACTs of every client waiting in one
+gets ACTIONS. ``ServerInference`` keeps, per connection, what its simulator would: the
+steps of its open sample (each step's arrays for all K envs: no loop over envs), cut into
+chunks by a ``Rollout`` once the sample is complete, each env's recurrent state, and the
+actions (with their distribution inputs and log-probabilities) that its last ACTIONS gave. The ACTs of every client waiting in one
 poll round go through one forward pass (``flush``) with the same ONNX runtime and sampler
 a simulator uses (``OnnxPolicy``, ``Sampler``). Every ``env_steps_per_sample`` steps of a
 connection, ``act`` returns its chunks, which the Hub takes exactly as an
@@ -34,13 +34,18 @@ _ACTIONS = T.ACTIONS.value
 
 
 class _Slots:
-    """One connection's K envs: their open rollout, recurrent state and last actions."""
+    """One connection's K envs: their open sample, recurrent state and last actions.
 
-    __slots__ = ("k", "rollout", "obs", "state", "last", "oldest", "queued", "stepped")
+    The sample's steps are kept as they came (``steps``) and recorded into the ``Rollout``
+    only once it is complete: its [T, K] arrays are allocated at the first complete sample,
+    so a client that stops after a few ACTs holds no more memory than it sent."""
+
+    __slots__ = ("k", "rollout", "steps", "obs", "state", "last", "oldest", "queued", "stepped")
 
     def __init__(self, k: int, steps: int, obs, state_size: int):
         self.k = k
         self.rollout = Rollout(k, steps)
+        self.steps: list[tuple] = []        # the open sample's steps: Rollout.record's arguments
         self.obs = obs                      # what the next actions are for
         self.state = np.zeros((k, state_size), np.float32) if state_size else None
         self.last: tuple | None = None      # (actions, dist inputs, logp) of the last ACTIONS
@@ -127,12 +132,15 @@ class ServerInference:
                     final[truncated] = final_obs[truncated]
         actions, dist_inputs, logp = slots.last
         slots.stepped += slots.k
-        slots.rollout.record(actions, dist_inputs, logp, obs, msg["rewards"], terminated, truncated, final)
+        slots.steps.append((actions, dist_inputs, logp, obs, msg["rewards"], terminated, truncated, final))
         if final is not None and slots.state is not None:
             slots.state[done] = 0.0     # the next episode starts from zeros
         slots.obs = obs
-        if slots.rollout.t < slots.rollout.steps:
+        if len(slots.steps) < slots.rollout.steps:
             return None
+        for step in slots.steps:
+            slots.rollout.record(*step)
+        slots.steps = []
         batch = slots.rollout.batch(slots.oldest)
         slots.rollout.completed.clear()
         slots.rollout.start(obs, slots.state)
@@ -197,7 +205,7 @@ class ServerInference:
     def forget(self, conn_id: str) -> int:
         """The connection is closed: its open rollout is lost; returns its env steps."""
         slots = self.slots.pop(conn_id, None)
-        return 0 if slots is None else slots.rollout.t * slots.k
+        return 0 if slots is None else len(slots.steps) * slots.k
 
 
 def space_config(spec: EnvSpec) -> dict:
