@@ -23,7 +23,7 @@ import numpy as np
 from shmrl import rllink
 from shmrl.actor import check_policy_fits
 from shmrl.envspec import EnvSpec
-from shmrl.episode import EpisodeBatch, obs_map
+from shmrl.episode import EpisodeBatch, obs_map, obs_rows
 from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
 from shmrl.rollout import Rollout
 from shmrl.sampler import Sampler
@@ -49,7 +49,7 @@ class _Slots:
         self.obs = obs                      # what the next actions are for
         self.state = np.zeros((k, state_size), np.float32) if state_size else None
         self.last: tuple | None = None      # (actions, dist inputs, logp) of the last ACTIONS
-        self.oldest: int | None = None      # the oldest version that sampled a step of the open rollout
+        self.oldest: int | None = None      # the oldest version that sampled a step of the open sample
         self.queued = False                 # its ACT waits for actions (queued or held)
         self.stepped = 0                    # env steps it reported, in all
         self.rollout.start(obs, self.state)
@@ -95,7 +95,7 @@ class ServerInference:
         if why:
             return None, why
         slots = self.slots.get(conn_id)
-        k = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
+        k = obs_rows(obs)
         if slots is None:
             if "rewards" in msg:
                 return None, "the first ACT of a connection carries no 'rewards' (no step was taken yet)"
@@ -203,7 +203,7 @@ class ServerInference:
                 np.asarray(logp, np.float32), states)
 
     def forget(self, conn_id: str) -> int:
-        """The connection is closed: its open rollout is lost; returns its env steps."""
+        """The connection is closed: its open sample is lost; returns its env steps."""
         slots = self.slots.pop(conn_id, None)
         return 0 if slots is None else len(slots.steps) * slots.k
 
