@@ -6,6 +6,7 @@ and exits with the documented statuses. The slow test trains CartPole through 8 
 processes with server-side inference."""
 import json
 import math
+import os
 import re
 import shutil
 import socket
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import balancing_action, need, recv_exactly, summary_of, wait_until
+from conftest import balancing_action, need, recv_exactly, summary_of
 from shmrl import rllink
 
 C_DIR = Path(__file__).resolve().parents[1] / "clients" / "c"
@@ -355,3 +356,33 @@ def test_probe_against_shmrl(start_run, cartpole):
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert "codec binary, heartbeat_s 1, inference client, env_steps_per_sample 256" in done.stdout
+
+
+def test_bench_quick():
+    """clients/c/bench.py's quick mode: a run, 2 C clients for 2 s, one JSON line of figures."""
+    done = subprocess.run([sys.executable, str(C_DIR / "bench.py"), "--quick"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["clients_reporting"] == 2 and result["env_steps"] > 0 and result["env_steps_per_s"] > 0
+    assert 0 < result["p50_ms"] <= result["p99_ms"] and result["server_rss_mb"] > 0
+
+
+@pytest.mark.slow
+def test_trains_cartpole_through_8_c_clients(start_run, procs, cartpole, tmp_path):
+    """CartPole-v1 to a 100-episode mean of 475 through 8 C client processes with
+    server-side inference; the time from the server's start is printed (target 10 s).
+    When the run ends, every client exits 0."""
+    t0 = time.monotonic()
+    run = start_run("--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "run")
+    port = run.tcp_port()
+    clients = [start(procs, cartpole, "--port", port, "--envs", 4, "--name", f"c{i}", "--quiet") for i in range(8)]
+    assert run.proc.wait(timeout=300) == 0, run.output()[-3000:]
+    took = time.monotonic() - t0
+    summary = summary_of(tmp_path / "run")
+    print(f"\nCartPole through 8 C clients: solved in {took:.1f} s from the server's start "
+          f"(the run's wall_s {summary['wall_s']:.1f}), load {os.getloadavg()[0]:.2f}")
+    assert summary["solved"]
+    for c in clients:
+        out, err = c.communicate(timeout=60)
+        assert c.returncode == 0 and "the server ended the session" in out, out + err

@@ -87,6 +87,7 @@ static int physics_check(void) {
 
 typedef struct stats {
     long long env_steps, episodes, acts;
+    double t_start;          /* the first ACTIONS */
     double returns[100];
     int nreturns;
     uint32_t *lat;           /* ACT round trips by microsecond */
@@ -108,14 +109,20 @@ static double lat_quantile(const stats *st, double q) {
     return i / 1000.0;   /* ms */
 }
 
-static void summary(const char *name, const stats *st, const char *why) {
+static void summary(const char *name, const stats *st, const char *why, const char *latency_file) {
     double mean = 0;
     int i, n = st->nreturns < 100 ? st->nreturns : 100;
     for (i = 0; i < n; i++) mean += st->returns[i];
     printf("cartpole %s: %s: %lld env steps, %lld episodes, mean return of the last %d: %.1f, "
-           "act round trips %lld, p50 %.3f ms, p99 %.3f ms\n", name, why, st->env_steps, st->episodes, n,
-           n ? mean / n : 0.0, st->acts, lat_quantile(st, 0.5), lat_quantile(st, 0.99));
+           "act round trips %lld, p50 %.3f ms, p99 %.3f ms, in %.2f s\n", name, why, st->env_steps, st->episodes, n,
+           n ? mean / n : 0.0, st->acts, lat_quantile(st, 0.5), lat_quantile(st, 0.99),
+           st->acts ? now_s() - st->t_start : 0.0);
     fflush(stdout);
+    if (latency_file) {   /* "microseconds count" per line, for a benchmark to merge */
+        FILE *f = fopen(latency_file, "w");
+        for (i = 0; f && i < LAT_BUCKETS; i++) if (st->lat[i]) fprintf(f, "%d %lu\n", i, (unsigned long)st->lat[i]);
+        if (f) fclose(f);
+    }
 }
 
 /* ---------------------------------------------------------------- the command line */
@@ -124,6 +131,8 @@ typedef struct args {
     shmrl_options opt;
     int envs, probe, quiet;
     long long max_steps;
+    double max_seconds;
+    const char *latency_file;
     uint64_t seed;
 } args;
 
@@ -131,11 +140,14 @@ static void usage(void) {
     fprintf(stderr,
             "usage: cartpole [--host H] [--port P] [--envs K] [--name NAME] [--token SECRET]\n"
             "                [--max-retries N] [--codec binary|json] [--seed S] [--steps N]\n"
-            "                [--reply-timeout S] [--quiet] [--probe] [--physics-check]\n"
+            "                [--seconds S] [--reply-timeout S] [--latency-file F] [--quiet] [--probe]\n"
+            "                [--physics-check]\n"
             "  --envs K          CartPole envs stepped together, one ACT for all (default 1)\n"
             "  --max-retries N   failed connection attempts in a row before giving up (default 5;\n"
             "                    -1: forever); waits 0.1 s doubling to 5 s between them\n"
             "  --steps N         stop after N env steps (default: until the server ends)\n"
+            "  --seconds S       stop S seconds after the first actions came\n"
+            "  --latency-file F  write the ACT round trips there at the end (\"microseconds count\" lines)\n"
             "  --probe           handshake only (no inference asked), print the config, exit\n"
             "  --physics-check   step states read from stdin (a test of the physics)\n");
 }
@@ -146,6 +158,8 @@ static int parse_args(int argc, char **argv, args *a) {
     a->envs = 1;
     a->probe = a->quiet = 0;
     a->max_steps = 0;
+    a->max_seconds = 0;
+    a->latency_file = NULL;
     a->seed = (uint64_t)getpid() * 1000003u ^ (uint64_t)time(NULL);
     for (i = 1; i < argc; i++) {
         const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -164,6 +178,8 @@ static int parse_args(int argc, char **argv, args *a) {
         else if (!strcmp(k, "--reply-timeout")) a->opt.reply_timeout_s = atof(v);
         else if (!strcmp(k, "--seed")) a->seed = (uint64_t)strtoull(v, NULL, 10);
         else if (!strcmp(k, "--steps")) a->max_steps = atoll(v);
+        else if (!strcmp(k, "--seconds")) a->max_seconds = atof(v);
+        else if (!strcmp(k, "--latency-file")) a->latency_file = v;
         else if (!strcmp(k, "--codec") && (!strcmp(v, "binary") || !strcmp(v, "json"))) a->opt.binary = !strcmp(v, "binary");
         else { fprintf(stderr, "cartpole: unknown option or value: %s %s\n", k, v); return 0; }
     }
@@ -277,7 +293,7 @@ int main(int argc, char **argv) {
             s = shmrl_reconnect(&c);
             if (s != SHMRL_OK) {
                 int served = c.acts > 0;
-                summary(name, &st, served ? "the server ended the session" : "no session");
+                summary(name, &st, served ? "the server ended the session" : "no session", a.latency_file);
                 fprintf(stderr, "cartpole %s: %s\n", name, shmrl_error(&c));
                 shmrl_close(&c);
                 return served ? 0 : 1;
@@ -287,11 +303,12 @@ int main(int argc, char **argv) {
         }
         us = (now_s() - t0) * 1e6;
         st.lat[us < LAT_BUCKETS - 1 ? (int)us : LAT_BUCKETS - 1]++;
-        st.acts++;
+        if (!st.acts++) st.t_start = now_s();
         step_all(&e, &a.seed, &st);
         if (a.max_steps > 0 && st.env_steps >= a.max_steps) break;
+        if (a.max_seconds > 0 && now_s() - st.t_start >= a.max_seconds) break;
     }
-    summary(name, &st, "steps done");
+    summary(name, &st, "steps done", a.latency_file);
     shmrl_close(&c);
     return 0;
 }

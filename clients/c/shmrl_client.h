@@ -109,7 +109,8 @@ typedef struct shmrl_config {
     long obs_shape[SHMRL_MAX_DIMS];
     long obs_size;                          /* floats per observation: the shape's product */
     shmrl_action_type action_type;
-    long action_n;                          /* Discrete: n */
+    long action_n;                          /* Discrete: n ... */
+    long action_start;                      /* ... actions start .. start + n - 1 (gymnasium's start) */
     int action_dim;                         /* values per action: 1 for a Discrete */
     long nvec[SHMRL_MAX_ACTION_DIM];        /* MultiDiscrete */
     float low[SHMRL_MAX_ACTION_DIM], high[SHMRL_MAX_ACTION_DIM];  /* Box */
@@ -700,6 +701,7 @@ static shmrl_status shmrl__read_spaces(shmrl_client *c, const shmrl__msg *m) {
         if (!shmrl__get_number(space, m->end, "n", &nv) || nv < 1)
             return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: a Discrete action_space without n");
         cfg->action_type = SHMRL_DISCRETE; cfg->action_n = (long)nv; cfg->action_dim = 1;
+        if (shmrl__get_number(space, m->end, "start", &nv)) cfg->action_start = (long)nv;
     } else if (t && shmrl__string_is(t, m->end, "MultiDiscrete")) {
         if (!shmrl__numbers(shmrl__get(space, m->end, "nvec"), m->end, v, SHMRL_MAX_ACTION_DIM, &n) || n < 1)
             return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: a MultiDiscrete action_space without nvec");
@@ -1052,7 +1054,8 @@ static shmrl_status shmrl__read_actions(shmrl_client *c, const shmrl__msg *m, sh
             s->box_actions[i] = (float)x;
         } else {
             long n = cfg->action_type == SHMRL_DISCRETE ? cfg->action_n : cfg->nvec[d];
-            if (vals[i] != floor(vals[i]) || vals[i] < 0 || (n > 0 && vals[i] >= n))
+            double lo = cfg->action_type == SHMRL_DISCRETE ? (double)cfg->action_start : 0;
+            if (vals[i] != floor(vals[i]) || vals[i] < lo || (n > 0 && vals[i] >= lo + (double)n))
                 st = shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: action %g is out of range", vals[i]);
             else
                 s->actions[i] = (int64_t)vals[i];
