@@ -284,7 +284,7 @@ def test_never_connected_backs_off_then_fails(procs, cartpole):
 
 def test_reply_timeout_reconnects(server, procs, cartpole):
     """No ACTIONS within --reply-timeout: the client reconnects and starts with a first ACT."""
-    p = start(procs, cartpole, "--port", server.port, "--name", "c-0", "--reply-timeout", 0.3, "--max-retries", 0)
+    p = start(procs, cartpole, "--port", server.port, "--name", "c-0", "--reply-timeout", 0.3, "--max-retries", 1)
     conn = handshake(server)
     read_act(conn, "binary")
     t0 = time.monotonic()
@@ -307,6 +307,18 @@ def test_bad_actions_close_the_connection(server, procs, cartpole):
     assert conn.recv(1) == b""           # closed by the client
     conn2 = handshake(server)            # which starts again
     assert set(read_act(conn2, "binary")) == {"obs"}
+
+
+def test_sessions_without_actions_count_as_failed_attempts(server, procs, cartpole):
+    """A server that closes every connection before answering an ACT: 1 + --max-retries
+    sessions, then exit 1 (it never had a session that stepped)."""
+    p = start(procs, cartpole, "--port", server.port, "--name", "c-0", "--max-retries", 2, "--quiet")
+    for _ in range(3):
+        conn = handshake(server)
+        read_act(conn, "binary")
+        conn.close()
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 1 and "no session" in out, out + err
 
 
 HEARTBEAT_PROGRAM = r"""

@@ -243,6 +243,8 @@ int main(int argc, char **argv) {
     envs e;
     stats st;
     const char *name;
+    long long acts_at_connect = 0;
+    int barren = 0;   /* sessions in a row that ended before any actions came */
     if (!parse_args(argc, argv, &a)) { usage(); return 2; }
     name = a.opt.client_name ? a.opt.client_name : "client";
     s = shmrl_open(&c, &a.opt);
@@ -281,7 +283,7 @@ int main(int argc, char **argv) {
     step.final_obs = e.final_obs;
     step.actions = e.actions;
     reset_all(&e, &a.seed);
-    for (;;) {
+    for (;;) {   /* a session that breaks before its first actions counts as a failed attempt */
         double t0 = now_s(), us;
         s = shmrl_act(&c, &step);
         if (s == SHMRL_ERR_ARG || s == SHMRL_ERR_NOMEM) {
@@ -290,7 +292,8 @@ int main(int argc, char **argv) {
         }
         if (s != SHMRL_OK) {
             if (!a.quiet) fprintf(stderr, "cartpole %s: %s; reconnecting\n", name, shmrl_error(&c));
-            s = shmrl_reconnect(&c);
+            barren = c.acts == acts_at_connect ? barren + 1 : 0;
+            s = a.opt.max_retries >= 0 && barren > a.opt.max_retries ? s : shmrl_reconnect(&c);
             if (s != SHMRL_OK) {
                 int served = c.acts > 0;
                 summary(name, &st, served ? "the server ended the session" : "no session", a.latency_file);
@@ -299,6 +302,7 @@ int main(int argc, char **argv) {
                 return served ? 0 : 1;
             }
             reset_all(&e, &a.seed);   /* the server forgot the open episodes */
+            acts_at_connect = c.acts;
             continue;
         }
         us = (now_s() - t0) * 1e6;

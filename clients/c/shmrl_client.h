@@ -191,6 +191,7 @@ const char *shmrl_status_name(shmrl_status s);
 #include <poll.h>
 #include <unistd.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/types.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -480,9 +481,10 @@ static shmrl_status shmrl__lost(shmrl_client *c, shmrl_status st, const char *fm
     return st;
 }
 
-static int shmrl__connect_one(const struct addrinfo *ai, double timeout_s) {
+static int shmrl__connect_one(const struct addrinfo *ai, double timeout_s, double send_timeout_s) {
     int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol), flags, err = 0, one = 1;
     socklen_t len = sizeof err;
+    struct timeval tv;
     if (fd < 0) return -1;
     flags = fcntl(fd, F_GETFL, 0);
     fcntl(fd, F_SETFL, flags | O_NONBLOCK);
@@ -499,6 +501,9 @@ static int shmrl__connect_one(const struct addrinfo *ai, double timeout_s) {
     }
     fcntl(fd, F_SETFL, flags);
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  /* small frames, each awaited */
+    tv.tv_sec = (time_t)send_timeout_s;   /* a server that takes no data: send fails with EAGAIN */
+    tv.tv_usec = (suseconds_t)((send_timeout_s - (double)tv.tv_sec) * 1e6);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 #ifdef SO_NOSIGPIPE
     setsockopt(fd, SOL_SOCKET, SO_NOSIGPIPE, &one, sizeof one);
 #endif
@@ -515,7 +520,7 @@ static shmrl_status shmrl__connect(shmrl_client *c) {
     snprintf(port, sizeof port, "%d", c->opt.port);
     rc = getaddrinfo(c->host, port, &hints, &res);
     if (rc != 0) return shmrl__fail(c, SHMRL_ERR_CONNECT, "cannot resolve %s: %s", c->host, gai_strerror(rc));
-    for (ai = res; ai && c->fd < 0; ai = ai->ai_next) c->fd = shmrl__connect_one(ai, c->opt.connect_timeout_s);
+    for (ai = res; ai && c->fd < 0; ai = ai->ai_next) c->fd = shmrl__connect_one(ai, c->opt.connect_timeout_s, c->opt.reply_timeout_s);
     freeaddrinfo(res);
     if (c->fd < 0)
         return shmrl__fail(c, SHMRL_ERR_CONNECT, "cannot connect to %s:%d: %s", c->host, c->opt.port, strerror(errno));
