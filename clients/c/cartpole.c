@@ -83,14 +83,26 @@ static int physics_check(void) {
 
 /* ---------------------------------------------------------------- round-trip statistics */
 
-#define LAT_BUCKETS 100001   /* 1 microsecond each, the last for 100 ms and more */
+/* ACT round trips: 1 us buckets below 10 ms, 100 us buckets to 10 s, the last for more */
+#define LAT_FINE 10000
+#define LAT_BUCKETS (LAT_FINE + 99901)
+
+static int lat_bucket(double us) {
+    if (us < LAT_FINE) return (int)us;
+    us = LAT_FINE + (us - LAT_FINE) / 100;
+    return us < LAT_BUCKETS - 1 ? (int)us : LAT_BUCKETS - 1;
+}
+
+static long lat_us(int bucket) {   /* the bucket's lower bound */
+    return bucket < LAT_FINE ? bucket : LAT_FINE + 100L * (bucket - LAT_FINE);
+}
 
 typedef struct stats {
     long long env_steps, episodes, acts;
     double t_start;          /* the first ACTIONS */
     double returns[100];
     int nreturns;
-    uint32_t *lat;           /* ACT round trips by microsecond */
+    uint32_t *lat;           /* ACT round trips by lat_bucket */
 } stats;
 
 static double now_s(void) {
@@ -106,7 +118,7 @@ static double lat_quantile(const stats *st, double q) {
     if (!n) return 0;
     target = (long long)ceil(q * (double)n);
     for (i = 0; i < LAT_BUCKETS; i++) if ((seen += st->lat[i]) >= target) break;
-    return i / 1000.0;   /* ms */
+    return lat_us(i) / 1000.0;   /* ms */
 }
 
 static void summary(const char *name, const stats *st, const char *why, const char *latency_file) {
@@ -120,7 +132,7 @@ static void summary(const char *name, const stats *st, const char *why, const ch
     fflush(stdout);
     if (latency_file) {   /* "microseconds count" per line, for a benchmark to merge */
         FILE *f = fopen(latency_file, "w");
-        for (i = 0; f && i < LAT_BUCKETS; i++) if (st->lat[i]) fprintf(f, "%d %lu\n", i, (unsigned long)st->lat[i]);
+        for (i = 0; f && i < LAT_BUCKETS; i++) if (st->lat[i]) fprintf(f, "%ld %lu\n", lat_us(i), (unsigned long)st->lat[i]);
         if (f) fclose(f);
     }
 }
@@ -306,7 +318,7 @@ int main(int argc, char **argv) {
             continue;
         }
         us = (now_s() - t0) * 1e6;
-        st.lat[us < LAT_BUCKETS - 1 ? (int)us : LAT_BUCKETS - 1]++;
+        st.lat[lat_bucket(us)]++;
         if (!st.acts++) st.t_start = now_s();
         step_all(&e, &a.seed, &st);
         if (a.max_steps > 0 && st.env_steps >= a.max_steps) break;
