@@ -103,7 +103,9 @@ def handshake(server, *, codec="binary", name="c-0", inference=True) -> socket.s
     conn = server.accept()
     codecs = ', "codecs": ["binary"]' if codec == "binary" else ""
     ping = f'{{"type": "PING"{codecs}, "client_name": "{name}", "inference": "server"}}'
-    assert read_body(conn) == ping.encode()
+    body = read_body(conn)
+    assert body == ping.encode()
+    assert rllink.decode_request(body)["inference"] == "server"
     pong = {"type": "PONG", **({"codec": "binary", "heartbeat_s": 1.0} if codec == "binary" else {}),
             **({"inference": "server"} if inference else {})}
     send(conn, pong)
@@ -120,7 +122,8 @@ def read_act(conn, codec: str) -> dict:
         assert body[:4] == rllink.MAGIC
     else:
         assert body.startswith(b'{"type": "ACT", "obs": [[')
-    msg = rllink.decode(body)   # shmrl's own decoder: alignment, descriptors, bool bytes
+    rllink.decode_request(body)   # the server's own decoding and checks pass it
+    msg = rllink.decode(body)
     assert msg["type"] == "ACT"
     if codec == "json":   # JSON numbers: the client wrote float32s with 9 digits
         for key in ("obs", "final_obs", "rewards"):
@@ -360,14 +363,19 @@ def test_heartbeat_only_when_due(server, tmp_path):
 
 # ---------------------------------------------------------------- against shmrl
 
-def test_probe_against_shmrl(start_run, cartpole):
+def test_probe_and_steps_against_shmrl(start_run, cartpole):
     """The handshake with a real server (no inference asked): binary codec and heartbeat
-    agreed, SET_CONFIG read."""
+    agreed, SET_CONFIG read; then 400 env steps with its actions in each codec."""
     run = start_run("--sims", 0, "--tcp-port", 0, "--train-batch-size", 256)
     done = subprocess.run([cartpole, "--port", str(run.tcp_port()), "--probe", "--name", "probe"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert "codec binary, heartbeat_s 1, inference client, env_steps_per_sample 256" in done.stdout
+    for codec in ("binary", "json"):   # and steps with the server's actions, in either codec
+        done = subprocess.run([cartpole, "--port", str(run.tcp_port()), "--envs", "4", "--steps", "400", "--codec", codec,
+                               "--name", f"c-{codec}"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and "steps done: 400 env steps" in done.stdout, done.stdout + done.stderr
+    run.wait_for("is c-json", timeout=10)
 
 
 def test_bench_quick():
