@@ -390,13 +390,14 @@ def test_bench_quick():
 
 @pytest.mark.slow
 def test_trains_cartpole_through_8_c_clients(start_run, procs, cartpole, tmp_path):
-    """CartPole-v1 to a 100-episode mean of 475 through 8 C client processes with
-    server-side inference; the time from the server's start is printed (target 10 s).
-    When the run ends, every client exits 0."""
+    """CartPole-v1 to a 100-episode mean of 475 through 8 C client processes of 16 envs
+    with server-side inference; the time from the server's start is printed (target 10 s;
+    16 envs per ACT solve faster than 4: fewer round trips per env step). When the run
+    ends, every client exits 0."""
     t0 = time.monotonic()
     run = start_run("--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "run")
     port = run.tcp_port()
-    clients = [start(procs, cartpole, "--port", port, "--envs", 4, "--name", f"c{i}", "--quiet") for i in range(8)]
+    clients = [start(procs, cartpole, "--port", port, "--envs", 16, "--name", f"c{i}", "--quiet") for i in range(8)]
     assert run.proc.wait(timeout=300) == 0, run.output()[-3000:]
     took = time.monotonic() - t0
     summary = summary_of(tmp_path / "run")
