@@ -361,6 +361,141 @@ def test_heartbeat_only_when_due(server, tmp_path):
         p.communicate(timeout=10)
 
 
+FUZZ_PROGRAM = r"""
+#define SHMRL_CLIENT_IMPLEMENTATION
+#include "shmrl_client.h"
+#include <stdio.h>
+/* One attempt per connection (max_retries 0), K = 2 envs, 3 ACTs each, any action space;
+   ends when nobody listens any more. */
+int main(int argc, char **argv) {
+    shmrl_options opt; shmrl_client c; shmrl_step s;
+    static float obs[2 * 4096], final_obs[2 * 4096], rewards[2] = {1, 1}, box[2 * SHMRL_MAX_ACTION_DIM];
+    static int64_t actions[2 * SHMRL_MAX_ACTION_DIM];
+    static unsigned char term[2] = {0, 1}, trunc[2] = {1, 0};
+    int i, sessions = 0;
+    shmrl_options_init(&opt);
+    if (argc < 2) return 4;
+    opt.port = atoi(argv[1]); opt.max_retries = 0; opt.reply_timeout_s = 2; opt.binary = argc > 2;
+    memset(&s, 0, sizeof s);
+    s.k = 2; s.obs = obs; s.final_obs = final_obs; s.rewards = rewards; s.terminateds = term;
+    s.truncateds = trunc; s.actions = actions; s.box_actions = box;
+    if (shmrl_open(&c, &opt) == SHMRL_ERR_CONNECT) return 5;
+    for (;;) {
+        for (i = 0; c.fd >= 0 && c.config.obs_size <= 4096 && i < 3; i++)
+            if (shmrl_act(&c, &s) != SHMRL_OK) break;
+        sessions++;
+        if (shmrl_reconnect(&c) == SHMRL_ERR_CONNECT) break;
+    }
+    shmrl_close(&c);
+    printf("sessions %d\n", sessions);
+    return 0;
+}
+"""
+
+SPACES = [{"type": "Discrete", "n": 2}, {"type": "Discrete", "n": 3, "start": 1}, {"type": "MultiDiscrete", "nvec": [3, 2]},
+          {"type": "Box", "shape": [2], "low": [-1.0, -2.0], "high": [1.0, 2.0]}]
+
+
+def valid_actions(space: dict, rng, codec: str) -> dict:
+    if space["type"] == "Discrete":
+        acts = rng.integers(space.get("start", 0), space.get("start", 0) + space["n"], size=2)
+    elif space["type"] == "MultiDiscrete":
+        acts = np.stack([rng.integers(0, n, size=2) for n in space["nvec"]], axis=1)
+    else:   # unclipped samples, some beyond the bounds
+        acts = rng.normal(0, 3, size=(2, 2)).astype(np.float32)
+    return {"type": "ACTIONS", "actions": acts if codec == "binary" else acts.tolist(), "weights_seq_no": 3}
+
+
+CRAFTED = [b"", b"{", b"[]", b'{"type": "PONG"', b'{"type": "PONG\\u0000x"}', b'{"type": 1e999999}',
+           b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b', "type": "PONG"}', b'{"type": "\\u12"}',
+           b"\x93RLB\xff\xff\xff\xff{}", b"\x93RLB\x02\x00\x00\x00{}", b"\x93RLB"]
+
+
+def mutate(body: bytes, rng) -> bytes:
+    """A broken body: a crafted one, a byte changed, cut short, or a number blown up."""
+    kind = rng.integers(5)
+    if kind == 0:
+        return CRAFTED[rng.integers(len(CRAFTED))]
+    if kind == 1 and body:
+        i = rng.integers(len(body))
+        return body[:i] + bytes([rng.integers(256)]) + body[i + 1:]
+    if kind == 2:
+        return body[:rng.integers(len(body) + 1)]
+    numbers = list(re.finditer(rb"-?\d+(\.\d+)?", body))
+    if not numbers:
+        return body + b"}"
+    m = numbers[rng.integers(len(numbers))]
+    big = [b"1e308", b"-1e308", b"18446744073709551617", b"-1", b"0", b"4294967296", b"1.5", b"NaN"][rng.integers(8)]
+    return body[:m.start()] + big + body[m.end():]
+
+
+def test_fuzzed_replies_never_crash_the_client(tmp_path):
+    """150 connections per codec, each with a broken PONG, SET_CONFIG or ACTIONS (or none),
+    against the client built with AddressSanitizer and UndefinedBehaviorSanitizer: it never
+    crashes, reads out of bounds, leaks or hits undefined behaviour, and while the replies
+    are valid every ACT it sends passes the server's own checks."""
+    exe = tmp_path / "fuzz"
+    (tmp_path / "fuzz.c").write_text(FUZZ_PROGRAM)
+    gcc(*WARN, "-g", "-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-I", str(C_DIR),
+        "-o", str(exe), str(tmp_path / "fuzz.c"), "-lm")
+    rng = np.random.default_rng(0)
+    env = {**os.environ, "ASAN_OPTIONS": "exitcode=99", "UBSAN_OPTIONS": "exitcode=98"}
+    for codec in ("binary", "json"):
+        server = FakeServer()
+        p = subprocess.Popen([str(exe), str(server.port), *(["binary"] if codec == "binary" else [])],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            for n in range(150):
+                if p.poll() is not None:
+                    break
+                fuzz_one(server, rng, codec)
+        except OSError:   # it stopped connecting: its stderr says why, below
+            pass
+        finally:
+            server.close()
+        try:
+            out, err = p.communicate(timeout=60)
+        finally:
+            p.kill()
+        assert p.returncode == 0 and "Sanitizer" not in err and "runtime error" not in err, err[-3000:]
+        # 150, or 151 when it connected once more before the listener closed
+        assert re.fullmatch(r"sessions 15[01]\n", out), (n, out, err[-3000:])
+
+
+def fuzz_one(server, rng, codec: str) -> None:
+    stage = ["pong", "config", "actions", "none"][rng.integers(4)]
+    space = SPACES[rng.integers(len(SPACES))]
+    conn = server.accept()
+    conn.settimeout(3)
+
+    def reply(msg: dict, broken: bool, body_codec: str) -> None:
+        body = rllink.encode(msg, body_codec)
+        conn.sendall(rllink.frame(mutate(body, rng)) if broken else rllink.frame(body))
+
+    try:
+        read_body(conn)   # PING
+        pong = {"type": "PONG", **({"codec": "binary", "heartbeat_s": 1.0} if codec == "binary" else {}),
+                "inference": "server"}
+        reply(pong, stage == "pong", "json")
+        if stage == "pong":
+            return
+        assert read_body(conn) == b'{"type": "GET_CONFIG"}'
+        config = {**SET_CONFIG, "action_space": space}
+        reply(config, stage == "config", codec)
+        if stage == "config":
+            return
+        for step in range(3):
+            rllink.decode_request(read_body(conn))   # a valid config: valid ACTs
+            reply(valid_actions(space, rng, codec), stage == "actions" and step == 1, codec)
+            if stage == "actions" and step == 1:
+                return
+    except (OSError, AssertionError) as e:   # the client hung up: fine after a broken reply only
+        if stage == "none" or isinstance(e, AssertionError):
+            raise
+    finally:
+        conn.close()
+
+
 # ---------------------------------------------------------------- against shmrl
 
 def test_probe_and_steps_against_shmrl(start_run, cartpole):

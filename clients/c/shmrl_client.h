@@ -180,6 +180,7 @@ const char *shmrl_status_name(shmrl_status s);
 #endif
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -316,12 +317,13 @@ static void shmrl__put_f32s(shmrl__buf *b, const float *v, size_t n) {
    Every function takes [p, e) and returns NULL on malformed input. */
 
 static const char *shmrl__ws(const char *p, const char *e) {
+    if (!p) return NULL;   /* so that a failed step passes through a chain of calls */
     while (p < e && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
     return p;
 }
 
 static const char *shmrl__skip_string(const char *p, const char *e) {
-    if (p >= e || *p != '"') return NULL;
+    if (!p || p >= e || *p != '"') return NULL;
     for (p++; p < e; p++) {
         if (*p == '\\') { p++; continue; }
         if (*p == '"') return p + 1;
@@ -331,7 +333,7 @@ static const char *shmrl__skip_string(const char *p, const char *e) {
 
 static const char *shmrl__skip_value(const char *p, const char *e, int depth) {
     p = shmrl__ws(p, e);
-    if (p >= e || depth > SHMRL__JSON_DEPTH) return NULL;
+    if (!p || p >= e || depth > SHMRL__JSON_DEPTH) return NULL;
     if (*p == '"') return shmrl__skip_string(p, e);
     if (*p == '{' || *p == '[') {
         char close = *p == '{' ? '}' : ']';
@@ -363,7 +365,7 @@ static const char *shmrl__skip_value(const char *p, const char *e, int depth) {
 
 /* Does the JSON string at p (its opening quote) equal key? Handles the simple escapes. */
 static int shmrl__string_is(const char *p, const char *e, const char *key) {
-    if (p >= e || *p != '"') return 0;
+    if (!p || p >= e || *p != '"') return 0;
     for (p++; p < e && *p != '"'; p++, key++) {
         char ch = *p;
         if (ch == '\\') {
@@ -390,7 +392,7 @@ static int shmrl__string_is(const char *p, const char *e, const char *key) {
             default: ch = *p;
             }
         }
-        if (*key != ch) return 0;
+        if (*key == '\0' || *key != ch) return 0;
     }
     return p < e && *key == '\0';
 }
@@ -398,7 +400,7 @@ static int shmrl__string_is(const char *p, const char *e, const char *key) {
 /* The value of key in the object at p, or NULL. */
 static const char *shmrl__get(const char *p, const char *e, const char *key) {
     p = shmrl__ws(p, e);
-    if (p >= e || *p != '{') return NULL;
+    if (!p || p >= e || *p != '{') return NULL;
     p = shmrl__ws(p + 1, e);
     if (p < e && *p == '}') return NULL;
     for (;;) {
@@ -421,6 +423,7 @@ static const char *shmrl__number(const char *p, const char *e, double *out) {
     double m = 0;
     int neg = 0, exp10 = 0, digits = 0;
     p = shmrl__ws(p, e);
+    if (!p) return NULL;
     if (p < e && *p == '-') { neg = 1; p++; }
     if (e - p >= 8 && memcmp(p, "Infinity", 8) == 0) { *out = neg ? -HUGE_VAL : HUGE_VAL; return p + 8; }
     for (; p < e && *p >= '0' && *p <= '9'; p++, digits++) m = m * 10 + (*p - '0');
@@ -446,11 +449,15 @@ static int shmrl__get_number(const char *obj, const char *e, const char *key, do
     return v && shmrl__number(v, e, out) != NULL;
 }
 
+/* v is an integer in [lo, hi] (checked before any cast: casting a double beyond the
+   target type's range is undefined behaviour) */
+static int shmrl__int_in(double v, double lo, double hi) { return v >= lo && v <= hi && v == floor(v); }
+
 /* Up to max numbers of the JSON array at p; the count in *n; 0 if p is no such array. */
 static int shmrl__numbers(const char *p, const char *e, double *out, int max, int *n) {
     *n = 0;
     p = shmrl__ws(p, e);
-    if (p >= e || *p != '[') return 0;
+    if (!p || p >= e || *p != '[') return 0;
     p = shmrl__ws(p + 1, e);
     if (p < e && *p == ']') return 1;
     for (;;) {
@@ -688,9 +695,13 @@ static shmrl_status shmrl__read_spaces(shmrl_client *c, const shmrl__msg *m) {
         double dims[SHMRL_MAX_DIMS];
         if (!shmrl__numbers(shape, m->end, dims, SHMRL_MAX_DIMS, &n))
             return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: observation_shape is not a list of at most %d ints", SHMRL_MAX_DIMS);
+        double size = 1;
+        for (i = 0; i < n; i++) size *= shmrl__int_in(dims[i], 1, 1 << 24) ? dims[i] : -1;
+        if (!(size >= 1 && size <= 1 << 24))
+            return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "SET_CONFIG: observation_shape must be dims >= 1 of at most 2^24 floats in all");
         cfg->obs_ndim = n;
-        cfg->obs_size = 1;
-        for (i = 0; i < n; i++) { cfg->obs_shape[i] = (long)dims[i]; cfg->obs_size *= cfg->obs_shape[i]; }
+        cfg->obs_size = (long)size;
+        for (i = 0; i < n; i++) cfg->obs_shape[i] = (long)dims[i];
     } else if (c->opt.obs_size > 0) {
         cfg->obs_ndim = 1; cfg->obs_shape[0] = cfg->obs_size = c->opt.obs_size;
     } else if (c->opt.server_inference) {
@@ -703,15 +714,21 @@ static shmrl_status shmrl__read_spaces(shmrl_client *c, const shmrl__msg *m) {
     t = shmrl__get(space, m->end, "type");
     if (t && shmrl__string_is(t, m->end, "Discrete")) {
         double nv;
-        if (!shmrl__get_number(space, m->end, "n", &nv) || nv < 1)
-            return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: a Discrete action_space without n");
+        double start = 0;
+        if (!shmrl__get_number(space, m->end, "n", &nv) || !shmrl__int_in(nv, 1, 1e9)
+            || (shmrl__get(space, m->end, "start") && (!shmrl__get_number(space, m->end, "start", &start)
+                                                       || !shmrl__int_in(start, -1e9, 1e9))))
+            return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: a Discrete action_space without an n of 1 to 1e9 (or a bad start)");
         cfg->action_type = SHMRL_DISCRETE; cfg->action_n = (long)nv; cfg->action_dim = 1;
-        if (shmrl__get_number(space, m->end, "start", &nv)) cfg->action_start = (long)nv;
+        cfg->action_start = (long)start;
     } else if (t && shmrl__string_is(t, m->end, "MultiDiscrete")) {
         if (!shmrl__numbers(shmrl__get(space, m->end, "nvec"), m->end, v, SHMRL_MAX_ACTION_DIM, &n) || n < 1)
             return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: a MultiDiscrete action_space without nvec");
         cfg->action_type = SHMRL_MULTI_DISCRETE; cfg->action_dim = n;
-        for (i = 0; i < n; i++) cfg->nvec[i] = (long)v[i];
+        for (i = 0; i < n; i++) {
+            if (!shmrl__int_in(v[i], 1, 1e9)) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: nvec of ints 1 to 1e9");
+            cfg->nvec[i] = (long)v[i];
+        }
     } else if (t && shmrl__string_is(t, m->end, "Box")) {
         double hi[SHMRL_MAX_ACTION_DIM];
         int nh;
@@ -720,7 +737,12 @@ static shmrl_status shmrl__read_spaces(shmrl_client *c, const shmrl__msg *m) {
             return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "SET_CONFIG: a Box action_space needs flat low and high "
                                "of 1-%d values", SHMRL_MAX_ACTION_DIM);
         cfg->action_type = SHMRL_BOX; cfg->action_dim = n;
-        for (i = 0; i < n; i++) { cfg->low[i] = (float)v[i]; cfg->high[i] = (float)hi[i]; }
+        for (i = 0; i < n; i++) {   /* beyond float's range: unbounded */
+            cfg->low[i] = v[i] < -FLT_MAX ? -HUGE_VALF : (float)v[i];
+            cfg->high[i] = hi[i] > FLT_MAX ? HUGE_VALF : (float)hi[i];
+            if (!(cfg->low[i] <= cfg->high[i]))
+                return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: Box bounds with low > high");
+        }
     } else {
         return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "SET_CONFIG: an action_space this client does not know");
     }
@@ -756,8 +778,8 @@ static shmrl_status shmrl__handshake(shmrl_client *c) {
         || (st = shmrl__expect(c, &m, "SET_CONFIG")) != SHMRL_OK)
         return st;
     memset(&c->config, 0, sizeof c->config);
-    if (!shmrl__get_number(m.head, m.end, "env_steps_per_sample", &num) || num < 1)
-        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG without env_steps_per_sample");
+    if (!shmrl__get_number(m.head, m.end, "env_steps_per_sample", &num) || !shmrl__int_in(num, 1, 2e9))
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG without an env_steps_per_sample of 1 to 2e9");
     c->config.env_steps_per_sample = (long)num;
     if ((st = shmrl__read_spaces(c, &m)) != SHMRL_OK) return st;
     c->fresh = 1;
@@ -995,23 +1017,25 @@ static shmrl_status shmrl__binary_actions(shmrl_client *c, const shmrl__msg *m, 
     const char *nd = shmrl__get(v, m->end, "__nd__"), *p;
     int n, box = c->config.action_type == SHMRL_BOX, is_f4, is_i8;
     size_t i, offset, nbytes, size;
-    if (!nd || *(p = shmrl__ws(nd, m->end)) != '[') return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions is no array");
+    if (!nd || (p = shmrl__ws(nd, m->end)) >= m->end || *p != '[') return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions is no array");
     p = shmrl__ws(p + 1, m->end);
     is_f4 = shmrl__string_is(p, m->end, "<f4");
     is_i8 = shmrl__string_is(p, m->end, "<i8");
     if (box ? !is_f4 : !is_i8) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions of an unexpected dtype");
     p = shmrl__ws(shmrl__skip_string(p, m->end), m->end);
-    if (!p || *p != ',' || !shmrl__numbers(p + 1, m->end, shape, 3, &n)) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: bad shape");
+    if (!p || p >= m->end || *p != ',' || !shmrl__numbers(p + 1, m->end, shape, 3, &n)) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: bad shape");
     p = shmrl__ws(shmrl__skip_value(p + 1, m->end, 1), m->end);
-    if (!p || *p != ',' || !(p = shmrl__number(p + 1, m->end, &spec[0])) || *(p = shmrl__ws(p, m->end)) != ','
-        || !shmrl__number(p + 1, m->end, &spec[1]))
+    if (!p || p >= m->end || *p != ',' || !(p = shmrl__number(p + 1, m->end, &spec[0]))
+        || (p = shmrl__ws(p, m->end)) >= m->end || *p != ',' || !shmrl__number(p + 1, m->end, &spec[1]))
         return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: bad array descriptor");
     size = box ? 4 : 8;
     if (shape[0] != c->k || (n == 2 ? shape[1] != c->config.action_dim : (n != 1 || c->config.action_dim != 1)))
         return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions of the wrong shape");
+    if (!shmrl__int_in(spec[0], 0, (double)m->data_len) || !shmrl__int_in(spec[1], 0, (double)m->data_len))
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: the actions' block lies outside the data");
     offset = (size_t)spec[0];
     nbytes = (size_t)spec[1];
-    if (spec[0] < 0 || nbytes != count * size || offset % 8 || offset + nbytes > m->data_len)
+    if (nbytes != count * size || offset % 8 || offset + nbytes > m->data_len)
         return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: the actions' block lies outside the data");
     for (i = 0; i < count; i++)
         out[i] = box ? shmrl__f32le(m->data + offset + 4 * i) : (double)shmrl__i64le(m->data + offset + 8 * i);
@@ -1035,7 +1059,7 @@ static shmrl_status shmrl__json_actions(shmrl_client *c, const shmrl__msg *m, co
         }
         got += nested ? (size_t)dim : 1;
         p = shmrl__ws(p, m->end);
-        if (p >= m->end || *p != (got < count ? ',' : ']')) break;
+        if (!p || p >= m->end || *p != (got < count ? ',' : ']')) break;
         p++;
     }
     if (got < count || !p) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions of the wrong shape");
@@ -1056,7 +1080,10 @@ static shmrl_status shmrl__read_actions(shmrl_client *c, const shmrl__msg *m, sh
         int d = (int)(i % (size_t)cfg->action_dim);
         if (cfg->action_type == SHMRL_BOX) {
             double x = vals[i] < cfg->low[d] ? cfg->low[d] : vals[i] > cfg->high[d] ? cfg->high[d] : vals[i];
-            s->box_actions[i] = (float)x;
+            if (!(x >= -FLT_MAX && x <= FLT_MAX))
+                st = shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: a Box action that is not a finite float");
+            else
+                s->box_actions[i] = (float)x;
         } else {
             long n = cfg->action_type == SHMRL_DISCRETE ? cfg->action_n : cfg->nvec[d];
             double lo = cfg->action_type == SHMRL_DISCRETE ? (double)cfg->action_start : 0;
@@ -1067,7 +1094,8 @@ static shmrl_status shmrl__read_actions(shmrl_client *c, const shmrl__msg *m, sh
         }
     }
     free(vals);
-    if (st == SHMRL_OK && shmrl__get_number(m->head, m->end, "weights_seq_no", &seq)) c->weights_seq_no = (long long)seq;
+    if (st == SHMRL_OK && shmrl__get_number(m->head, m->end, "weights_seq_no", &seq) && shmrl__int_in(seq, -1, 1e18))
+        c->weights_seq_no = (long long)seq;
     return st;
 }
 
