@@ -542,3 +542,47 @@ def test_trains_cartpole_through_8_c_clients(start_run, procs, cartpole, tmp_pat
     for c in clients:
         out, err = c.communicate(timeout=60)
         assert c.returncode == 0 and "the server ended the session" in out, out + err
+
+
+BOX_PROGRAM = r"""
+#define SHMRL_CLIENT_IMPLEMENTATION
+#include "shmrl_client.h"
+#include <stdio.h>
+/* 50 ACTs of 2 envs with still observations; prints the config and every action. */
+int main(int argc, char **argv) {
+    shmrl_options opt; shmrl_client c; shmrl_step s;
+    float obs[6] = {1, 0, 0, 1, 0, 0}, rewards[2] = {-1, -1}, box[2 * SHMRL_MAX_ACTION_DIM];
+    unsigned char no[2] = {0, 0};
+    int i;
+    shmrl_options_init(&opt);
+    if (argc < 2) return 4;
+    opt.port = atoi(argv[1]); opt.max_retries = 0; opt.client_name = "box";
+    if (shmrl_open(&c, &opt) != SHMRL_OK) { puts(shmrl_error(&c)); return 1; }
+    printf("type %d dim %d obs %ld low %g high %g\n", (int)c.config.action_type, c.config.action_dim,
+           c.config.obs_size, c.config.low[0], c.config.high[0]);
+    memset(&s, 0, sizeof s);
+    s.k = 2; s.obs = obs; s.rewards = rewards; s.terminateds = no; s.truncateds = no; s.box_actions = box;
+    for (i = 0; i < 50; i++) {
+        if (shmrl_act(&c, &s) != SHMRL_OK) { puts(shmrl_error(&c)); return 1; }
+        printf("%g %g\n", box[0], box[1]);
+    }
+    shmrl_close(&c);
+    return 0;
+}
+"""
+
+
+def test_box_actions_from_shmrl(start_run, tmp_path):
+    """Pendulum (a Box action) served by shmrl: the space read from SET_CONFIG, float
+    actions, clipped to [-2, 2] (the server sends unclipped samples)."""
+    (tmp_path / "box.c").write_text(BOX_PROGRAM)
+    gcc(*WARN, "-I", str(C_DIR), "-o", str(tmp_path / "box"), str(tmp_path / "box.c"), "-lm")
+    run = start_run("--env", "Pendulum-v1", "--sims", 0, "--tcp-port", 0, "--log-std-init", 1.5)
+    done = subprocess.run([str(tmp_path / "box"), str(run.tcp_port())], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "type 3 dim 1 obs 3 low -2 high 2"   # 3: SHMRL_BOX
+    actions = np.array([[float(v) for v in line.split()] for line in lines[1:]])
+    assert actions.shape == (50, 2) and np.all(np.abs(actions) <= 2.0)
+    assert np.any(np.abs(actions) == 2.0) and len(np.unique(actions)) > 10   # clipped, yet sampled
+
