@@ -21,7 +21,8 @@ from shmrl.store import DEFAULT_POLICY, EpisodeStore
 
 log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
-OVER_BUDGET = "over the client's budget"   # of pending env steps: why a flood's steps are dropped
+OVER_BUDGET = "over the client's budget"
+_ACT = T.ACT.value   # of pending env steps: why a flood's steps are dropped
 
 def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
     """Why validated chunks do not fit the environment (and the policy's recurrent state of
@@ -213,6 +214,9 @@ class Hub:
                 self.forget(conn_id)
                 return
             self.authenticated.add(conn_id)
+        if kind == _ACT:   # first: a server-inference client sends one per env step
+            self._act(conn_id, msg)
+            return
         self.opened.setdefault(conn_id, time.monotonic())
         if kind == T.HEARTBEAT.value:  # answered by nothing; the transport saw it alive
             if msg["env_steps"] is not None:
@@ -231,8 +235,6 @@ class Hub:
         elif kind == T.GET_STATE.value:
             self.sampling.add(conn_id)
             self._reply(conn_id, self.state_msg)
-        elif kind == T.ACT.value:
-            self._act(conn_id, msg)
         else:  # EPISODES, EPISODES_AND_GET_STATE
             if not self._take(conn_id, msg["episodes"]):
                 return
@@ -283,6 +285,7 @@ class Hub:
                        if self.inference is not None else
                        "ACT in a multi-agent run, which does not serve actions (its PONG said so)", 0)
             return
+        self.opened.setdefault(conn_id, time.monotonic())
         self.sampling.add(conn_id)
         batch, reason = self.inference.act(conn_id, msg)
         if reason:

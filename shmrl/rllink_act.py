@@ -13,7 +13,7 @@ import numpy as np
 
 from shmrl.episode import obs_rows
 from shmrl.rllink_codec import ProtocolError, _show
-from shmrl.rllink_episodes import _array, _count, _is_bool, _obs, _obs_form, _require
+from shmrl.rllink_episodes import _array, _count, _is_bool, _obs, _require
 
 MAX_ACT_ENVS = 4096    # envs (slots) in one ACT: a bound on one request's work and memory
 ACT_FIELDS = frozenset({"type", "obs", "rewards", "terminateds", "truncateds", "final_obs"})
@@ -30,7 +30,11 @@ def act_request(msg: dict) -> dict:
         if key not in ACT_FIELDS:
             raise ProtocolError(f"ACT: unexpected field {_show(key)}")
     with np.errstate(all="ignore"):   # float32 casts that overflow are reported as non-finite
-        obs = _obs(_require(msg, "obs", "ACT"), "ACT")
+        return _act(msg)
+
+
+def _act(msg: dict) -> dict:
+    obs = _obs(_require(msg, "obs", "ACT"), "ACT")
     k = obs_rows(obs)
     if not 1 <= k <= MAX_ACT_ENVS:
         raise ProtocolError(f"ACT: 'obs' holds {k} observations; one ACT carries 1 to {MAX_ACT_ENVS} envs")
@@ -43,23 +47,27 @@ def act_request(msg: dict) -> dict:
         if "final_obs" in msg:
             raise ProtocolError("ACT: 'final_obs' without the outcome of a step ('rewards', ...)")
         return out
-    with np.errstate(all="ignore"):
-        rewards = _array(msg, "rewards", "ACT")
+    rewards = _array(msg, "rewards", "ACT")
     if rewards.shape != (k,):
         raise ProtocolError(f"ACT: 'rewards' has shape {rewards.shape}, expected ({k},): one per env of 'obs'")
     out["rewards"] = rewards
     out["terminateds"] = _bools(msg, "terminateds", k)
     out["truncateds"] = _bools(msg, "truncateds", k)
     if "final_obs" in msg:
-        with np.errstate(all="ignore"):
-            final = _obs(msg["final_obs"], "ACT final_obs")
-        if obs_rows(final) != k or _obs_form(final) != _obs_form(obs):
+        final = _obs(msg["final_obs"], "ACT final_obs")
+        if obs_rows(final) != k or _shapes(final) != _shapes(obs):
             raise ProtocolError(f"ACT: 'final_obs' must have the form of 'obs' ({k} observations of "
-                                f"{_obs_form(obs)}), got {obs_rows(final)} of {_obs_form(final)}")
+                                f"{_shapes(obs)}), got {obs_rows(final)} of {_shapes(final)}")
         out["final_obs"] = final
     elif out["truncateds"].any():
         raise ProtocolError("ACT: an env was truncated but 'final_obs' is missing (the learner bootstraps from it)")
     return out
+
+
+def _shapes(obs):
+    """What 'obs' and 'final_obs' must share: the leaves and their shapes (not the dtype: a
+    JSON row of whole numbers reads as integers beside a row of floats)."""
+    return sorted((k, v.shape[1:]) for k, v in obs.items()) if isinstance(obs, dict) else obs.shape[1:]
 
 
 def _bools(msg: dict, key: str, k: int) -> np.ndarray:

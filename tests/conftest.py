@@ -547,6 +547,7 @@ class HubLoop:
                     if self.auto_publish and self.hub.waiting:
                         self.seq += 1
                         self.publish()
+                    self.hub.flush_actions()   # server-side inference: the round's ACTs
         except BaseException as e:  # reported by stop()
             self.error = e
 

@@ -3,18 +3,23 @@ validated, the Hub's per-connection trajectories (what reaches the store, step b
 the hold in strict on-policy, recurrent state per slot, bad ACTs closing only their
 connection; and clients on raw sockets training a real run over TCP in both codecs."""
 import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
-from conftest import FakeServer, read_to_eof, recv_frame
+from conftest import FakeServer, decode_frame, read_to_eof, recv_frame, wait_until
 from shmrl import rllink
 from shmrl.envs import env_spec, make_vec_env
 from shmrl.hub import Hub
 from shmrl.net import PolicyNet
 from shmrl.onnx_policy import encode_onnx_file
 from shmrl.rllink import ProtocolError
+from shmrl.sim import run_server_inference
 from shmrl.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.transport.tcp import TcpClient
 
 SPEC = env_spec("CartPole-v1")
 
@@ -88,6 +93,10 @@ def test_act_and_actions_validate_in_both_codecs():
                                                    "weights_seq_no": 3}, codec))
         assert reply["actions"].tolist() == [1, 0] and reply["actions"].dtype == np.int64
         assert reply["weights_seq_no"] == 3
+    # JSON whole numbers read as integers: a final_obs of them still fits float obs
+    ints = rllink.decode_request(b'{"type": "ACT", "obs": [[0.5, 0, 0, 0]], "rewards": [1], "terminateds": [false], '
+                                 b'"truncateds": [true], "final_obs": [[1, 2, 3, 4]]}')
+    assert ints["final_obs"].tolist() == [[1, 2, 3, 4]] and ints["rewards"].dtype == np.float32
     ping = rllink.decode_request(rllink.encode_json({"type": "PING", "inference": "server"}))
     assert ping["inference"] == "server"
     assert rllink.decode_reply(b'{"type": "PONG", "inference": "server"}')["inference"] == "server"
@@ -328,3 +337,108 @@ def test_raw_socket_clients_train_a_run(start_run, tmp_path, codec):
     assert versions == sorted(versions) and versions[-1] >= versions[0] + 3   # strict on-policy: a new one each
     run.wait_until(lambda out: "update    3" in out, 30, "the third update")
     assert "the first ACT of a connection carries no 'rewards'" in run.output()
+
+
+# ------------------------------------------------------------- shmrl.sim --server-inference
+
+def test_the_python_client_refuses_a_server_that_does_not_serve_actions():
+    class RLlibLike:   # answers PING as RLlib's server (and an older shmrl) does
+        def request(self, msg):
+            return {"type": "PONG"}
+
+    with pytest.raises(ConnectionError, match="does not serve actions"):
+        run_server_inference(RLlibLike())
+
+
+def test_the_python_client_steps_with_the_servers_actions(start_run, tmp_path):
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 64,
+                    "--train-batch-size", 128, "--logdir", tmp_path / "run")
+    client = TcpClient("127.0.0.1", run.tcp_port(), timeout=30, codec="binary")
+    try:
+        assert run_server_inference(client, "CartPole-v1", envs_per_sim=4, max_messages=100) == 400
+    finally:
+        client.close()
+    run.wait_until(lambda out: "update    2" in out, 30, "the second update")
+
+
+@pytest.mark.slow
+def test_server_inference_clients_solve_cartpole(start_run, tmp_path):
+    """CartPole to a 100-episode mean of 475 trained only through `python -m shmrl.sim
+    --server-inference` clients (4 processes x 4 envs) on a run with no simulators."""
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "run")
+    port = run.tcp_port()
+    clients = [subprocess.Popen([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}",
+                                 "--server-inference", "--envs-per-sim", "4", "--seed", str(i)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(4)]
+    try:
+        run.wait_for("solved: return", 240)
+        assert run.proc.wait(30) == 0
+    finally:
+        for p in clients:
+            p.kill()
+            p.wait(10)
+
+
+def test_box_actions_are_served_unclipped_and_reach_the_store():
+    spec = env_spec("Pendulum-v1")
+    hub, store = make_hub(steps=4, spec=spec)
+    c = Client(hub, codec="binary")
+    obs = np.zeros((2, *spec.obs_shape), np.float32)
+    c.send({"type": "ACT", "obs": obs})
+    for _ in range(2):
+        reply = c.actions()
+        assert reply["actions"].dtype == np.float32 and reply["actions"].shape == (2, 1)
+        c.send({"type": "ACT", "obs": obs, "rewards": np.full(2, -1.0, np.float32), "terminateds": np.zeros(2, bool),
+                "truncateds": np.zeros(2, bool)})
+    (batch,) = store.take()[DEFAULT_POLICY]
+    assert batch.actions.shape == (4, 1) and batch.num_chunks == 2 and not c.dropped()
+
+
+@pytest.mark.parametrize("codec", ["json", "binary"])
+def test_dict_observations_with_an_action_mask(codec):
+    """A Dict observation (an image, nested leaves, an action mask): ACT carries it as an
+    object of arrays by leaf (binary) or one object per env (JSON); the served actions keep
+    to each env's mask, and the steps reach the store."""
+    from test_spaces import ROBOT_OBS, random_obs, robot_spec
+
+    spec = robot_spec()
+    hub, store = make_hub(steps=4, spec=spec)
+    assert set(hub.config_msg["observation_leaves"]) == {"camera", "state.joints", "state.mode", "buttons",
+                                                         "action_mask"}
+    rng = np.random.default_rng(0)
+
+    def wire(obs):   # the JSON form: one object per env
+        return obs if codec == "binary" else [{k: v[i].tolist() for k, v in obs.items()} for i in range(2)]
+
+    c = Client(hub, codec=codec)
+    obs = random_obs(ROBOT_OBS, rng, 2)
+    c.send({"type": "ACT", "obs": wire(obs)})
+    for _ in range(2):
+        reply = c.actions()
+        assert obs["action_mask"][np.arange(2), reply["actions"]].all()   # never a forbidden move
+        obs = random_obs(ROBOT_OBS, rng, 2)
+        c.send({"type": "ACT", "obs": wire(obs), "rewards": [0.5, 0.5], "terminateds": [False, False],
+                "truncateds": [False, False]})
+    (batch,) = store.take()[DEFAULT_POLICY]
+    assert batch.num_steps == 4 and batch.obs["camera"].dtype == np.uint8 and not c.dropped()
+
+
+def test_a_held_act_is_not_taken_for_a_silent_client(net):
+    """A binary client owes heartbeats, but not while its ACT waits for new weights: the
+    server owes it the reply."""
+    server = net.server(heartbeat_s=0.1, heartbeat_timeout=0.5)
+    loop = net.hub(server, auto_publish=False, onnx_file=model_file())   # 8 env steps per sample
+    sock = net.raw(server)
+    sock.sendall(rllink.frame(rllink.encode_json({"type": "PING", "inference": "server", "codecs": ["binary"]})))
+    assert decode_frame(recv_frame(sock))["heartbeat_s"] == 0.1
+    obs = np.zeros((8, 4), np.float32)
+    sock.sendall(rllink.frame(rllink.encode_binary({"type": "ACT", "obs": obs})))
+    assert rllink.validate(decode_frame(recv_frame(sock)), "reply")["weights_seq_no"] == 1
+    sock.sendall(rllink.frame(rllink.encode_binary({"type": "ACT", "obs": obs, "rewards": np.ones(8, np.float32),
+                                                    "terminateds": np.zeros(8, bool),
+                                                    "truncateds": np.zeros(8, bool)})))
+    wait_until(lambda: loop.hub.waiting, 5, "the ACT held")
+    time.sleep(1.0)   # twice the heartbeat timeout, in silence
+    assert not loop.closed()
+    loop.auto_publish = True
+    assert rllink.validate(decode_frame(recv_frame(sock)), "reply")["weights_seq_no"] == 2
