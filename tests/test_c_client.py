@@ -261,6 +261,14 @@ def test_binary_act_bytes(server, procs, cartpole):
     assert body == rllink.encode_binary(msg)
 
 
+def test_ping_escapes_the_token_and_name(server, procs, cartpole):
+    token = 'a"b\\c d'
+    start(procs, cartpole, "--port", server.port, "--name", "sim #1", "--token", token, "--max-retries", 0)
+    body = read_body(server.accept())
+    assert body == json.dumps({"type": "PING", "auth_token": token, "codecs": ["binary"], "client_name": "sim #1",
+                               "inference": "server"}).encode()
+
+
 def test_refused_inference_is_a_clear_error_without_retries(server, procs, cartpole):
     p = start(procs, cartpole, "--port", server.port, "--name", "c-0", "--max-retries", 3)
     handshake(server, inference=False)
@@ -500,17 +508,22 @@ def fuzz_one(server, rng, codec: str) -> None:
 
 def test_probe_and_steps_against_shmrl(start_run, cartpole):
     """The handshake with a real server (no inference asked): binary codec and heartbeat
-    agreed, SET_CONFIG read; then 400 env steps with its actions in each codec."""
-    run = start_run("--sims", 0, "--tcp-port", 0, "--train-batch-size", 256)
-    done = subprocess.run([cartpole, "--port", str(run.tcp_port()), "--probe", "--name", "probe"],
+    agreed, SET_CONFIG read; then 400 env steps with its actions in each codec; all with
+    the run's auth token, and a wrong one gets a closed connection."""
+    run = start_run("--sims", 0, "--tcp-port", 0, "--train-batch-size", 256, "--auth-token", "s3cret")
+    port = str(run.tcp_port())
+    done = subprocess.run([cartpole, "--port", port, "--probe", "--name", "probe", "--token", "s3cret"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert "codec binary, heartbeat_s 1, inference client, env_steps_per_sample 256" in done.stdout
     for codec in ("binary", "json"):   # and steps with the server's actions, in either codec
-        done = subprocess.run([cartpole, "--port", str(run.tcp_port()), "--envs", "4", "--steps", "400", "--codec", codec,
-                               "--name", f"c-{codec}"], capture_output=True, text=True, timeout=60)
+        done = subprocess.run([cartpole, "--port", port, "--envs", "4", "--steps", "400", "--codec", codec,
+                               "--name", f"c-{codec}", "--token", "s3cret"], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "steps done: 400 env steps" in done.stdout, done.stdout + done.stderr
     run.wait_for("is c-json", timeout=10)
+    done = subprocess.run([cartpole, "--port", port, "--max-retries", "0", "--token", "wrong"], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 1 and "the server closed the connection" in done.stderr, done.stderr
 
 
 def test_bench_quick():
