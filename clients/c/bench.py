@@ -14,7 +14,7 @@ first ACTIONS); `p50_ms`/`p99_ms` are over every ACT round trip of every client,
 the learner held while it trained included (`--run-args=--async` for replies never held);
 `steps_min_over_median`/`steps_max_over_median` compare the clients' step counts;
 `server_rss_mb` is the run's peak resident memory (its process tree), sampled twice a
-second. Extra arguments for the run go in --run-args.
+second; `client_cpu_us_per_step` the clients' CPU time (user and system) per env step. Extra arguments for the run go in --run-args.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shlex
 import signal
 import statistics
@@ -94,6 +95,7 @@ def measure(exe: Path, clients: int, envs: int, seconds: float, run_args: list[s
         run, port = start_run(tmp, run_args)
         procs = []
         peak = 0
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)   # the clients' CPU: they are waited for first
         try:
             for i in range(clients):
                 procs.append(subprocess.Popen(
@@ -106,6 +108,7 @@ def measure(exe: Path, clients: int, envs: int, seconds: float, run_args: list[s
                 peak = max(peak, tree_rss(server))
                 time.sleep(0.5)
             outputs = [p.communicate(timeout=30)[0] if p.poll() is not None else "" for p in procs]
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -129,6 +132,8 @@ def measure(exe: Path, clients: int, envs: int, seconds: float, run_args: list[s
                 "steps_min_over_median": round(min(steps) / median, 3) if median else None,
                 "steps_max_over_median": round(max(steps) / median, 3) if median else None,
                 "server_rss_mb": round(peak / 2 ** 20, 1), "load": os.getloadavg()[0],
+                "client_cpu_us_per_step": round(1e6 * (after.ru_utime + after.ru_stime - before.ru_utime
+                                                       - before.ru_stime) / max(sum(steps), 1), 2),
                 "run_args": run_args}
 
 
