@@ -247,16 +247,77 @@ static void step_all(envs *e, uint64_t *rng, stats *st) {
     st->env_steps += e->k;
 }
 
+static int alloc_envs(envs *e, int k, shmrl_step *step) {
+    e->k = k;
+    e->env = (cartpole *)calloc((size_t)k, sizeof *e->env);
+    e->obs = (float *)calloc((size_t)k * 4, sizeof *e->obs);
+    e->final_obs = (float *)calloc((size_t)k * 4, sizeof *e->final_obs);
+    e->rewards = (float *)calloc((size_t)k, sizeof *e->rewards);
+    e->terminateds = (unsigned char *)calloc((size_t)k, 1);
+    e->truncateds = (unsigned char *)calloc((size_t)k, 1);
+    e->actions = (int64_t *)calloc((size_t)k, sizeof *e->actions);
+    memset(step, 0, sizeof *step);
+    step->k = k;
+    step->obs = e->obs;
+    step->rewards = e->rewards;
+    step->terminateds = e->terminateds;
+    step->truncateds = e->truncateds;
+    step->final_obs = e->final_obs;
+    step->actions = e->actions;
+    return e->env && e->obs && e->final_obs && e->rewards && e->terminateds && e->truncateds && e->actions;
+}
+
+/* ACT, step, repeat; reconnect when the connection breaks. Returns the exit status. */
+static int play(const args *a, const char *name, shmrl_client *c, envs *e, stats *st) {
+    shmrl_step step;
+    long long acts_at_connect = 0;
+    int barren = 0;   /* sessions in a row that broke before any actions came: failed attempts */
+    uint64_t rng = a->seed;
+    if (!alloc_envs(e, a->envs, &step) || !(st->lat = (uint32_t *)calloc(LAT_BUCKETS, sizeof *st->lat))) {
+        fprintf(stderr, "cartpole %s: out of memory\n", name);
+        return 1;
+    }
+    reset_all(e, &rng);
+    for (;;) {
+        double t0 = now_s();
+        shmrl_status s = shmrl_act(c, &step);
+        if (s == SHMRL_ERR_ARG || s == SHMRL_ERR_NOMEM) {
+            fprintf(stderr, "cartpole %s: %s\n", name, shmrl_error(c));
+            return 1;
+        }
+        if (s != SHMRL_OK) {
+            if (!a->quiet) fprintf(stderr, "cartpole %s: %s; reconnecting\n", name, shmrl_error(c));
+            barren = c->acts == acts_at_connect ? barren + 1 : 0;
+            s = a->opt.max_retries >= 0 && barren > a->opt.max_retries ? s : shmrl_reconnect(c);
+            if (s != SHMRL_OK) {
+                int served = c->acts > 0;
+                summary(name, st, served ? "the server ended the session" : "no session", a->latency_file);
+                fprintf(stderr, "cartpole %s: %s\n", name, shmrl_error(c));
+                return served ? 0 : 1;
+            }
+            reset_all(e, &rng);   /* the server forgot the open episodes */
+            acts_at_connect = c->acts;
+            continue;
+        }
+        st->lat[lat_bucket((now_s() - t0) * 1e6)]++;
+        if (!st->acts++) st->t_start = now_s();
+        step_all(e, &rng, st);
+        if ((a->max_steps > 0 && st->env_steps >= a->max_steps)
+            || (a->max_seconds > 0 && now_s() - st->t_start >= a->max_seconds))
+            break;
+    }
+    summary(name, st, "steps done", a->latency_file);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     args a;
     shmrl_client c;
     shmrl_status s;
-    shmrl_step step;
     envs e;
     stats st;
     const char *name;
-    long long acts_at_connect = 0;
-    int barren = 0;   /* sessions in a row that ended before any actions came */
+    int status;
     if (!parse_args(argc, argv, &a)) { usage(); return 2; }
     name = a.opt.client_name ? a.opt.client_name : "client";
     s = shmrl_open(&c, &a.opt);
@@ -273,58 +334,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     memset(&st, 0, sizeof st);
-    st.lat = (uint32_t *)calloc(LAT_BUCKETS, sizeof *st.lat);
-    e.k = a.envs;
-    e.env = (cartpole *)calloc((size_t)e.k, sizeof *e.env);
-    e.obs = (float *)calloc((size_t)e.k * 4, sizeof *e.obs);
-    e.final_obs = (float *)calloc((size_t)e.k * 4, sizeof *e.final_obs);
-    e.rewards = (float *)calloc((size_t)e.k, sizeof *e.rewards);
-    e.terminateds = (unsigned char *)calloc((size_t)e.k, 1);
-    e.truncateds = (unsigned char *)calloc((size_t)e.k, 1);
-    e.actions = (int64_t *)calloc((size_t)e.k, sizeof *e.actions);
-    if (!st.lat || !e.env || !e.obs || !e.final_obs || !e.rewards || !e.terminateds || !e.truncateds || !e.actions) {
-        fprintf(stderr, "cartpole %s: out of memory\n", name);
-        return 1;
-    }
-    memset(&step, 0, sizeof step);
-    step.k = e.k;
-    step.obs = e.obs;
-    step.rewards = e.rewards;
-    step.terminateds = e.terminateds;
-    step.truncateds = e.truncateds;
-    step.final_obs = e.final_obs;
-    step.actions = e.actions;
-    reset_all(&e, &a.seed);
-    for (;;) {   /* a session that breaks before its first actions counts as a failed attempt */
-        double t0 = now_s(), us;
-        s = shmrl_act(&c, &step);
-        if (s == SHMRL_ERR_ARG || s == SHMRL_ERR_NOMEM) {
-            fprintf(stderr, "cartpole %s: %s\n", name, shmrl_error(&c));
-            return 1;
-        }
-        if (s != SHMRL_OK) {
-            if (!a.quiet) fprintf(stderr, "cartpole %s: %s; reconnecting\n", name, shmrl_error(&c));
-            barren = c.acts == acts_at_connect ? barren + 1 : 0;
-            s = a.opt.max_retries >= 0 && barren > a.opt.max_retries ? s : shmrl_reconnect(&c);
-            if (s != SHMRL_OK) {
-                int served = c.acts > 0;
-                summary(name, &st, served ? "the server ended the session" : "no session", a.latency_file);
-                fprintf(stderr, "cartpole %s: %s\n", name, shmrl_error(&c));
-                shmrl_close(&c);
-                return served ? 0 : 1;
-            }
-            reset_all(&e, &a.seed);   /* the server forgot the open episodes */
-            acts_at_connect = c.acts;
-            continue;
-        }
-        us = (now_s() - t0) * 1e6;
-        st.lat[lat_bucket(us)]++;
-        if (!st.acts++) st.t_start = now_s();
-        step_all(&e, &a.seed, &st);
-        if (a.max_steps > 0 && st.env_steps >= a.max_steps) break;
-        if (a.max_seconds > 0 && now_s() - st.t_start >= a.max_seconds) break;
-    }
-    summary(name, &st, "steps done", a.latency_file);
+    status = play(&a, name, &c, &e, &st);
     shmrl_close(&c);
-    return 0;
+    return status;
 }
