@@ -21,8 +21,8 @@ from shmrl.store import DEFAULT_POLICY, EpisodeStore
 
 log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
-OVER_BUDGET = "over the client's budget"
-_ACT = T.ACT.value   # of pending env steps: why a flood's steps are dropped
+OVER_BUDGET = "over the client's budget"   # of pending env steps: why a flood's steps are dropped
+_ACT = T.ACT.value
 
 def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
     """Why validated chunks do not fit the environment (and the policy's recurrent state of
@@ -174,7 +174,7 @@ class Hub:
         self.over_budget: set[str] = set()       # connections told (in the log) that they are over budget
         self.held: set[str] = set()              # connections not read (their budget is spent), by transports that can
         # Server-side inference (single-agent runs): the policy run for clients that asked in
-        # their PING (``serve_actions``); SET_CONFIG describes the spaces for them.
+        # their PING; SET_CONFIG describes the spaces for them (and for every client).
         self.inference = None
         self.served: set[str] = set()            # connections granted server-side inference
         if not multiagent:
@@ -281,15 +281,15 @@ class Hub:
         complete sample taken as an EPISODES_AND_GET_STATE's, the actions queued for the
         round's forward pass (or held, as that message's reply would be)."""
         if conn_id not in self.served:
-            self._drop(conn_id, "ACT from a client whose PING did not ask for server-side inference"
-                       if self.inference is not None else
-                       "ACT in a multi-agent run, which does not serve actions (its PONG said so)", 0)
+            self._close(conn_id, "ACT from a client whose PING did not ask for server-side inference"
+                        if self.inference is not None else
+                        "ACT in a multi-agent run, which does not serve actions (its PONG said so)")
             return
         self.opened.setdefault(conn_id, time.monotonic())
         self.sampling.add(conn_id)
         batch, reason = self.inference.act(conn_id, msg)
         if reason:
-            self._drop(conn_id, reason, 0)
+            self._close(conn_id, reason)
         elif batch is None:
             self.inference.queue(conn_id)
         elif self._take(conn_id, batch):
@@ -299,7 +299,12 @@ class Hub:
         """Answer the ACTs of this round with one forward pass (call once per poll round)."""
         if self.inference is not None and self.inference.queued:
             for conn_id, reason in self.inference.flush(self._reply):
-                self._drop(conn_id, reason, 0)
+                self._close(conn_id, reason)
+
+    def _close(self, conn_id: str, reason: str) -> None:
+        """Close a connection for a bad ACT (its open steps count as lost, in ``forget``)."""
+        self.servers[conn_id].drop(conn_id, reason)
+        self.forget(conn_id)
 
     def _heartbeat(self, conn_id: str, env_steps: int) -> None:
         """Keep what a HEARTBEAT says was stepped (what is never sent counts as lost), unless

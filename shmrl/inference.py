@@ -2,10 +2,10 @@
 policy for clients that cannot (a C engine without onnxruntime, a microcontroller).
 
 Such a client sends ACT (its K envs' observations and the outcome of their last step) and
-gets ACTIONS. ``ServerInference`` keeps, per connection, what its simulator would: a
-``Rollout`` of its K envs ([T, K, ...] arrays, one write per field per step, however many
-envs), each env's recurrent state, and the actions (with their distribution inputs and
-log-probabilities) that its last ACTIONS gave. The ACTs of every client waiting in one
+gets ACTIONS. ``ServerInference`` keeps, per connection, what its simulator would: the
+steps of its open sample (each step's arrays for all K envs: no loop over envs), cut into
+chunks by a ``Rollout`` once the sample is complete, each env's recurrent state, and the
+actions (with their distribution inputs and log-probabilities) that its last ACTIONS gave. The ACTs of every client waiting in one
 poll round go through one forward pass (``flush``) with the same ONNX runtime and sampler
 a simulator uses (``OnnxPolicy``, ``Sampler``). Every ``env_steps_per_sample`` steps of a
 connection, ``act`` returns its chunks, which the Hub takes exactly as an
@@ -23,7 +23,7 @@ import numpy as np
 from shmrl import rllink
 from shmrl.actor import check_policy_fits
 from shmrl.envspec import EnvSpec
-from shmrl.episode import EpisodeBatch, obs_map
+from shmrl.episode import EpisodeBatch, obs_map, obs_rows
 from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
 from shmrl.rollout import Rollout
 from shmrl.sampler import Sampler
@@ -34,18 +34,24 @@ _ACTIONS = T.ACTIONS.value
 
 
 class _Slots:
-    """One connection's K envs: their open rollout, recurrent state and last actions."""
+    """One connection's K envs: their open sample, recurrent state and last actions.
 
-    __slots__ = ("k", "rollout", "obs", "state", "last", "oldest", "queued")
+    The sample's steps are kept as they came (``steps``) and recorded into the ``Rollout``
+    only once it is complete: its [T, K] arrays are allocated at the first complete sample,
+    so a client that stops after a few ACTs holds no more memory than it sent."""
+
+    __slots__ = ("k", "rollout", "steps", "obs", "state", "last", "oldest", "queued", "stepped")
 
     def __init__(self, k: int, steps: int, obs, state_size: int):
         self.k = k
         self.rollout = Rollout(k, steps)
+        self.steps: list[tuple] = []        # the open sample's steps: Rollout.record's arguments
         self.obs = obs                      # what the next actions are for
         self.state = np.zeros((k, state_size), np.float32) if state_size else None
         self.last: tuple | None = None      # (actions, dist inputs, logp) of the last ACTIONS
-        self.oldest: int | None = None      # the oldest version that sampled a step of the open rollout
+        self.oldest: int | None = None      # the oldest version that sampled a step of the open sample
         self.queued = False                 # its ACT waits for actions (queued or held)
+        self.stepped = 0                    # env steps it reported, in all
         self.rollout.start(obs, self.state)
 
 
@@ -89,7 +95,7 @@ class ServerInference:
         if why:
             return None, why
         slots = self.slots.get(conn_id)
-        k = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
+        k = obs_rows(obs)
         if slots is None:
             if "rewards" in msg:
                 return None, "the first ACT of a connection carries no 'rewards' (no step was taken yet)"
@@ -125,12 +131,16 @@ class ServerInference:
                 else:
                     final[truncated] = final_obs[truncated]
         actions, dist_inputs, logp = slots.last
-        slots.rollout.record(actions, dist_inputs, logp, obs, msg["rewards"], terminated, truncated, final)
+        slots.stepped += slots.k
+        slots.steps.append((actions, dist_inputs, logp, obs, msg["rewards"], terminated, truncated, final))
         if final is not None and slots.state is not None:
             slots.state[done] = 0.0     # the next episode starts from zeros
         slots.obs = obs
-        if slots.rollout.t < slots.rollout.steps:
+        if len(slots.steps) < slots.rollout.steps:
             return None
+        for step in slots.steps:
+            slots.rollout.record(*step)
+        slots.steps = []
         batch = slots.rollout.batch(slots.oldest)
         slots.rollout.completed.clear()
         slots.rollout.start(obs, slots.state)
@@ -193,9 +203,9 @@ class ServerInference:
                 np.asarray(logp, np.float32), states)
 
     def forget(self, conn_id: str) -> int:
-        """The connection is closed: its open rollout is lost; returns its env steps."""
+        """The connection is closed: its open sample is lost; returns its env steps."""
         slots = self.slots.pop(conn_id, None)
-        return 0 if slots is None else slots.rollout.t * slots.k
+        return 0 if slots is None else len(slots.steps) * slots.k
 
 
 def space_config(spec: EnvSpec) -> dict:

@@ -442,3 +442,14 @@ def test_a_held_act_is_not_taken_for_a_silent_client(net):
     assert not loop.closed()
     loop.auto_publish = True
     assert rllink.validate(decode_frame(recv_frame(sock)), "reply")["weights_seq_no"] == 2
+
+
+def test_a_bad_act_counts_its_open_steps_as_lost_not_dropped():
+    hub, store = make_hub(steps=8)
+    c = Client(hub)
+    c.send(act(obs_of(0)))
+    c.actions()
+    c.send(act(obs_of(1), [1.0, 1.0]))
+    c.actions()
+    c.send(act(obs_of(2, k=3), [1.0] * 3))   # K changed
+    assert c.dropped() and store.steps_lost == 2 and not store.steps_dropped

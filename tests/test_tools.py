@@ -432,3 +432,5 @@ def test_inference_bench_quick(tool):
         assert 0 < point["rtt_ms_p50"] <= point["rtt_ms_p99"], point
     assert all(positive(p["env_steps_per_s"]) for p in r["client_side"]), r
     assert len(r["loadavg_before"]) == 3 and "server-inference" in r["client_cmd"]
+    last = r["server_side"][-1]
+    assert 0 < last["client_steps_min"] <= last["client_steps_max"] and positive(last["server_rss_mb"]), last

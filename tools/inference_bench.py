@@ -4,6 +4,7 @@ client-side inference at the same client count.
     python tools/inference_bench.py [--clients 1 16 64] [--envs 1] [--seconds 5] [--env ID]
     python tools/inference_bench.py --clients 16 --envs 16      # the throughput figure of issue 24
     python tools/inference_bench.py --client-cmd "clients/c/build/cartpole --port {port} --envs {envs}"
+    python tools/inference_bench.py --server run                # against python -m shmrl.run --sims 0 --tcp-port 0 --async
     python tools/inference_bench.py --quick --json              # seconds: a check that it works
 
 For each client count N: a learner that only drains (this process: shmrl's TcpServer and
@@ -16,6 +17,10 @@ the window). Client-side inference: N ``python -m shmrl.sim`` (onnxruntime in ea
 client, the binary codec), for the ratio. Env steps/s: actions served (server-side) or env
 steps received (client-side) per second over ``--seconds`` after every client has
 started. The machine may be shared: the load average before and after is reported.
+
+``--server run`` serves them from a real run instead (``python -m shmrl.run --sims 0
+--tcp-port 0 --async``, training as it goes): its figures come from metrics.jsonl, whole
+samples received, so they need windows of many updates (``--seconds 20``).
 """
 from __future__ import annotations
 
@@ -74,6 +79,24 @@ class DrainServer:
         """Env steps so far: actions served (server-side inference) and steps received."""
         return self.hub.inference.rows + self.store.steps_received
 
+    def clients(self) -> int:
+        return len(self.hub.sampling)
+
+    def window(self, seconds: float) -> dict:
+        """Serve for ``seconds``: env steps/s, each client's steps, this process's memory."""
+        t0, s0, by0 = time.monotonic(), self.steps(), self.steps_by_client()
+        self.serve_for(seconds)
+        rate = (self.steps() - s0) / (time.monotonic() - t0)
+        return {"env_steps_per_s": round(rate), "closed": self.closed, "server_rss_mb": round(rss_mb()),
+                **fairness(self.steps_by_client(), by0)}
+
+    def steps_by_client(self) -> dict[str, int]:
+        """Env steps each connection has stepped: reported in its ACTs (server-side
+        inference) or received (client-side)."""
+        out = dict(self.store.steps_by_conn)
+        out.update({conn_id: s.stepped for conn_id, s in self.hub.inference.slots.items()})
+        return out
+
     def serve_for(self, seconds: float) -> None:
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
@@ -97,6 +120,83 @@ class DrainServer:
         self.server.close()
 
 
+class RunServer:
+    """``python -m shmrl.run --sims 0 --tcp-port 0 --async`` in a process of its own
+    (``--server run``): the real learner, training as it samples; env steps/s and each
+    client's steps from its metrics.jsonl (received steps: whole samples)."""
+
+    def __init__(self, env: str, run_args: list[str]):
+        import tempfile
+
+        self.dir = Path(tempfile.mkdtemp(prefix="shmrl-inference-bench-"))
+        self.log = open(self.dir / "run.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "shmrl.run", "--env", env, "--sims", "0", "--tcp-port", "0",
+                                      "--async", "--stop-return", "inf", "--log-every", "0",
+                                      "--logdir", str(self.dir / "run"), *run_args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}"
+                                                                      f"{os.environ.get('PYTHONPATH', '')}"})
+        self.serve_until(lambda: self._port() is not None, START_S, "the run's TCP port")
+        self.port = self._port()
+
+    def _port(self) -> int | None:
+        import re
+
+        found = re.search(r"listening for RLlink clients on [\d.]+:(\d+)", (self.dir / "run.log").read_text())
+        return int(found.group(1)) if found else None
+
+    def _last_row(self) -> dict:
+        path = self.dir / "run" / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return json.loads(lines[-1]) if lines else {"env_steps": 0, "elapsed_s": 0.0, "env_steps_by_client": {}}
+
+    def clients(self) -> int:
+        return len(self._last_row()["env_steps_by_client"])
+
+    def serve_for(self, seconds: float) -> None:
+        time.sleep(seconds)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the run exited ({self.proc.returncode}): {(self.dir / 'run.log').read_text()[-2000:]}")
+
+    serve_until = DrainServer.serve_until
+
+    def window(self, seconds: float) -> dict:
+        import psutil
+
+        first = self._last_row()
+        self.serve_for(seconds)
+        last = self._last_row()
+        rate = (last["env_steps"] - first["env_steps"]) / max(last["elapsed_s"] - first["elapsed_s"], 1e-9)
+        return {"env_steps_per_s": round(rate), "server_rss_mb": round(psutil.Process(self.proc.pid).memory_info().rss
+                                                                      / 2**20),
+                **fairness(last["env_steps_by_client"], first["env_steps_by_client"])}
+
+    def close(self) -> None:
+        import shutil
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+        self.proc.wait(10)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def fairness(after: dict, before: dict) -> dict:
+    """Each client's env steps over the window against the median: none starved means the
+    slowest is within 2x of it."""
+    steps = sorted(after[c] - before.get(c, 0) for c in after)
+    if not steps:
+        return {}
+    median = float(np.median(steps))
+    return {"client_steps_min": steps[0], "client_steps_median": median, "client_steps_max": steps[-1]}
+
+
+def rss_mb() -> float:
+    """This process's resident memory (the server's: TCP, Hub, store, the policy), MB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
 def start_clients(template: str, n: int, port: int, envs: int) -> list[subprocess.Popen]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return [subprocess.Popen(shlex.split(template.format(python=shlex.quote(sys.executable), port=port, envs=envs,
@@ -112,21 +212,20 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.wait(10)
 
 
-def measure(template: str, n: int, envs: int, seconds: float, env: str, probe: bool) -> dict:
-    """One point: N clients (the last a probe, with ``probe``), steps/s over ``seconds``."""
-    server = DrainServer(env)
+def measure(template: str, n: int, envs: int, seconds: float, env: str, probe: bool,
+            run_args: list[str] | None = None) -> dict:
+    """One point: N clients (the last a probe, with ``probe``), steps/s over ``seconds``;
+    against a draining learner in this process, or with ``run_args`` a real run's."""
+    server = DrainServer(env) if run_args is None else RunServer(env, run_args)
     procs = []
     try:
         procs = start_clients(template, n - 1 if probe else n, server.port, envs)
         if probe:
             procs.append(subprocess.Popen([sys.executable, str(HERE), "--probe", str(server.port), "--envs", str(envs),
                                            "--seconds", str(seconds + START_S)], stdout=subprocess.PIPE, text=True))
-        server.serve_until(lambda: len(server.hub.sampling) >= n, START_S, f"{n} clients sampling")
+        server.serve_until(lambda: server.clients() >= n, START_S, f"{n} clients sampling")
         server.serve_for(min(1.0, seconds / 2))   # warm: every client past its first samples
-        t0, s0 = time.monotonic(), server.steps()
-        server.serve_for(seconds)
-        rate = (server.steps() - s0) / (time.monotonic() - t0)
-        out = {"clients": n, "envs": envs, "env_steps_per_s": round(rate), "closed": server.closed}
+        out = {"clients": n, "envs": envs, **server.window(seconds)}
         if probe:
             procs[-1].terminate()   # it reports the round trips of its last 5 s
             server.serve_until(lambda: procs[-1].poll() is not None, 10, "the probe's report")
@@ -186,6 +285,12 @@ def main(argv=None) -> int:
                    help="server-side inference clients: a command with {port}, {envs}, {seed}, {python} "
                         "(default: python -m shmrl.sim --server-inference)")
     p.add_argument("--no-client-side", action="store_true", help="skip client-side inference's figures")
+    p.add_argument("--server", choices=("drain", "run"), default="drain",
+                   help="drain: a learner in this process that only drains the store (the serving side's cost "
+                        "alone); run: python -m shmrl.run --sims 0 --tcp-port 0 --async, training as it samples "
+                        "(default: drain)")
+    p.add_argument("--run-args", default="--env-steps-per-sample 256",
+                   help="more flags for the run of --server run (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help=f"seconds, not minutes: {QUICK}")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.add_argument("--probe", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -199,23 +304,28 @@ def main(argv=None) -> int:
                 setattr(args, key, value)
     result = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_before": os.getloadavg(),
               "cpus": os.cpu_count(), "client_cmd": args.client_cmd, "server_side": [], "client_side": []}
+    run_args = shlex.split(args.run_args) if args.server == "run" else None
+    result["server"] = args.server
     for n in args.clients:
-        result["server_side"].append(measure(args.client_cmd, n, args.envs, args.seconds, args.env, probe=True))
+        result["server_side"].append(measure(args.client_cmd, n, args.envs, args.seconds, args.env, True, run_args))
         if not args.no_client_side:
-            result["client_side"].append(measure(CLIENT_SIDE, n, args.envs, args.seconds, args.env, probe=False))
+            result["client_side"].append(measure(CLIENT_SIDE, n, args.envs, args.seconds, args.env, False, run_args))
     result["loadavg_after"] = os.getloadavg()
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"server-side inference, {args.env}, learner draining; load {result['loadavg_before']} -> "
+    learner = "learner draining" if args.server == "drain" else "a run training with --async"
+    print(f"server-side inference, {args.env}, {learner}; load {result['loadavg_before']} -> "
           f"{result['loadavg_after']} on {result['cpus']} cpus")
     print(f"{'clients':>7} {'envs':>4} {'server-side steps/s':>20} {'ACT p50 ms':>10} {'p99 ms':>8} "
-          f"{'client-side steps/s':>20} {'ratio':>6}")
+          f"{'client-side steps/s':>20} {'ratio':>6} {'per-client steps min/median/max':>32} {'server MB':>9}")
     for i, s in enumerate(result["server_side"]):
         c = result["client_side"][i] if result["client_side"] else None
         ratio = f"{s['env_steps_per_s'] / c['env_steps_per_s']:.2f}" if c and c["env_steps_per_s"] else "-"
+        spread = f"{s.get('client_steps_min')}/{s.get('client_steps_median')}/{s.get('client_steps_max')}"
         print(f"{s['clients']:>7} {s['envs']:>4} {s['env_steps_per_s']:>20,} {s['rtt_ms_p50']:>10} "
-              f"{s['rtt_ms_p99']:>8} {(c['env_steps_per_s'] if c else '-'):>20} {ratio:>6}")
+              f"{s['rtt_ms_p99']:>8} {(c['env_steps_per_s'] if c else '-'):>20} {ratio:>6} {spread:>32} "
+              f"{s['server_rss_mb']:>9}")
     return 0
 
 
