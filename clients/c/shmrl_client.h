@@ -1,0 +1,1142 @@
+/* shmrl_client.h: an RLlink client for shmrl in one C99 header (server-side inference).
+
+   A simulator written in C or C++ (a game engine, a robot simulator) steps its envs and
+   sends their observations; the shmrl server runs the policy for all clients in one
+   batched forward pass, answers with actions, and trains on the steps. No dependency
+   beyond libc, libm and POSIX sockets (Linux, macOS, the BSDs). Windows is not supported
+   (winsock differs in socket types, errors and timeouts; port shmrl__* socket calls).
+
+   Use: in ONE .c file, before any other #include (the implementation needs POSIX):
+       #define SHMRL_CLIENT_IMPLEMENTATION
+       #include "shmrl_client.h"
+   Every other file includes it without the define.
+
+   The loop (clients/c/cartpole.c is a complete example):
+       shmrl_options opt;  shmrl_client c;  shmrl_step s;
+       shmrl_options_init(&opt);  opt.port = 5556;  opt.client_name = "sim-0";
+       if (shmrl_open(&c, &opt) != SHMRL_OK) { puts(shmrl_error(&c)); exit(1); }
+       reset every env into obs;  s.k = K;  s.obs = obs;  s.actions = actions;  ...
+       for (;;) {
+           if (shmrl_act(&c, &s) != SHMRL_OK) { shmrl_reconnect(&c) ... reset envs }
+           step env k with actions[k]; rewards[k], terminateds[k], truncateds[k] are its
+           outcome; an env whose episode ended: its last obs into final_obs[k], reset it,
+           its first obs into obs[k]
+       }
+       shmrl_close(&c);
+
+   What goes over the wire (docs/RLLINK.md has every byte):
+   - frames: 8 ASCII digits (the body's length) + body; a body is a JSON object or the
+     binary codec (0x93 "RLB", u32 LE head length, JSON head, arrays as raw LE blocks).
+   - handshake: PING {codecs, client_name, auth_token, inference} -> PONG {codec,
+     heartbeat_s, inference}; GET_CONFIG -> SET_CONFIG {env_steps_per_sample,
+     observation_shape, observation_dtype, action_space}.
+   - each step: ACT {obs [K, ...], rewards [K], terminateds [K], truncateds [K], final_obs}
+     -> ACTIONS {actions [K] or [K, d], weights_seq_no}. A connection's first ACT has obs
+     only. The reply may be held while the learner trains (strict on-policy): the reply
+     timeout allows for it.
+   - HEARTBEAT: a client that agreed on the binary codec sends some frame at least every
+     heartbeat_s; each ACT counts, and shmrl_heartbeat() sends one when an engine pauses.
+
+   Reconnecting: shmrl_open and shmrl_reconnect try to connect and handshake up to
+   1 + max_retries times (max_retries < 0: forever). Before retry i (1, 2, ...) they wait
+   min(backoff_s * 2^(i-1), backoff_max_s) seconds times a random factor in [0.5, 1)
+   (so that many clients do not come back in step). A refusal that a retry cannot cure
+   (the server does not offer server-side inference, an observation type this client
+   cannot send) is returned at once. After a reconnect the server has forgotten the
+   connection: the next ACT is a first one (shmrl_act leaves its rewards out); reset the
+   envs, or not, as you like.
+
+   Errors: every function returns a shmrl_status; shmrl_error(c) says what happened in
+   words. After SHMRL_ERR_IO, _CLOSED, _TIMEOUT or _PROTOCOL the connection is closed:
+   call shmrl_reconnect. No global state: one shmrl_client per connection; a client is
+   used by one thread at a time. Observations are float32 (dtype "<f4", any shape);
+   actions are Discrete, MultiDiscrete (int64) or Box (float32, clipped to the bounds). */
+#if defined(SHMRL_CLIENT_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE)
+#define _POSIX_C_SOURCE 200112L   /* sockets, clock_gettime: effective before the first system header */
+#endif
+#ifndef SHMRL_CLIENT_H
+#define SHMRL_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SHMRL_MAX_DIMS 8          /* observation dimensions */
+#define SHMRL_MAX_ACTION_DIM 64   /* MultiDiscrete or Box components */
+#define SHMRL_MAX_ENVS 4096       /* K, envs per ACT */
+#define SHMRL_ERROR_LEN 256
+
+typedef enum shmrl_status {
+    SHMRL_OK = 0,
+    SHMRL_ERR_ARG,          /* a bad argument (K, a NULL array, a NaN observation, ...) */
+    SHMRL_ERR_CONNECT,      /* no connection (refused, unreachable, gave up retrying) */
+    SHMRL_ERR_IO,           /* the socket failed while sending or receiving */
+    SHMRL_ERR_CLOSED,       /* the server closed the connection */
+    SHMRL_ERR_TIMEOUT,      /* no reply within reply_timeout_s */
+    SHMRL_ERR_PROTOCOL,     /* a reply that breaks RLlink */
+    SHMRL_ERR_REFUSED,      /* the server does not serve actions (no "inference" in its PONG) */
+    SHMRL_ERR_UNSUPPORTED,  /* spaces this client cannot handle (Dict observations, ...) */
+    SHMRL_ERR_NOMEM
+} shmrl_status;
+
+typedef enum shmrl_action_type {
+    SHMRL_ACTION_UNKNOWN = 0, SHMRL_DISCRETE, SHMRL_MULTI_DISCRETE, SHMRL_BOX
+} shmrl_action_type;
+
+typedef struct shmrl_options {
+    const char *host;          /* "127.0.0.1" */
+    int port;                  /* 5556 */
+    const char *client_name;   /* NULL: none; else 1-64 printable ASCII characters */
+    const char *auth_token;    /* NULL: none (the server's --auth-token) */
+    int binary;                /* 1 (default): offer the binary codec; 0: JSON only */
+    int server_inference;      /* 1 (default): ask for server-side inference; 0: handshake only */
+    double connect_timeout_s;  /* 5 */
+    double reply_timeout_s;    /* 60: a strict on-policy server holds replies while it trains */
+    int max_retries;           /* 5: failed attempts in a row tolerated; < 0: retry forever */
+    double backoff_s;          /* 0.1: the first wait between attempts, then doubled ... */
+    double backoff_max_s;      /* 5: ... up to this */
+    size_t max_reply_bytes;    /* 64 MiB: a longer reply is a protocol error */
+    long obs_size;             /* 0: the server's SET_CONFIG says; else floats per observation */
+} shmrl_options;
+
+/* What the server's SET_CONFIG said (read only). */
+typedef struct shmrl_config {
+    long env_steps_per_sample;
+    int obs_ndim;
+    long obs_shape[SHMRL_MAX_DIMS];
+    long obs_size;                          /* floats per observation: the shape's product */
+    shmrl_action_type action_type;
+    long action_n;                          /* Discrete: n ... */
+    long action_start;                      /* ... actions start .. start + n - 1 (gymnasium's start) */
+    int action_dim;                         /* values per action: 1 for a Discrete */
+    long nvec[SHMRL_MAX_ACTION_DIM];        /* MultiDiscrete */
+    float low[SHMRL_MAX_ACTION_DIM], high[SHMRL_MAX_ACTION_DIM];  /* Box */
+} shmrl_config;
+
+/* One ACT and its ACTIONS: the caller's arrays, none copied or kept. */
+typedef struct shmrl_step {
+    int k;                              /* envs; fixed for a connection (its first ACT's) */
+    const float *obs;                   /* [k * obs_size]: each env's current observation */
+    const float *rewards;               /* [k]: the last step's rewards (ignored on a first ACT) */
+    const unsigned char *terminateds;   /* [k], 0 or 1 */
+    const unsigned char *truncateds;    /* [k], 0 or 1 */
+    const float *final_obs;             /* [k * obs_size]: last obs of truncated episodes (other rows unread) */
+    int64_t *actions;                   /* out [k * action_dim]: Discrete, MultiDiscrete */
+    float *box_actions;                 /* out [k * action_dim]: Box, clipped to low..high */
+} shmrl_step;
+
+typedef struct shmrl_client {
+    shmrl_options opt;           /* a copy; the strings below are copies too */
+    char host[256], name[65], token[1024];
+    int fd;                      /* -1 while not connected */
+    int binary;                  /* the server agreed on the binary codec */
+    int inference;               /* the server granted server-side inference */
+    double heartbeat_s;          /* 0: no heartbeat owed */
+    double last_send;            /* monotonic seconds of the last frame sent */
+    long sessions;               /* handshakes completed since shmrl_open */
+    long long acts;              /* ACTIONS received since shmrl_open */
+    int fresh;                   /* the next ACT is this connection's first */
+    int k;                       /* this connection's envs per ACT (0 before its first) */
+    long long weights_seq_no;    /* of the last ACTIONS */
+    shmrl_config config;
+    unsigned char *wbuf, *rbuf;  /* frame being written; reply read */
+    size_t wcap, rcap;
+    uint64_t rng;                /* backoff jitter */
+    char error[SHMRL_ERROR_LEN];
+} shmrl_client;
+
+void shmrl_options_init(shmrl_options *opt);
+/* Copy the options, connect (retrying), handshake. On failure the client holds the
+   message and must still be shmrl_close()d. */
+shmrl_status shmrl_open(shmrl_client *c, const shmrl_options *opt);
+shmrl_status shmrl_reconnect(shmrl_client *c);
+shmrl_status shmrl_act(shmrl_client *c, shmrl_step *s);
+/* Send a HEARTBEAT if one is due (nothing sent for heartbeat_s); env_steps: stepped so far. */
+shmrl_status shmrl_heartbeat(shmrl_client *c, long long env_steps);
+/* Low level, for requests this header has no function for: send one JSON body; read one
+   reply (its JSON text or binary head in *head, the binary data section in *data). */
+shmrl_status shmrl_send_json(shmrl_client *c, const char *json);
+shmrl_status shmrl_recv(shmrl_client *c, const char **head, size_t *head_len,
+                        const unsigned char **data, size_t *data_len);
+void shmrl_close(shmrl_client *c);   /* close the socket, free the buffers; reusable by shmrl_open */
+const char *shmrl_error(const shmrl_client *c);
+const char *shmrl_status_name(shmrl_status s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SHMRL_CLIENT_H */
+
+/* ======================================================================== implementation */
+#ifdef SHMRL_CLIENT_IMPLEMENTATION
+#ifndef SHMRL_CLIENT_IMPLEMENTED
+#define SHMRL_CLIENT_IMPLEMENTED
+
+#if defined(_WIN32)
+#error "shmrl_client.h: Windows is not supported (POSIX sockets only)"
+#endif
+
+#include <errno.h>
+#include <float.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
+#include <unistd.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/types.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+
+#ifdef MSG_NOSIGNAL
+#define SHMRL__SEND_FLAGS MSG_NOSIGNAL  /* a closed peer gives EPIPE, not SIGPIPE */
+#else
+#define SHMRL__SEND_FLAGS 0             /* macOS: SO_NOSIGPIPE is set on the socket instead */
+#endif
+
+#define SHMRL__MAGIC "\x93RLB"
+#define SHMRL__MAX_BODY 99999999UL     /* 8 decimal digits */
+#define SHMRL__JSON_DEPTH 64
+
+static shmrl_status shmrl__fail(shmrl_client *c, shmrl_status st, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->error, sizeof c->error, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+static double shmrl__now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void shmrl__sleep(double seconds) {
+    struct timespec ts;
+    if (seconds <= 0) return;
+    ts.tv_sec = (time_t)seconds;
+    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+}
+
+static int shmrl__little_endian(void) {
+    const uint16_t one = 1;
+    return *(const unsigned char *)&one == 1;
+}
+
+/* ---------------------------------------------------------------- a growable write buffer */
+
+typedef struct shmrl__buf { unsigned char *p; size_t len, cap; int oom; } shmrl__buf;
+
+static int shmrl__reserve(shmrl__buf *b, size_t more) {
+    size_t need = b->len + more, cap = b->cap ? b->cap : 256;
+    unsigned char *p;
+    if (b->oom) return 0;
+    if (need <= b->cap) return 1;
+    while (cap < need) cap *= 2;
+    p = (unsigned char *)realloc(b->p, cap);
+    if (!p) { b->oom = 1; return 0; }
+    b->p = p;
+    b->cap = cap;
+    return 1;
+}
+
+static void shmrl__put(shmrl__buf *b, const void *data, size_t n) {
+    if (!shmrl__reserve(b, n)) return;
+    memcpy(b->p + b->len, data, n);
+    b->len += n;
+}
+
+static void shmrl__puts(shmrl__buf *b, const char *s) { shmrl__put(b, s, strlen(s)); }
+
+static void shmrl__putf(shmrl__buf *b, const char *fmt, ...) {
+    char tmp[64];
+    int n;
+    va_list ap;
+    va_start(ap, fmt);
+    n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n > 0) shmrl__put(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
+}
+
+/* A finite float as JSON: 9 significant digits give float32 back exactly; a locale with a
+   decimal comma must not leak into the wire. */
+static void shmrl__put_float(shmrl__buf *b, double v) {
+    char tmp[40], *q;
+    snprintf(tmp, sizeof tmp, "%.9g", v);
+    for (q = tmp; *q; q++) if (*q == ',') *q = '.';
+    shmrl__puts(b, tmp);
+}
+
+static void shmrl__put_string(shmrl__buf *b, const char *s) {
+    shmrl__put(b, "\"", 1);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') { shmrl__put(b, "\\", 1); shmrl__put(b, s, 1); }
+        else if (ch < 0x20) shmrl__putf(b, "\\u%04x", ch);
+        else shmrl__put(b, s, 1);
+    }
+    shmrl__put(b, "\"", 1);
+}
+
+static void shmrl__pad8(shmrl__buf *b) {
+    static const unsigned char zeros[8] = {0};
+    if (b->len % 8) shmrl__put(b, zeros, 8 - b->len % 8);
+}
+
+static void shmrl__put_u32le(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16); p[3] = (unsigned char)(v >> 24);
+}
+
+/* n float32 values as little-endian bytes */
+static void shmrl__put_f32s(shmrl__buf *b, const float *v, size_t n) {
+    size_t i;
+    if (shmrl__little_endian()) { shmrl__put(b, v, n * 4); return; }
+    if (!shmrl__reserve(b, n * 4)) return;
+    for (i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &v[i], 4);
+        shmrl__put_u32le(b->p + b->len + 4 * i, u);
+    }
+    b->len += n * 4;
+}
+
+/* ---------------------------------------------------------------- a small JSON reader
+   Enough for the replies: find a key in an object, read numbers, strings, arrays.
+   Every function takes [p, e) and returns NULL on malformed input. */
+
+static const char *shmrl__ws(const char *p, const char *e) {
+    if (!p) return NULL;   /* so that a failed step passes through a chain of calls */
+    while (p < e && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    return p;
+}
+
+static const char *shmrl__skip_string(const char *p, const char *e) {
+    if (!p || p >= e || *p != '"') return NULL;
+    for (p++; p < e; p++) {
+        if (*p == '\\') { p++; continue; }
+        if (*p == '"') return p + 1;
+    }
+    return NULL;
+}
+
+static const char *shmrl__skip_value(const char *p, const char *e, int depth) {
+    p = shmrl__ws(p, e);
+    if (!p || p >= e || depth > SHMRL__JSON_DEPTH) return NULL;
+    if (*p == '"') return shmrl__skip_string(p, e);
+    if (*p == '{' || *p == '[') {
+        char close = *p == '{' ? '}' : ']';
+        p = shmrl__ws(p + 1, e);
+        if (p < e && *p == close) return p + 1;
+        for (;;) {
+            if (close == '}') {
+                p = shmrl__skip_string(shmrl__ws(p, e), e);
+                if (!p) return NULL;
+                p = shmrl__ws(p, e);
+                if (p >= e || *p != ':') return NULL;
+                p++;
+            }
+            p = shmrl__skip_value(p, e, depth + 1);
+            if (!p) return NULL;
+            p = shmrl__ws(p, e);
+            if (p >= e) return NULL;
+            if (*p == close) return p + 1;
+            if (*p != ',') return NULL;
+            p++;
+        }
+    }
+    {   /* a number or a literal: a run of their characters */
+        const char *start = p;
+        while (p < e && (strchr("+-.0123456789eEtrufalsnIinyNa", *p) != NULL)) p++;
+        return p > start ? p : NULL;
+    }
+}
+
+/* Does the JSON string at p (its opening quote) equal key? Handles the simple escapes. */
+static int shmrl__string_is(const char *p, const char *e, const char *key) {
+    if (!p || p >= e || *p != '"') return 0;
+    for (p++; p < e && *p != '"'; p++, key++) {
+        char ch = *p;
+        if (ch == '\\') {
+            if (++p >= e) return 0;
+            switch (*p) {
+            case 'n': ch = '\n'; break;
+            case 't': ch = '\t'; break;
+            case 'r': ch = '\r'; break;
+            case 'b': ch = '\b'; break;
+            case 'f': ch = '\f'; break;
+            case 'u': {
+                unsigned v = 0;
+                int i;
+                for (i = 0; i < 4; i++) {
+                    char h;
+                    if (++p >= e) return 0;
+                    h = *p;
+                    v = v * 16 + (unsigned)(h >= '0' && h <= '9' ? h - '0' : (h | 32) - 'a' + 10);
+                }
+                if (v > 0x7f) return 0;   /* the keys looked for are ASCII */
+                ch = (char)v;
+                break;
+            }
+            default: ch = *p;
+            }
+        }
+        if (*key == '\0' || *key != ch) return 0;
+    }
+    return p < e && *key == '\0';
+}
+
+/* The value of key in the object at p, or NULL. */
+static const char *shmrl__get(const char *p, const char *e, const char *key) {
+    p = shmrl__ws(p, e);
+    if (!p || p >= e || *p != '{') return NULL;
+    p = shmrl__ws(p + 1, e);
+    if (p < e && *p == '}') return NULL;
+    for (;;) {
+        const char *k = shmrl__ws(p, e), *v;
+        p = shmrl__skip_string(k, e);
+        if (!p) return NULL;
+        p = shmrl__ws(p, e);
+        if (p >= e || *p != ':') return NULL;
+        v = shmrl__ws(p + 1, e);
+        if (shmrl__string_is(k, e, key)) return v;
+        p = shmrl__ws(shmrl__skip_value(v, e, 1), e);
+        if (!p || p >= e || *p != ',') return NULL;
+        p++;
+    }
+}
+
+/* A JSON number (or Infinity/-Infinity, which Python writes for unbounded boxes), parsed
+   without strtod so that the process's locale cannot change it. */
+static const char *shmrl__number(const char *p, const char *e, double *out) {
+    double m = 0;
+    int neg = 0, exp10 = 0, digits = 0;
+    p = shmrl__ws(p, e);
+    if (!p) return NULL;
+    if (p < e && *p == '-') { neg = 1; p++; }
+    if (e - p >= 8 && memcmp(p, "Infinity", 8) == 0) { *out = neg ? -HUGE_VAL : HUGE_VAL; return p + 8; }
+    for (; p < e && *p >= '0' && *p <= '9'; p++, digits++) m = m * 10 + (*p - '0');
+    if (p < e && *p == '.')
+        for (p++; p < e && *p >= '0' && *p <= '9'; p++, digits++, exp10--) m = m * 10 + (*p - '0');
+    if (!digits) return NULL;
+    if (p < e && (*p == 'e' || *p == 'E')) {
+        int eneg = 0, ev = 0, edigits = 0;
+        p++;
+        if (p < e && (*p == '+' || *p == '-')) eneg = *p++ == '-';
+        for (; p < e && *p >= '0' && *p <= '9'; p++, edigits++) if (ev < 10000) ev = ev * 10 + (*p - '0');
+        if (!edigits) return NULL;
+        exp10 += eneg ? -ev : ev;
+    }
+    if (exp10 > 0) m *= pow(10.0, exp10);
+    else if (exp10 < 0) m /= pow(10.0, -exp10);
+    *out = neg ? -m : m;
+    return p;
+}
+
+static int shmrl__get_number(const char *obj, const char *e, const char *key, double *out) {
+    const char *v = shmrl__get(obj, e, key);
+    return v && shmrl__number(v, e, out) != NULL;
+}
+
+/* v is an integer in [lo, hi] (checked before any cast: casting a double beyond the
+   target type's range is undefined behaviour) */
+static int shmrl__int_in(double v, double lo, double hi) { return v >= lo && v <= hi && v == floor(v); }
+
+/* Up to max numbers of the JSON array at p; the count in *n; 0 if p is no such array. */
+static int shmrl__numbers(const char *p, const char *e, double *out, int max, int *n) {
+    *n = 0;
+    p = shmrl__ws(p, e);
+    if (!p || p >= e || *p != '[') return 0;
+    p = shmrl__ws(p + 1, e);
+    if (p < e && *p == ']') return 1;
+    for (;;) {
+        double v;
+        if (*n >= max || !(p = shmrl__number(p, e, &v))) return 0;
+        out[(*n)++] = v;
+        p = shmrl__ws(p, e);
+        if (p >= e) return 0;
+        if (*p == ']') return 1;
+        if (*p != ',') return 0;
+        p++;
+    }
+}
+
+/* ---------------------------------------------------------------- sockets and frames */
+
+static void shmrl__disconnect(shmrl_client *c) {
+    if (c->fd >= 0) close(c->fd);
+    c->fd = -1;
+}
+
+static shmrl_status shmrl__lost(shmrl_client *c, shmrl_status st, const char *fmt, ...) {
+    va_list ap;
+    shmrl__disconnect(c);
+    va_start(ap, fmt);
+    vsnprintf(c->error, sizeof c->error, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+static int shmrl__connect_one(const struct addrinfo *ai, double timeout_s, double send_timeout_s) {
+    int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol), flags, err = 0, one = 1;
+    socklen_t len = sizeof err;
+    struct timeval tv;
+    if (fd < 0) return -1;
+    flags = fcntl(fd, F_GETFL, 0);
+    fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+        struct pollfd pfd;
+        if (errno != EINPROGRESS) { close(fd); return -1; }
+        pfd.fd = fd; pfd.events = POLLOUT; pfd.revents = 0;
+        if (poll(&pfd, 1, (int)(timeout_s * 1000)) != 1
+            || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+            close(fd);
+            errno = err ? err : ETIMEDOUT;
+            return -1;
+        }
+    }
+    fcntl(fd, F_SETFL, flags);
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  /* small frames, each awaited */
+    tv.tv_sec = (time_t)send_timeout_s;   /* a server that takes no data: send fails with EAGAIN */
+    tv.tv_usec = (suseconds_t)((send_timeout_s - (double)tv.tv_sec) * 1e6);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+#ifdef SO_NOSIGPIPE
+    setsockopt(fd, SOL_SOCKET, SO_NOSIGPIPE, &one, sizeof one);
+#endif
+    return fd;
+}
+
+static shmrl_status shmrl__connect(shmrl_client *c) {
+    struct addrinfo hints, *res = NULL, *ai;
+    char port[16];
+    int rc;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    snprintf(port, sizeof port, "%d", c->opt.port);
+    rc = getaddrinfo(c->host, port, &hints, &res);
+    if (rc != 0) return shmrl__fail(c, SHMRL_ERR_CONNECT, "cannot resolve %s: %s", c->host, gai_strerror(rc));
+    for (ai = res; ai && c->fd < 0; ai = ai->ai_next) c->fd = shmrl__connect_one(ai, c->opt.connect_timeout_s, c->opt.reply_timeout_s);
+    freeaddrinfo(res);
+    if (c->fd < 0)
+        return shmrl__fail(c, SHMRL_ERR_CONNECT, "cannot connect to %s:%d: %s", c->host, c->opt.port, strerror(errno));
+    return SHMRL_OK;
+}
+
+/* Send b (a body) as one frame: header, then body. */
+static shmrl_status shmrl__send_body(shmrl_client *c, shmrl__buf *b) {
+    char header[9];
+    size_t sent = 0;
+    if (b->oom) return shmrl__fail(c, SHMRL_ERR_NOMEM, "out of memory writing a frame");
+    if (c->fd < 0) return shmrl__fail(c, SHMRL_ERR_CLOSED, "not connected");
+    if (b->len - 8 > SHMRL__MAX_BODY) return shmrl__fail(c, SHMRL_ERR_ARG, "frame of %lu bytes is too long", (unsigned long)b->len);
+    snprintf(header, sizeof header, "%08lu", (unsigned long)(b->len - 8));
+    memcpy(b->p, header, 8);   /* the caller left 8 bytes for it */
+    while (sent < b->len) {
+        ssize_t n = send(c->fd, b->p + sent, b->len - sent, SHMRL__SEND_FLAGS);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return shmrl__lost(c, SHMRL_ERR_TIMEOUT, "the server took no data for %g s", c->opt.reply_timeout_s);
+        if (n <= 0) return shmrl__lost(c, SHMRL_ERR_IO, "send failed: %s", strerror(errno));
+        sent += (size_t)n;
+    }
+    c->last_send = shmrl__now();
+    return SHMRL_OK;
+}
+
+static shmrl_status shmrl__recv_exactly(shmrl_client *c, unsigned char *p, size_t n, double deadline) {
+    while (n > 0) {
+        struct pollfd pfd;
+        double left = deadline - shmrl__now();
+        ssize_t got;
+        int ready;
+        pfd.fd = c->fd; pfd.events = POLLIN; pfd.revents = 0;
+        if (left <= 0) return shmrl__lost(c, SHMRL_ERR_TIMEOUT, "no reply within %g s", c->opt.reply_timeout_s);
+        ready = poll(&pfd, 1, (int)(left * 1000) + 1);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready < 0) return shmrl__lost(c, SHMRL_ERR_IO, "poll failed: %s", strerror(errno));
+        if (ready == 0) continue;  /* the deadline check above ends it */
+        got = recv(c->fd, p, n, 0);
+        if (got < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        if (got == 0) return shmrl__lost(c, SHMRL_ERR_CLOSED, "the server closed the connection");
+        if (got < 0) return shmrl__lost(c, SHMRL_ERR_IO, "recv failed: %s", strerror(errno));
+        p += got;
+        n -= (size_t)got;
+    }
+    return SHMRL_OK;
+}
+
+/* A reply as read: the JSON text (or binary head) and the binary data section. */
+typedef struct shmrl__msg {
+    const char *head, *end;
+    const unsigned char *data;
+    size_t data_len;
+} shmrl__msg;
+
+static shmrl_status shmrl__recv_msg(shmrl_client *c, shmrl__msg *m) {
+    unsigned char header[8];
+    size_t n = 0, i;
+    double deadline = shmrl__now() + c->opt.reply_timeout_s;
+    shmrl_status st;
+    if (c->fd < 0) return shmrl__fail(c, SHMRL_ERR_CLOSED, "not connected");
+    if ((st = shmrl__recv_exactly(c, header, 8, deadline)) != SHMRL_OK) return st;
+    for (i = 0; i < 8; i++) {
+        if (header[i] < '0' || header[i] > '9')
+            return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "reply header is not 8 ASCII digits");
+        n = n * 10 + (size_t)(header[i] - '0');
+    }
+    if (n == 0 || n > c->opt.max_reply_bytes)
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "reply of %lu bytes (the limit is %lu)", (unsigned long)n,
+                           (unsigned long)c->opt.max_reply_bytes);
+    if (n + 1 > c->rcap) {
+        unsigned char *p = (unsigned char *)realloc(c->rbuf, n + 1);
+        if (!p) return shmrl__lost(c, SHMRL_ERR_NOMEM, "out of memory for a reply of %lu bytes", (unsigned long)n);
+        c->rbuf = p;
+        c->rcap = n + 1;
+    }
+    if ((st = shmrl__recv_exactly(c, c->rbuf, n, deadline)) != SHMRL_OK) return st;
+    c->rbuf[n] = 0;
+    m->data = NULL;
+    m->data_len = 0;
+    if (n >= 8 && memcmp(c->rbuf, SHMRL__MAGIC, 4) == 0) {
+        size_t head_len = (size_t)c->rbuf[4] | (size_t)c->rbuf[5] << 8 | (size_t)c->rbuf[6] << 16
+                          | (size_t)c->rbuf[7] << 24;
+        size_t data_start = (8 + head_len + 7) / 8 * 8;
+        if (head_len > n - 8 || data_start > n)
+            return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "binary reply: head of %lu bytes overruns the body", (unsigned long)head_len);
+        m->head = (const char *)c->rbuf + 8;
+        m->end = m->head + head_len;
+        m->data = c->rbuf + data_start;
+        m->data_len = n - data_start;
+    } else {
+        m->head = (const char *)c->rbuf;
+        m->end = m->head + n;
+    }
+    if (shmrl__ws(m->head, m->end) >= m->end || *shmrl__ws(m->head, m->end) != '{'
+        || shmrl__ws(shmrl__skip_value(m->head, m->end, 0), m->end) != m->end)
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "reply is not a JSON object");
+    return SHMRL_OK;
+}
+
+/* Read a reply and check its type. */
+static shmrl_status shmrl__expect(shmrl_client *c, shmrl__msg *m, const char *type) {
+    const char *t;
+    shmrl_status st = shmrl__recv_msg(c, m);
+    if (st != SHMRL_OK) return st;
+    t = shmrl__get(m->head, m->end, "type");
+    if (!t || !shmrl__string_is(t, m->end, type)) {
+        char got[40] = "none";
+        if (t) {
+            const char *q = shmrl__skip_string(t, m->end);
+            size_t l = q ? (size_t)(q - t) : 0;
+            if (l >= sizeof got) l = sizeof got - 1;
+            memcpy(got, t, l);
+            got[l] = 0;
+        }
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "expected %s, got the type %s", type, got);
+    }
+    return SHMRL_OK;
+}
+
+static shmrl__buf shmrl__start(shmrl_client *c) {
+    shmrl__buf b;
+    b.p = c->wbuf; b.cap = c->wcap; b.len = 0; b.oom = 0;
+    shmrl__put(&b, "00000000", 8);   /* the header, filled in when sent */
+    return b;
+}
+
+static void shmrl__keep(shmrl_client *c, shmrl__buf *b) { c->wbuf = b->p; c->wcap = b->cap; }
+
+shmrl_status shmrl_send_json(shmrl_client *c, const char *json) {
+    shmrl__buf b = shmrl__start(c);
+    shmrl_status st;
+    shmrl__puts(&b, json);
+    st = shmrl__send_body(c, &b);
+    shmrl__keep(c, &b);
+    return st;
+}
+
+shmrl_status shmrl_recv(shmrl_client *c, const char **head, size_t *head_len,
+                        const unsigned char **data, size_t *data_len) {
+    shmrl__msg m;
+    shmrl_status st = shmrl__recv_msg(c, &m);
+    if (st != SHMRL_OK) return st;
+    *head = m.head; *head_len = (size_t)(m.end - m.head);
+    if (data) *data = m.data;
+    if (data_len) *data_len = m.data_len;
+    return SHMRL_OK;
+}
+
+/* ---------------------------------------------------------------- the handshake */
+
+static shmrl_status shmrl__read_spaces(shmrl_client *c, const shmrl__msg *m) {
+    shmrl_config *cfg = &c->config;
+    double v[SHMRL_MAX_ACTION_DIM];
+    const char *shape = shmrl__get(m->head, m->end, "observation_shape");
+    const char *dtype = shmrl__get(m->head, m->end, "observation_dtype");
+    const char *space = shmrl__get(m->head, m->end, "action_space"), *t;
+    int n, i;
+    if (shmrl__get(m->head, m->end, "observation_leaves"))
+        return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "the env has a Dict observation; this client sends one float array");
+    if (dtype && !shmrl__string_is(dtype, m->end, "<f4"))
+        return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "observations of a dtype other than <f4 are not supported here");
+    if (shape) {
+        double dims[SHMRL_MAX_DIMS];
+        if (!shmrl__numbers(shape, m->end, dims, SHMRL_MAX_DIMS, &n))
+            return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: observation_shape is not a list of at most %d ints", SHMRL_MAX_DIMS);
+        double size = 1;
+        for (i = 0; i < n; i++) size *= shmrl__int_in(dims[i], 1, 1 << 24) ? dims[i] : -1;
+        if (!(size >= 1 && size <= 1 << 24))
+            return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "SET_CONFIG: observation_shape must be dims >= 1 of at most 2^24 floats in all");
+        cfg->obs_ndim = n;
+        cfg->obs_size = (long)size;
+        for (i = 0; i < n; i++) cfg->obs_shape[i] = (long)dims[i];
+    } else if (c->opt.obs_size > 0) {
+        cfg->obs_ndim = 1; cfg->obs_shape[0] = cfg->obs_size = c->opt.obs_size;
+    } else if (c->opt.server_inference) {
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG has no observation_shape (set obs_size in the options)");
+    }
+    if (c->opt.obs_size > 0 && cfg->obs_size != c->opt.obs_size)
+        return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "the server's observations have %ld floats, this client %ld",
+                           cfg->obs_size, c->opt.obs_size);
+    if (!space) return SHMRL_OK;
+    t = shmrl__get(space, m->end, "type");
+    if (t && shmrl__string_is(t, m->end, "Discrete")) {
+        double nv;
+        double start = 0;
+        if (!shmrl__get_number(space, m->end, "n", &nv) || !shmrl__int_in(nv, 1, 1e9)
+            || (shmrl__get(space, m->end, "start") && (!shmrl__get_number(space, m->end, "start", &start)
+                                                       || !shmrl__int_in(start, -1e9, 1e9))))
+            return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: a Discrete action_space without an n of 1 to 1e9 (or a bad start)");
+        cfg->action_type = SHMRL_DISCRETE; cfg->action_n = (long)nv; cfg->action_dim = 1;
+        cfg->action_start = (long)start;
+    } else if (t && shmrl__string_is(t, m->end, "MultiDiscrete")) {
+        if (!shmrl__numbers(shmrl__get(space, m->end, "nvec"), m->end, v, SHMRL_MAX_ACTION_DIM, &n) || n < 1)
+            return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: a MultiDiscrete action_space without nvec");
+        cfg->action_type = SHMRL_MULTI_DISCRETE; cfg->action_dim = n;
+        for (i = 0; i < n; i++) {
+            if (!shmrl__int_in(v[i], 1, 1e9)) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: nvec of ints 1 to 1e9");
+            cfg->nvec[i] = (long)v[i];
+        }
+    } else if (t && shmrl__string_is(t, m->end, "Box")) {
+        double hi[SHMRL_MAX_ACTION_DIM];
+        int nh;
+        if (!shmrl__numbers(shmrl__get(space, m->end, "low"), m->end, v, SHMRL_MAX_ACTION_DIM, &n)
+            || !shmrl__numbers(shmrl__get(space, m->end, "high"), m->end, hi, SHMRL_MAX_ACTION_DIM, &nh) || n != nh || n < 1)
+            return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "SET_CONFIG: a Box action_space needs flat low and high "
+                               "of 1-%d values", SHMRL_MAX_ACTION_DIM);
+        cfg->action_type = SHMRL_BOX; cfg->action_dim = n;
+        for (i = 0; i < n; i++) {   /* beyond float's range: unbounded */
+            cfg->low[i] = v[i] < -FLT_MAX ? -HUGE_VALF : (float)v[i];
+            cfg->high[i] = hi[i] > FLT_MAX ? HUGE_VALF : (float)hi[i];
+            if (!(cfg->low[i] <= cfg->high[i]))
+                return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG: Box bounds with low > high");
+        }
+    } else {
+        return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "SET_CONFIG: an action_space this client does not know");
+    }
+    return SHMRL_OK;
+}
+
+static shmrl_status shmrl__handshake(shmrl_client *c) {
+    shmrl__buf b = shmrl__start(c);
+    shmrl__msg m;
+    shmrl_status st;
+    const char *v;
+    double num;
+    shmrl__puts(&b, "{\"type\": \"PING\"");
+    if (c->token[0]) { shmrl__puts(&b, ", \"auth_token\": "); shmrl__put_string(&b, c->token); }
+    if (c->opt.binary) shmrl__puts(&b, ", \"codecs\": [\"binary\"]");
+    if (c->name[0]) { shmrl__puts(&b, ", \"client_name\": "); shmrl__put_string(&b, c->name); }
+    if (c->opt.server_inference) shmrl__puts(&b, ", \"inference\": \"server\"");
+    shmrl__puts(&b, "}");
+    st = shmrl__send_body(c, &b);
+    shmrl__keep(c, &b);
+    if (st != SHMRL_OK || (st = shmrl__expect(c, &m, "PONG")) != SHMRL_OK) return st;
+    v = shmrl__get(m.head, m.end, "codec");
+    c->binary = v && shmrl__string_is(v, m.end, "binary");
+    if (v && !c->binary) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "PONG names a codec this client did not offer");
+    if (c->binary && !c->opt.binary) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "PONG names a codec this client did not offer");
+    c->heartbeat_s = shmrl__get_number(m.head, m.end, "heartbeat_s", &num) && num > 0 ? num : 0;
+    v = shmrl__get(m.head, m.end, "inference");
+    c->inference = v && shmrl__string_is(v, m.end, "server");
+    if (c->opt.server_inference && !c->inference)
+        return shmrl__lost(c, SHMRL_ERR_REFUSED, "the server does not serve actions (its PONG grants no "
+                           "\"inference\": \"server\"): it is not shmrl, or too old, or a multi-agent run");
+    if ((st = shmrl_send_json(c, "{\"type\": \"GET_CONFIG\"}")) != SHMRL_OK
+        || (st = shmrl__expect(c, &m, "SET_CONFIG")) != SHMRL_OK)
+        return st;
+    memset(&c->config, 0, sizeof c->config);
+    if (!shmrl__get_number(m.head, m.end, "env_steps_per_sample", &num) || !shmrl__int_in(num, 1, 2e9))
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG without an env_steps_per_sample of 1 to 2e9");
+    c->config.env_steps_per_sample = (long)num;
+    if ((st = shmrl__read_spaces(c, &m)) != SHMRL_OK) return st;
+    c->fresh = 1;
+    c->k = 0;
+    c->sessions++;
+    return SHMRL_OK;
+}
+
+static double shmrl__random(shmrl_client *c) {   /* xorshift64*, in [0, 1) */
+    c->rng ^= c->rng >> 12; c->rng ^= c->rng << 25; c->rng ^= c->rng >> 27;
+    return (double)((c->rng * 2685821657736338717ULL) >> 11) / 9007199254740992.0;
+}
+
+shmrl_status shmrl_reconnect(shmrl_client *c) {
+    int failures = 0;
+    shmrl__disconnect(c);
+    for (;;) {
+        shmrl_status st = shmrl__connect(c);
+        if (st == SHMRL_OK && (st = shmrl__handshake(c)) == SHMRL_OK) return SHMRL_OK;
+        shmrl__disconnect(c);
+        if (st == SHMRL_ERR_REFUSED || st == SHMRL_ERR_UNSUPPORTED || st == SHMRL_ERR_NOMEM) return st;
+        failures++;
+        if (c->opt.max_retries >= 0 && failures > c->opt.max_retries) {
+            char last[SHMRL_ERROR_LEN];
+            memcpy(last, c->error, sizeof last);
+            last[sizeof last - 1] = 0;
+            return shmrl__fail(c, st, "gave up after %d attempt%s: %.200s", failures, failures == 1 ? "" : "s", last);
+        }
+        {
+            double wait = c->opt.backoff_s * pow(2.0, failures - 1);
+            if (wait > c->opt.backoff_max_s) wait = c->opt.backoff_max_s;
+            shmrl__sleep(wait * (0.5 + 0.5 * shmrl__random(c)));
+        }
+    }
+}
+
+void shmrl_options_init(shmrl_options *opt) {
+    memset(opt, 0, sizeof *opt);
+    opt->host = "127.0.0.1";
+    opt->port = 5556;
+    opt->binary = 1;
+    opt->server_inference = 1;
+    opt->connect_timeout_s = 5;
+    opt->reply_timeout_s = 60;
+    opt->max_retries = 5;
+    opt->backoff_s = 0.1;
+    opt->backoff_max_s = 5;
+    opt->max_reply_bytes = (size_t)64 << 20;
+}
+
+static int shmrl__copy(char *dst, size_t cap, const char *src) {
+    size_t n = src ? strlen(src) : 0;
+    if (n >= cap) return 0;
+    if (n) memcpy(dst, src, n);
+    dst[n] = 0;
+    return 1;
+}
+
+shmrl_status shmrl_open(shmrl_client *c, const shmrl_options *opt) {
+    const char *p;
+    memset(c, 0, sizeof *c);
+    c->fd = -1;
+    c->opt = *opt;
+    c->rng = (uint64_t)getpid() * UINT64_C(0x9E3779B97F4A7C15) ^ (uint64_t)(shmrl__now() * 1e9) ^ (uint64_t)(uintptr_t)c;
+    if (!c->rng) c->rng = 1;
+    if (!shmrl__copy(c->host, sizeof c->host, opt->host ? opt->host : "127.0.0.1"))
+        return shmrl__fail(c, SHMRL_ERR_ARG, "host name too long");
+    if (!shmrl__copy(c->token, sizeof c->token, opt->auth_token))
+        return shmrl__fail(c, SHMRL_ERR_ARG, "auth_token longer than %d bytes", (int)sizeof c->token - 1);
+    if (!shmrl__copy(c->name, sizeof c->name, opt->client_name) || (opt->client_name && !opt->client_name[0]))
+        return shmrl__fail(c, SHMRL_ERR_ARG, "client_name must be 1-64 characters");
+    for (p = c->name; *p; p++)
+        if (*p < 0x20 || *p > 0x7e) return shmrl__fail(c, SHMRL_ERR_ARG, "client_name must be printable ASCII");
+    if (opt->port <= 0 || opt->port > 65535) return shmrl__fail(c, SHMRL_ERR_ARG, "port %d is out of range", opt->port);
+    if (!(opt->reply_timeout_s > 0) || !(opt->connect_timeout_s > 0) || opt->backoff_s < 0 || opt->obs_size < 0)
+        return shmrl__fail(c, SHMRL_ERR_ARG, "timeouts must be > 0, backoff_s and obs_size >= 0");
+    return shmrl_reconnect(c);
+}
+
+void shmrl_close(shmrl_client *c) {
+    shmrl__disconnect(c);
+    free(c->wbuf);
+    free(c->rbuf);
+    c->wbuf = c->rbuf = NULL;
+    c->wcap = c->rcap = 0;
+}
+
+shmrl_status shmrl_heartbeat(shmrl_client *c, long long env_steps) {
+    char json[80];
+    if (c->heartbeat_s <= 0 || shmrl__now() - c->last_send < c->heartbeat_s) return SHMRL_OK;
+    snprintf(json, sizeof json, "{\"type\": \"HEARTBEAT\", \"env_steps\": %lld}", env_steps < 0 ? 0 : env_steps);
+    return shmrl_send_json(c, json);
+}
+
+/* ---------------------------------------------------------------- ACT and ACTIONS */
+
+/* Rows of obs; row r from final_obs when r was truncated, else from obs (which the server
+   ignores there, but must be finite). */
+static const float *shmrl__row(const shmrl_step *s, long size, int final, int r) {
+    return (final && s->truncateds[r] ? s->final_obs : s->obs) + (size_t)r * (size_t)size;
+}
+
+static void shmrl__json_obs(shmrl__buf *b, const shmrl_client *c, const shmrl_step *s, int final) {
+    const shmrl_config *cfg = &c->config;
+    int r, d;
+    shmrl__put(b, "[", 1);
+    for (r = 0; r < s->k; r++) {
+        const float *row = shmrl__row(s, cfg->obs_size, final, r);
+        long i, stride;
+        if (r) shmrl__puts(b, ", ");
+        /* nested lists, by the observation's shape */
+        for (i = 0; i < cfg->obs_size; i++) {
+            for (d = 0, stride = cfg->obs_size; d < cfg->obs_ndim; d++) {
+                if (i % stride == 0) shmrl__put(b, "[", 1);
+                stride /= cfg->obs_shape[d] ? cfg->obs_shape[d] : 1;
+            }
+            shmrl__put_float(b, row[i]);
+            for (d = cfg->obs_ndim - 1, stride = 1; d >= 0; d--) {
+                stride *= cfg->obs_shape[d];
+                if ((i + 1) % stride == 0) shmrl__put(b, "]", 1);
+                else { shmrl__puts(b, ", "); break; }
+            }
+        }
+    }
+    shmrl__put(b, "]", 1);
+}
+
+static void shmrl__json_act(shmrl__buf *b, const shmrl_client *c, const shmrl_step *s, int outcome, int final) {
+    int r;
+    shmrl__puts(b, "{\"type\": \"ACT\", \"obs\": ");
+    shmrl__json_obs(b, c, s, 0);
+    if (outcome) {
+        shmrl__puts(b, ", \"rewards\": [");
+        for (r = 0; r < s->k; r++) { if (r) shmrl__puts(b, ", "); shmrl__put_float(b, s->rewards[r]); }
+        shmrl__puts(b, "], \"terminateds\": [");
+        for (r = 0; r < s->k; r++) shmrl__puts(b, r ? (s->terminateds[r] ? ", true" : ", false") : (s->terminateds[r] ? "true" : "false"));
+        shmrl__puts(b, "], \"truncateds\": [");
+        for (r = 0; r < s->k; r++) shmrl__puts(b, r ? (s->truncateds[r] ? ", true" : ", false") : (s->truncateds[r] ? "true" : "false"));
+        shmrl__puts(b, "]");
+        if (final) { shmrl__puts(b, ", \"final_obs\": "); shmrl__json_obs(b, c, s, 1); }
+    }
+    shmrl__puts(b, "}");
+}
+
+/* {"__nd__":[dtype,[k,...shape],offset,nbytes]} */
+static void shmrl__descriptor(shmrl__buf *b, const char *dtype, const shmrl_step *s, const shmrl_config *cfg,
+                              int obs_shape, size_t offset, size_t nbytes) {
+    int d;
+    shmrl__putf(b, "{\"__nd__\":[\"%s\",[%d", dtype, s->k);
+    for (d = 0; obs_shape && d < cfg->obs_ndim; d++) shmrl__putf(b, ",%ld", cfg->obs_shape[d]);
+    shmrl__putf(b, "],%lu,%lu]}", (unsigned long)offset, (unsigned long)nbytes);
+}
+
+static void shmrl__binary_act(shmrl__buf *b, const shmrl_client *c, const shmrl_step *s, int outcome, int final) {
+    const shmrl_config *cfg = &c->config;
+    size_t k = (size_t)s->k, obs_bytes = k * (size_t)cfg->obs_size * 4, head_at, head_len, off = 0, r;
+    size_t a8 = (obs_bytes + 7) / 8 * 8, f8 = (k * 4 + 7) / 8 * 8, b8 = (k + 7) / 8 * 8;
+    const unsigned char one = 1, zero = 0;
+    shmrl__put(b, SHMRL__MAGIC "\0\0\0\0", 8);
+    head_at = b->len;
+    shmrl__puts(b, "{\"type\":\"ACT\",\"obs\":");
+    shmrl__descriptor(b, "<f4", s, cfg, 1, off, obs_bytes);
+    off += a8;
+    if (outcome) {
+        shmrl__puts(b, ",\"rewards\":");
+        shmrl__descriptor(b, "<f4", s, cfg, 0, off, k * 4);
+        shmrl__puts(b, ",\"terminateds\":");
+        shmrl__descriptor(b, "|b1", s, cfg, 0, off + f8, k);
+        shmrl__puts(b, ",\"truncateds\":");
+        shmrl__descriptor(b, "|b1", s, cfg, 0, off + f8 + b8, k);
+        if (final) { shmrl__puts(b, ",\"final_obs\":"); shmrl__descriptor(b, "<f4", s, cfg, 1, off + f8 + 2 * b8, obs_bytes); }
+    }
+    shmrl__puts(b, "}");
+    if (b->oom) return;
+    head_len = b->len - head_at;
+    shmrl__put_u32le(b->p + head_at - 4, (uint32_t)head_len);
+    shmrl__pad8(b);   /* the frame header is 8 bytes, so the body's alignment is the frame's */
+    shmrl__put_f32s(b, s->obs, k * (size_t)cfg->obs_size);
+    shmrl__pad8(b);
+    if (!outcome) return;
+    shmrl__put_f32s(b, s->rewards, k);
+    shmrl__pad8(b);
+    for (r = 0; r < k; r++) shmrl__put(b, s->terminateds[r] ? &one : &zero, 1);
+    shmrl__pad8(b);
+    for (r = 0; r < k; r++) shmrl__put(b, s->truncateds[r] ? &one : &zero, 1);
+    shmrl__pad8(b);
+    if (final)
+        for (r = 0; r < k; r++) shmrl__put_f32s(b, shmrl__row(s, cfg->obs_size, 1, (int)r), (size_t)cfg->obs_size);
+}
+
+static shmrl_status shmrl__check_step(shmrl_client *c, const shmrl_step *s, int outcome, int *final) {
+    size_t i, n = (size_t)s->k * (size_t)c->config.obs_size;
+    int r;
+    *final = 0;
+    if (!c->inference) return shmrl__fail(c, SHMRL_ERR_ARG, "shmrl_act needs server-side inference (options.server_inference)");
+    if (s->k < 1 || s->k > SHMRL_MAX_ENVS) return shmrl__fail(c, SHMRL_ERR_ARG, "k = %d: 1 to %d envs per ACT", s->k, SHMRL_MAX_ENVS);
+    if (c->k && s->k != c->k) return shmrl__fail(c, SHMRL_ERR_ARG, "k = %d, but this connection started with %d", s->k, c->k);
+    if (!s->obs) return shmrl__fail(c, SHMRL_ERR_ARG, "obs is NULL");
+    if (c->config.action_type == SHMRL_BOX ? !s->box_actions : !s->actions)
+        return shmrl__fail(c, SHMRL_ERR_ARG, "no array for the actions (%s)", c->config.action_type == SHMRL_BOX ? "box_actions" : "actions");
+    for (i = 0; i < n; i++)
+        if (!isfinite(s->obs[i])) return shmrl__fail(c, SHMRL_ERR_ARG, "obs[%lu] is not finite", (unsigned long)i);
+    if (!outcome) return SHMRL_OK;
+    if (!s->rewards || !s->terminateds || !s->truncateds)
+        return shmrl__fail(c, SHMRL_ERR_ARG, "rewards, terminateds and truncateds are needed after the first ACT");
+    for (r = 0; r < s->k; r++) {
+        if (!isfinite(s->rewards[r])) return shmrl__fail(c, SHMRL_ERR_ARG, "rewards[%d] is not finite", r);
+        if (s->truncateds[r]) *final = 1;
+    }
+    if (*final && !s->final_obs) return shmrl__fail(c, SHMRL_ERR_ARG, "an env was truncated: final_obs is needed");
+    for (r = 0; *final && r < s->k; r++)
+        for (i = 0; s->truncateds[r] && i < (size_t)c->config.obs_size; i++)
+            if (!isfinite(s->final_obs[(size_t)r * (size_t)c->config.obs_size + i]))
+                return shmrl__fail(c, SHMRL_ERR_ARG, "final_obs of env %d is not finite", r);
+    return SHMRL_OK;
+}
+
+static int64_t shmrl__i64le(const unsigned char *p) {
+    uint64_t v = 0;
+    int i;
+    for (i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return (int64_t)v;
+}
+
+static float shmrl__f32le(const unsigned char *p) {
+    uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The actions of a binary ACTIONS: {"__nd__": [dtype, shape, offset, nbytes]} */
+static shmrl_status shmrl__binary_actions(shmrl_client *c, const shmrl__msg *m, const char *v, double *out, size_t count) {
+    double spec[4 + SHMRL_MAX_DIMS], shape[3];
+    const char *nd = shmrl__get(v, m->end, "__nd__"), *p;
+    int n, box = c->config.action_type == SHMRL_BOX, is_f4, is_i8;
+    size_t i, offset, nbytes, size;
+    if (!nd || (p = shmrl__ws(nd, m->end)) >= m->end || *p != '[') return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions is no array");
+    p = shmrl__ws(p + 1, m->end);
+    is_f4 = shmrl__string_is(p, m->end, "<f4");
+    is_i8 = shmrl__string_is(p, m->end, "<i8");
+    if (box ? !is_f4 : !is_i8) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions of an unexpected dtype");
+    p = shmrl__ws(shmrl__skip_string(p, m->end), m->end);
+    if (!p || p >= m->end || *p != ',' || !shmrl__numbers(p + 1, m->end, shape, 3, &n)) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: bad shape");
+    p = shmrl__ws(shmrl__skip_value(p + 1, m->end, 1), m->end);
+    if (!p || p >= m->end || *p != ',' || !(p = shmrl__number(p + 1, m->end, &spec[0]))
+        || (p = shmrl__ws(p, m->end)) >= m->end || *p != ',' || !shmrl__number(p + 1, m->end, &spec[1]))
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: bad array descriptor");
+    size = box ? 4 : 8;
+    if (shape[0] != c->k || (n == 2 ? shape[1] != c->config.action_dim : (n != 1 || c->config.action_dim != 1)))
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions of the wrong shape");
+    if (!shmrl__int_in(spec[0], 0, (double)m->data_len) || !shmrl__int_in(spec[1], 0, (double)m->data_len))
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: the actions' block lies outside the data");
+    offset = (size_t)spec[0];
+    nbytes = (size_t)spec[1];
+    if (nbytes != count * size || offset % 8 || offset + nbytes > m->data_len)
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: the actions' block lies outside the data");
+    for (i = 0; i < count; i++)
+        out[i] = box ? shmrl__f32le(m->data + offset + 4 * i) : (double)shmrl__i64le(m->data + offset + 8 * i);
+    return SHMRL_OK;
+}
+
+/* The actions of a JSON ACTIONS: [a, ...] or [[a, ...], ...] */
+static shmrl_status shmrl__json_actions(shmrl_client *c, const shmrl__msg *m, const char *p, double *out, size_t count) {
+    size_t got = 0;
+    int dim = c->config.action_dim, n, nested = c->config.action_type != SHMRL_DISCRETE;
+    p = shmrl__ws(p, m->end);
+    if (p >= m->end || *p != '[') return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions is not a list");
+    p++;
+    while (got < count) {
+        p = shmrl__ws(p, m->end);
+        if (nested) {
+            if (!shmrl__numbers(p, m->end, out + got, dim, &n) || n != dim) break;
+            p = shmrl__skip_value(p, m->end, 1);
+        } else if (!(p = shmrl__number(p, m->end, out + got))) {
+            break;
+        }
+        got += nested ? (size_t)dim : 1;
+        p = shmrl__ws(p, m->end);
+        if (!p || p >= m->end || *p != (got < count ? ',' : ']')) break;
+        p++;
+    }
+    if (got < count || !p) return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: actions of the wrong shape");
+    return SHMRL_OK;
+}
+
+static shmrl_status shmrl__read_actions(shmrl_client *c, const shmrl__msg *m, shmrl_step *s) {
+    const shmrl_config *cfg = &c->config;
+    size_t count = (size_t)s->k * (size_t)cfg->action_dim, i;
+    const char *v = shmrl__get(m->head, m->end, "actions");
+    double seq, *vals = (double *)malloc(count * sizeof *vals);
+    shmrl_status st;
+    if (!vals) return shmrl__lost(c, SHMRL_ERR_NOMEM, "out of memory for %lu actions", (unsigned long)count);
+    if (!v) st = shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS without actions");
+    else if (*shmrl__ws(v, m->end) == '{') st = shmrl__binary_actions(c, m, v, vals, count);
+    else st = shmrl__json_actions(c, m, v, vals, count);
+    for (i = 0; st == SHMRL_OK && i < count; i++) {
+        int d = (int)(i % (size_t)cfg->action_dim);
+        if (cfg->action_type == SHMRL_BOX) {
+            double x = vals[i] < cfg->low[d] ? cfg->low[d] : vals[i] > cfg->high[d] ? cfg->high[d] : vals[i];
+            if (!(x >= -FLT_MAX && x <= FLT_MAX))
+                st = shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: a Box action that is not a finite float");
+            else
+                s->box_actions[i] = (float)x;
+        } else {
+            long n = cfg->action_type == SHMRL_DISCRETE ? cfg->action_n : cfg->nvec[d];
+            double lo = cfg->action_type == SHMRL_DISCRETE ? (double)cfg->action_start : 0;
+            if (vals[i] != floor(vals[i]) || vals[i] < lo || (n > 0 && vals[i] >= lo + (double)n))
+                st = shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: action %g is out of range", vals[i]);
+            else
+                s->actions[i] = (int64_t)vals[i];
+        }
+    }
+    free(vals);
+    if (st == SHMRL_OK && shmrl__get_number(m->head, m->end, "weights_seq_no", &seq) && shmrl__int_in(seq, -1, 1e18))
+        c->weights_seq_no = (long long)seq;
+    return st;
+}
+
+shmrl_status shmrl_act(shmrl_client *c, shmrl_step *s) {
+    shmrl__buf b;
+    shmrl__msg m;
+    shmrl_status st;
+    int final, outcome = !c->fresh;
+    if (c->fd < 0) return shmrl__fail(c, SHMRL_ERR_CLOSED, "not connected (shmrl_reconnect)");
+    if ((st = shmrl__check_step(c, s, outcome, &final)) != SHMRL_OK) return st;
+    b = shmrl__start(c);
+    if (c->binary) shmrl__binary_act(&b, c, s, outcome, final);
+    else shmrl__json_act(&b, c, s, outcome, final);
+    st = shmrl__send_body(c, &b);
+    shmrl__keep(c, &b);
+    if (st != SHMRL_OK) return st;
+    c->fresh = 0;
+    c->k = s->k;
+    if ((st = shmrl__expect(c, &m, "ACTIONS")) != SHMRL_OK) return st;
+    if ((st = shmrl__read_actions(c, &m, s)) != SHMRL_OK) return st;
+    c->acts++;
+    return SHMRL_OK;
+}
+
+const char *shmrl_error(const shmrl_client *c) { return c->error[0] ? c->error : "no error"; }
+
+const char *shmrl_status_name(shmrl_status s) {
+    switch (s) {
+    case SHMRL_OK: return "ok";
+    case SHMRL_ERR_ARG: return "bad argument";
+    case SHMRL_ERR_CONNECT: return "cannot connect";
+    case SHMRL_ERR_IO: return "socket error";
+    case SHMRL_ERR_CLOSED: return "connection closed";
+    case SHMRL_ERR_TIMEOUT: return "timed out";
+    case SHMRL_ERR_PROTOCOL: return "protocol error";
+    case SHMRL_ERR_REFUSED: return "server-side inference refused";
+    case SHMRL_ERR_UNSUPPORTED: return "unsupported spaces";
+    case SHMRL_ERR_NOMEM: return "out of memory";
+    }
+    return "unknown status";
+}
+
+#endif /* SHMRL_CLIENT_IMPLEMENTED */
+#endif /* SHMRL_CLIENT_IMPLEMENTATION */
