@@ -98,9 +98,10 @@ class Checker:
     """The scripted server and its findings (``violations``: (rule, text) pairs)."""
 
     def __init__(self, spec, models: dict, onnx_files: dict, reconnect: bool = True, timeout: float = 60.0,
-                 out=sys.stdout):
+                 hold_s: float = HOLD_S, out=sys.stdout):
         self.rules = EpisodeRules(spec, models)
         self.onnx_files, self.reconnect, self.timeout, self.out = onnx_files, reconnect, timeout, out
+        self.hold_s = hold_s
         self.violations: list[tuple[str, str]] = []
         self.checked: list[str] = []        # what the run exercised, for the summary
         self.stepped = 0                    # env steps received on the connection
@@ -238,7 +239,7 @@ class Checker:
 
     def script_1(self, steps: int):
         def run(conn: Connection):
-            if not self.episodes(conn, 1, steps, "connection 1") or not self.hold(conn, HOLD_S, "connection 1, message 1"):
+            if not self.episodes(conn, 1, steps, "connection 1") or not self.hold(conn, self.hold_s, "connection 1, message 1"):
                 return
             conn.version = 1
             conn.reply(self.set_state(1))
@@ -293,8 +294,8 @@ def make_models(spec, hidden: int = 32) -> tuple[dict, dict]:
     return models, files
 
 
-def check_client(command: list[str], env: str = "CartPole-v1", reconnect: bool = True, steps: int | None = None,
-                 timeout: float = 60.0, out=sys.stdout) -> list[tuple[str, str]]:
+def check_client(command: list[str], env: str = "CartPole-v1", reconnect: bool = True, steps: int = 2000,
+                 timeout: float = 60.0, hold_s: float = HOLD_S, out=sys.stdout) -> list[tuple[str, str]]:
     """Run the client ``command`` (``{port}`` replaced) against the scripted server; the
     violations it found. The client is stopped at the end, whatever happened."""
     from shmrl.envs import env_spec
@@ -303,14 +304,14 @@ def check_client(command: list[str], env: str = "CartPole-v1", reconnect: bool =
     if getattr(spec, "multiagent", False):
         raise ValueError(f"{env} is a multi-agent env: the checker covers single-agent clients")
     models, files = make_models(spec)
-    checker = Checker(spec, models, files, reconnect, timeout, out)
+    checker = Checker(spec, models, files, reconnect, timeout, hold_s, out)
     with socket.create_server(("127.0.0.1", 0)) as listener, tempfile.TemporaryFile("w+") as client_log:
         port = listener.getsockname()[1]
         argv = [part.replace("{port}", str(port)) for part in command]
         print(f"checking: {shlex.join(argv)}", file=out, flush=True)
         proc = subprocess.Popen(argv, stdout=client_log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            checker.run(listener, steps or 2000)
+            checker.run(listener, steps)
             listener.close()                  # the session is over: a reconnecting client finds no server
             try:
                 proc.wait(timeout=15)
@@ -334,20 +335,22 @@ def main(argv=None) -> int:
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     p = OneLineErrorParser(prog="python -m shmrl.conformance", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                           usage="%(prog)s [--env ID] [--no-reconnect] [--steps N] [--timeout S] -- COMMAND ...")
+                           usage="%(prog)s [--env ID] [--no-reconnect] [--steps N] [--hold-s S] [--timeout S] -- COMMAND ...")
     p.add_argument("--env", default="CartPole-v1", help="the env the client steps (default: %(default)s)")
     p.add_argument("--no-reconnect", action="store_true",
                    help="the client ends when its connection is closed (shmrl.sim): skip connection 2")
     p.add_argument("--steps", type=int, default=2000, help="env_steps_per_sample of connection 1 (default: %(default)s)")
+    p.add_argument("--hold-s", type=float, default=HOLD_S,
+                   help="how long the reply to message 1 is held (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds to wait for the client's connection and each request (default: %(default)s)")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     if not command or not any("{port}" in part for part in command):
         p.error("give the client's command after --, with {port} where the checker's port goes")
-    if args.steps < 4 or args.timeout <= 0:
-        p.error("--steps must be >= 4 and --timeout > 0")
+    if args.steps < 4 or args.timeout <= 0 or args.hold_s < 0:
+        p.error("--steps must be >= 4, --timeout > 0 and --hold-s >= 0")
     try:
-        violations = check_client(command, args.env, not args.no_reconnect, args.steps, args.timeout)
+        violations = check_client(command, args.env, not args.no_reconnect, args.steps, args.timeout, args.hold_s)
     except (ValueError, OSError) as e:
         p.error(str(e))
     print(f"{len(violations)} violation(s)" if violations else "the client conforms: no violation", flush=True)

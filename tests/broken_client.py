@@ -29,7 +29,7 @@ BUGS = {   # bug -> the section of docs/RLLINK.md the checker must name
     "stale-policy": "§4.2",              # never loads the new weights
     "logp": "§4.2",                      # the log-probability of the other action
     "no-heartbeat": "§5 HEARTBEAT",      # binary agreed, no HEARTBEAT while sampling slowly
-    "impatient": "§6 When replies come",  # gives up on a held reply after 0.5 s
+    "impatient": "§6 When replies come",  # gives up on a held reply after 0.2 s
     "no-reconnect": "§2 The conversation",  # ends when the connection is closed
     "sticky-config": "§3.2",             # keeps the first env_steps_per_sample after reconnecting
 }
@@ -60,6 +60,7 @@ class Link:
         try:
             return rllink.decode(self.recv(int(self.recv(8))))
         except socket.timeout:
+            self.sock.close()
             raise ConnectionError("no reply in time") from None
 
 
@@ -121,7 +122,7 @@ def session(port: int, bug: str, rng, sticky: dict) -> None:
         for c in chunks:
             c["weights_seq_no"] = version
         reply = link.request({"type": "EPISODES_AND_GET_STATE", "episodes": chunks},
-                             timeout=0.5 if bug == "impatient" else 60.0)
+                             timeout=0.2 if bug == "impatient" else 60.0)
         if reply["weights_seq_no"] != version and bug != "stale-policy":
             policy, version = OnnxPolicy(decode_onnx_file(reply["onnx_file"])), reply["weights_seq_no"]
 
