@@ -50,14 +50,30 @@ class Columns {
 
 const align8 = (n) => Math.ceil(n / 8) * 8;
 
-/** The body of `msg` in JSON (numbers must be finite: JSON.stringify writes NaN as null,
- * which the server refuses). Columns become the list form of section 4. */
+/** A list of floats: written with a decimal point even when integral (1.0, not 1), as
+ * Python writes them, so that every chunk's observations have one type. */
+class Floats extends Array {}
+
+const floatText = (v) => (Number.isInteger(v) ? v.toFixed(1) : String(v));
+
+/** JSON text of a value (Python's separators). Columns become the list form of section 4;
+ * numbers must be finite (NaN would make invalid JSON, which the server refuses). */
+function jsonText(v) {
+  if (v instanceof Floats) return `[${v.map(floatText).join(', ')}]`;
+  if (Array.isArray(v)) return `[${v.map(jsonText).join(', ')}]`;
+  if (v instanceof NdArray) return jsonText(nestedList(v));
+  if (v instanceof Columns) return jsonText(columnsToChunks(v.columns));
+  if (typeof v === 'bigint') return v.toString();
+  if (v !== null && typeof v === 'object') {
+    const fields = Object.entries(v).filter(([, x]) => x !== undefined);
+    return `{${fields.map(([k, x]) => `${JSON.stringify(k)}: ${jsonText(x)}`).join(', ')}}`;
+  }
+  return JSON.stringify(v);
+}
+
+/** The body of `msg` in JSON. */
 function encodeJson(msg) {
-  return Buffer.from(JSON.stringify(msg, (key, value) => {
-    if (value instanceof Columns) return columnsToChunks(value.columns);
-    if (value instanceof NdArray) return nestedList(value);
-    return value;
-  }), 'utf8');
+  return Buffer.from(jsonText(msg), 'utf8');
 }
 
 /** The binary body of `msg`: a JSON head in which each NdArray is a descriptor
@@ -100,13 +116,14 @@ function decodeBody(body) {
   return JSON.parse(body.toString('utf8'));
 }
 
-/** An NdArray as nested JSON lists (BigInts as numbers, bools as booleans). */
+/** An NdArray as nested lists (BigInts as numbers, bools as booleans, floats as Floats). */
 function nestedList(arr) {
   const values = Array.from(arr.data, (v) => (arr.dtype === '|b1' ? v !== 0 : Number(v)));
+  const List = arr.dtype[1] === 'f' ? Floats : Array;
   const build = (dims, start) => {
     if (dims.length === 0) return values[start];
     const stride = dims.slice(1).reduce((a, b) => a * b, 1);
-    return Array.from({ length: dims[0] }, (_, i) => build(dims.slice(1), start + i * stride));
+    return (dims.length === 1 ? List : Array).from({ length: dims[0] }, (_, i) => build(dims.slice(1), start + i * stride));
   };
   return build(arr.shape, 0);
 }
@@ -348,9 +365,10 @@ class Recorder {
     chunk.obs.push(Float32Array.from(nextObs));
   }
 
-  /** The episode of `env` ended: its chunk is complete. */
-  end(env, terminated, truncated) {
+  /** The episode of `env` ended: its chunk is complete; the next starts from `firstObs`. */
+  end(env, terminated, truncated, firstObs) {
     this.done.push({ ...this.open[env], terminated, truncated });
+    this.start(env, firstObs);
   }
 
   /** Every chunk of this message as columns; running episodes continue from their last obs. */
@@ -428,11 +446,10 @@ async function runSession(ort, opts, onConnected) {
           recorder.record(i, action, dist.subarray(i * sampler.width, (i + 1) * sampler.width), logp, reward, next);
           returns[i] += reward;
           if (terminated || truncated) {
-            recorder.end(i, terminated, truncated);
+            const first = envs[i].reset();
+            recorder.end(i, terminated, truncated, first);
             opts.onEpisode(returns[i]);
             returns[i] = 0;
-            const first = envs[i].reset();
-            recorder.start(i, first);
             obs.set(first, i * space.obsSize);
           } else {
             obs.set(next, i * space.obsSize);
