@@ -15,12 +15,14 @@ import numpy as np
 from shmrl import rllink
 from shmrl.envs import EnvSpec
 from shmrl.episode import EpisodeBatch, MultiAgentBatch
+from shmrl.inference import ServerInference, space_config
 from shmrl.spaces import MASK_KEY
 from shmrl.store import DEFAULT_POLICY, EpisodeStore
 
 log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
-OVER_BUDGET = "over the client's budget"   # of pending env steps: why a flood's steps are dropped
+OVER_BUDGET = "over the client's budget"
+_ACT = T.ACT.value   # of pending env steps: why a flood's steps are dropped
 
 def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
     """Why validated chunks do not fit the environment (and the policy's recurrent state of
@@ -171,6 +173,14 @@ class Hub:
         self.agents = None if agents is None else frozenset(agents)
         self.over_budget: set[str] = set()       # connections told (in the log) that they are over budget
         self.held: set[str] = set()              # connections not read (their budget is spent), by transports that can
+        # Server-side inference (single-agent runs): the policy run for clients that asked in
+        # their PING (``serve_actions``); SET_CONFIG describes the spaces for them.
+        self.inference = None
+        self.served: set[str] = set()            # connections granted server-side inference
+        if not multiagent:
+            spec = policy_specs[DEFAULT_POLICY]
+            self.inference = ServerInference(spec, env_steps_per_sample, state_size)
+            self.config_msg.update(space_config(spec))
 
     def set_state(self, weights_seq_no: int, policies: dict) -> None:
         """Publish new weights and release every client waiting for them. ``policies``: the
@@ -180,6 +190,8 @@ class Hub:
         else:   # RLlib's single-agent message, its bytes (key order included) as RLlib's JSON has them
             self.state_msg = {"type": T.SET_STATE.value, "onnx_file": policies[DEFAULT_POLICY]["onnx_file"],
                               "weights_seq_no": weights_seq_no}
+        if self.inference is not None:
+            self.inference.load(weights_seq_no, policies[DEFAULT_POLICY]["onnx_file"])
         self.release_waiting()
 
     def all_waiting(self) -> bool:
@@ -202,6 +214,9 @@ class Hub:
                 self.forget(conn_id)
                 return
             self.authenticated.add(conn_id)
+        if kind == _ACT:   # first: a server-inference client sends one per env step
+            self._act(conn_id, msg)
+            return
         self.opened.setdefault(conn_id, time.monotonic())
         if kind == T.HEARTBEAT.value:  # answered by nothing; the transport saw it alive
             if msg["env_steps"] is not None:
@@ -210,32 +225,81 @@ class Hub:
             if "client_name" in msg:
                 self.names[conn_id] = msg["client_name"]
                 log.info("%s is %s", conn_id, msg["client_name"])
-            self._reply(conn_id, {"type": T.PONG.value})
+            pong = {"type": T.PONG.value}
+            if msg.get("inference") == "server" and self.inference is not None:
+                self.served.add(conn_id)
+                pong["inference"] = "server"
+            self._reply(conn_id, pong)
         elif kind == T.GET_CONFIG.value:
             self._reply(conn_id, self.config_msg)
         elif kind == T.GET_STATE.value:
             self.sampling.add(conn_id)
             self._reply(conn_id, self.state_msg)
         else:  # EPISODES, EPISODES_AND_GET_STATE
-            batch = msg["episodes"]
-            chunks, reason = chunks_by_policy(batch, self.policy_specs, self.multiagent, self.state_size)
-            reason = reason or self._unknown_agents(batch)
-            if reason:
-                self._drop(conn_id, reason, batch.num_steps)
+            if not self._take(conn_id, msg["episodes"]):
                 return
-            chunks = self._refuse_out_of_bounds(conn_id, chunks)
-            if self._within_budget(conn_id, sum(sub.num_steps for sub in chunks.values())):
-                self.store.add(conn_id, chunks)
-                self._hold_if_full(conn_id)
             if kind == T.EPISODES_AND_GET_STATE.value:
                 self.sampling.add(conn_id)
-                full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
-                if self.on_policy or full:
-                    if not self.waiting:
-                        self.waiting_since = time.monotonic()
-                    self.waiting.append(conn_id)
-                else:
-                    self._reply(conn_id, self.state_msg)
+                self._wait_or_answer(conn_id)
+
+    def _take(self, conn_id: str, batch) -> bool:
+        """A message's chunks checked and into the store (those beyond the bounds or the
+        client's budget dropped and counted); False if they do not fit the run, which
+        closes the connection."""
+        chunks, reason = chunks_by_policy(batch, self.policy_specs, self.multiagent, self.state_size)
+        reason = reason or self._unknown_agents(batch)
+        if reason:
+            self._drop(conn_id, reason, batch.num_steps)
+            return False
+        chunks = self._refuse_out_of_bounds(conn_id, chunks)
+        if self._within_budget(conn_id, sum(sub.num_steps for sub in chunks.values())):
+            self.store.add(conn_id, chunks)
+            self._hold_if_full(conn_id)
+        return True
+
+    def _wait_or_answer(self, conn_id: str) -> None:
+        """A client that sent a whole sample: it waits for the next weights (on-policy, or a
+        whole batch already waits), or goes on at once (its weights, or its ACT's actions)."""
+        full = self.max_pending_steps is not None and self.store.pending_steps >= self.max_pending_steps
+        if self.on_policy or full:
+            if not self.waiting:
+                self.waiting_since = time.monotonic()
+            self.waiting.append(conn_id)
+            if conn_id in self.served:
+                self.inference.hold(conn_id)
+        else:
+            self._answer(conn_id)
+
+    def _answer(self, conn_id: str) -> None:
+        if conn_id in self.served:
+            self.inference.queue(conn_id)   # answered by the round's forward pass
+        else:
+            self._reply(conn_id, self.state_msg)
+
+    def _act(self, conn_id: str, msg: dict) -> None:
+        """An ACT (server-side inference): the outcome of the last step recorded, a
+        complete sample taken as an EPISODES_AND_GET_STATE's, the actions queued for the
+        round's forward pass (or held, as that message's reply would be)."""
+        if conn_id not in self.served:
+            self._drop(conn_id, "ACT from a client whose PING did not ask for server-side inference"
+                       if self.inference is not None else
+                       "ACT in a multi-agent run, which does not serve actions (its PONG said so)", 0)
+            return
+        self.opened.setdefault(conn_id, time.monotonic())
+        self.sampling.add(conn_id)
+        batch, reason = self.inference.act(conn_id, msg)
+        if reason:
+            self._drop(conn_id, reason, 0)
+        elif batch is None:
+            self.inference.queue(conn_id)
+        elif self._take(conn_id, batch):
+            self._wait_or_answer(conn_id)
+
+    def flush_actions(self) -> None:
+        """Answer the ACTs of this round with one forward pass (call once per poll round)."""
+        if self.inference is not None and self.inference.queued:
+            for conn_id, reason in self.inference.flush(self._reply):
+                self._drop(conn_id, reason, 0)
 
     def _heartbeat(self, conn_id: str, env_steps: int) -> None:
         """Keep what a HEARTBEAT says was stepped (what is never sent counts as lost), unless
@@ -319,7 +383,7 @@ class Hub:
         is pending, no update will come to release them: chunks without steps)."""
         waiting, self.waiting, self.waiting_since = self.waiting, [], None
         for conn_id in waiting:
-            self._reply(conn_id, self.state_msg)
+            self._answer(conn_id)
 
     def _reply(self, conn_id: str, msg: dict) -> None:
         self.servers[conn_id].reply(conn_id, msg)
@@ -343,6 +407,9 @@ class Hub:
             if lost > 0:
                 self.store.steps_lost += lost
                 log.warning("%s: %d env steps it had stepped but not sent are lost", self.name(conn_id), lost)
+        if self.inference is not None and conn_id in self.served:
+            self.served.discard(conn_id)
+            self.store.steps_lost += self.inference.forget(conn_id)   # its open rollout: never sent
         self.names.pop(conn_id, None)
         self.opened.pop(conn_id, None)
         self.refusals_logged = {key for key in self.refusals_logged if key[0] != conn_id}

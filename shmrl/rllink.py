@@ -18,9 +18,11 @@ from shmrl.episode import EpisodeBatch, MultiAgentBatch
 from shmrl.rllink_codec import (CODECS, HEADER_LEN, MAGIC, MAX_BODY_LEN, ProtocolError, _Columns,  # noqa: F401
                                 _MultiColumns, _show, decode, encode, encode_binary, encode_json,
                                 episodes_body_bytes, frame, parse_header, set_state_body_bytes)
+from shmrl.rllink_act import MAX_ACT_ENVS, act_request, actions_reply, inference_mode
 from shmrl.rllink_episodes import _columns, _count, _episode, _is_bool, _module_id, _multi_batch, _require
 
-__all__ = ["CODECS", "HEADER_LEN", "MAGIC", "MAX_BODY_LEN", "REPLY_TYPES", "REQUEST_TYPES", "MessageLimits",
+__all__ = ["CODECS", "HEADER_LEN", "MAGIC", "MAX_ACT_ENVS", "MAX_BODY_LEN", "REPLY_TYPES", "REQUEST_TYPES",
+           "MessageLimits",
            "MessageType", "ProtocolError", "decode", "decode_reply", "decode_request", "encode", "encode_binary",
            "encode_json", "episodes_body_bytes", "frame", "parse_header", "set_state_body_bytes", "show", "validate"]
 
@@ -39,16 +41,20 @@ class MessageType(str, enum.Enum):
     # stepped so far; the server closes a connection that falls silent (RLlib's client never
     # offers codecs, so it is never asked for one).
     HEARTBEAT = "HEARTBEAT"
+    # shmrl's extension, server-side inference (a client that asked for it in its PING):
+    # ACT carries K envs' observations and their last step's outcome, ACTIONS K actions.
+    ACT = "ACT"
+    ACTIONS = "ACTIONS"
 
 
 show = _show   # a bounded repr, for messages that quote hostile input
 _T = MessageType
 REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE,
-                           _T.HEARTBEAT})
+                           _T.HEARTBEAT, _T.ACT})
 _MAX_CODECS = 16   # offered in a PING
-REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE})
+REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE, _T.ACTIONS})
 _REQUEST_FIELDS = {
-    _T.PING: frozenset({"type", "auth_token", "codecs", "client_name"}),
+    _T.PING: frozenset({"type", "auth_token", "codecs", "client_name", "inference"}),
     _T.GET_CONFIG: frozenset({"type"}),
     _T.GET_STATE: frozenset({"type"}),
     _T.EPISODES: frozenset({"type", "episodes", "timesteps", "env_steps"}),
@@ -74,6 +80,8 @@ def decode_reply(body) -> dict:
 
 
 def _request(msg: dict, t: MessageType, limits: MessageLimits | None = None) -> dict:
+    if t is _T.ACT:
+        return act_request(msg)
     for key in msg:
         if key not in _REQUEST_FIELDS[t]:
             raise ProtocolError(f"{t.value}: unexpected field {_show(key)}")
@@ -95,6 +103,8 @@ def _request(msg: dict, t: MessageType, limits: MessageLimits | None = None) -> 
             raise ProtocolError(f"PING: 'client_name' must be a printable string of 1 to 64 characters, "
                                 f"got {_show(name)}")
         out["client_name"] = name
+    if t is _T.PING and "inference" in msg:
+        out["inference"] = inference_mode(msg, "PING")
     if t is _T.HEARTBEAT:
         out["env_steps"] = _count(msg, "env_steps", t.value) if "env_steps" in msg else None
         return out
@@ -159,6 +169,10 @@ def _reply(msg: dict, t: MessageType) -> dict:
             raise ProtocolError(f"SET_CONFIG: 'force_on_policy' must be true or false, "
                                 f"got {_show(msg['force_on_policy'])}")
         out["force_on_policy"] = bool(msg["force_on_policy"])
+    elif t is _T.PONG and "inference" in msg:
+        out["inference"] = inference_mode(msg, "PONG")
+    elif t is _T.ACTIONS:
+        out = actions_reply(out)
     elif t is _T.SET_STATE:
         if "policies" in msg:   # multi-agent: one model per policy
             out["policies"] = _policies(msg["policies"])

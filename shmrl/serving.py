@@ -131,6 +131,7 @@ class Serving:
             batches = self.store.take(self.weights_seq_no, max_lag, self.train_batch_size)
             self._batches.put((batches, self.weights_seq_no))
             self._batch_out = True
+        self.hub.flush_actions()   # server-side inference: this round's ACTs, one forward pass
         if self.hub.held:
             self.hub.release_held()
         return n

@@ -7,6 +7,7 @@ external client in a game engine would.
 
     python -m shmrl.sim --connect localhost:5556   # an RLlink server (shmrl's: binary codec; RLlib's: JSON)
     python -m shmrl.sim --attach shmrl_1234_s0c0   # a slot of a running learner's shared memory
+    python -m shmrl.sim --connect localhost:5556 --server-inference   # the server runs the policy: no onnxruntime
 
 Exit status: 0 when the server ends the session, 1 when the connection fails or is lost,
 2 for a bad command line (one line ``error: ...``), including an env whose spaces do not
@@ -102,6 +103,63 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     return sent
 
 
+def run_server_inference(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_sim: int = 1,
+                         max_messages: int | None = None, log_every_s: float | None = None,
+                         auth_token: str | None = None) -> int:
+    """Step the envs with actions the server chooses (server-side inference, docs/RLLINK.md):
+    each ACT carries the envs' observations and the outcome of their last step, each
+    ACTIONS the next actions; the server keeps the trajectories. No policy runs here (no
+    onnxruntime). Returns the env steps taken; ``max_messages`` bounds the ACTs (tests)."""
+    ping = {"type": T.PING.value, "inference": "server"}
+    if auth_token is not None:
+        ping["auth_token"] = auth_token
+    pong = client.request(ping)
+    if pong["type"] != T.PONG.value or pong.get("inference") != "server":
+        raise ConnectionError("the server does not serve actions (its PONG did not grant 'inference': 'server'); "
+                              "run without --server-inference")
+    config = client.request({"type": T.GET_CONFIG.value})
+    envs = make_vec_env(env_id, envs_per_sim, seed * 1_000_003)
+    check_spaces(config, envs.spec)
+    msg = {"type": T.ACT.value, "obs": envs.reset()}
+    stepped = messages = 0
+    returns, recent = np.zeros(envs_per_sim), deque(maxlen=100)
+    next_log = time.monotonic() + (log_every_s or 0.0)
+    while max_messages is None or messages < max_messages:
+        reply = client.request(msg)
+        messages += 1
+        if reply["type"] != T.ACTIONS.value or len(reply["actions"]) != envs_per_sim:
+            raise ConnectionError(f"expected ACTIONS for {envs_per_sim} envs, got {rllink.show(reply)}")
+        obs, rewards, terminated, truncated, final_obs = envs.step(reply["actions"])
+        msg = {"type": T.ACT.value, "obs": obs, "rewards": np.asarray(rewards, np.float32),
+               "terminateds": np.asarray(terminated, bool), "truncateds": np.asarray(truncated, bool)}
+        stepped += envs_per_sim
+        returns += rewards
+        if final_obs is not None:
+            msg["final_obs"] = final_obs
+            done = msg["terminateds"] | msg["truncateds"]
+            recent.extend(returns[done].tolist())
+            returns[done] = 0.0
+        if log_every_s and time.monotonic() >= next_log:
+            next_log += log_every_s
+            mean = f"{sum(recent) / len(recent):.1f}" if recent else "n/a"
+            log.info("stepped %d env steps; weights %s; mean return of the last %d episodes: %s",
+                     stepped, reply["weights_seq_no"], len(recent), mean)
+    return stepped
+
+
+def check_spaces(config: dict, spec) -> None:
+    """A ValueError unless SET_CONFIG's spaces (shmrl's server describes them) are the env's."""
+    layout = spec.obs
+    if "observation_shape" in config and (layout.structured or
+                                          tuple(config["observation_shape"]) != layout.leaves[0].shape):
+        raise ValueError(f"the server trains observations of shape {config['observation_shape']}; "
+                         f"{spec.env_id}'s are {[leaf.shape for leaf in layout.leaves]}: is it another env?")
+    if "observation_leaves" in config and (not layout.structured or sorted(config["observation_leaves"])
+                                           != sorted(leaf.name for leaf in layout.leaves)):
+        raise ValueError(f"the server trains the observation leaves {sorted(config['observation_leaves'])}; "
+                         f"{spec.env_id} has {[leaf.name for leaf in layout.leaves]}: is it another env?")
+
+
 def set_process_name(name: str) -> None:
     """Show ``name`` in ps/top (Linux, best effort): simulators are easy to tell apart."""
     try:
@@ -158,6 +216,9 @@ def main(argv=None) -> int:
                         "heartbeats; RLlib's ignores it and speaks JSON); json: offer nothing, as RLlib's "
                         "own client (default: %(default)s)")
     p.add_argument("--name", default=None, help="a name for this client in the server's logs")
+    p.add_argument("--server-inference", action="store_true",
+                   help="let the server run the policy: send observations (ACT), get actions (ACTIONS); "
+                        "needs no onnxruntime (shmrl's server; RLlib's does not serve actions)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for any one reply; RLlib's server answers only after its "
                         "training step (default: %(default)s)")
@@ -186,8 +247,8 @@ def main(argv=None) -> int:
         print(f"error: cannot connect to {address}: {e}", file=sys.stderr)
         return 1
     try:
-        run_simulator(client, args.env, args.seed, args.envs_per_sim, log_every_s=10.0,
-                      auth_token=args.auth_token)
+        loop = run_server_inference if args.server_inference else run_simulator
+        loop(client, args.env, args.seed, args.envs_per_sim, log_every_s=10.0, auth_token=args.auth_token)
     except KeyboardInterrupt:
         return 130
     except SimulatorError as e:

@@ -19,6 +19,7 @@ import pathlib
 import re
 import socket
 
+import numpy as np
 import pytest
 
 from conftest import wait_until
@@ -81,6 +82,22 @@ EXAMPLES = {
     ], "timesteps": 2},
 }
 EXAMPLES["episodes_multi_binary"] = rllink.validate(EXAMPLES["episodes_multi"], "request")
+# Server-side inference (section 11): K = 2 CartPoles; env 1's step was truncated.
+EXAMPLES.update({
+    "ping_inference": {"type": "PING", "codecs": ["binary"], "inference": "server"},
+    "pong_inference": {"type": "PONG", "inference": "server", "codec": "binary", "heartbeat_s": 1.0},
+    "set_config_inference": {"type": "SET_CONFIG", "env_steps_per_sample": 500, "force_on_policy": True,
+                             "observation_shape": [4], "observation_dtype": "<f4",
+                             "action_space": {"type": "Discrete", "n": 2}},
+    "act_first": {"type": "ACT", "obs": [[0.5, 0.0, 0.25, 0.0], [0.0, 0.5, -0.25, 0.0]]},
+    "actions": {"type": "ACTIONS", "actions": [1, 0], "weights_seq_no": 3},
+    "act": {"type": "ACT", "obs": [[0.5, 0.25, 0.25, -0.5], [0.0, 0.0, 0.0, 0.0]], "rewards": [1.0, 1.0],
+            "terminateds": [False, False], "truncateds": [False, True],
+            "final_obs": [[0.0, 0.0, 0.0, 0.0], [2.0, 0.5, 0.125, 0.0]]},
+    "actions_box": {"type": "ACTIONS", "actions": [[0.75], [-1.5]], "weights_seq_no": 3},
+})
+EXAMPLES["act_binary"] = rllink.validate(EXAMPLES["act"], "request")
+EXAMPLES["actions_binary"] = {"type": "ACTIONS", "actions": np.array([1, 0], np.int64), "weights_seq_no": 3}
 
 
 def encoded(name: str, codec: str) -> bytes:

@@ -22,12 +22,12 @@ PACKAGE = ROOT / "shmrl"
 # it. Names are modules under shmrl/ ("transport" is the package and every module in it).
 LAYERS = {
     "base types": ["config", "presets", "spaces", "sampler", "episode", "rollout", "stats", "checkpoint", "metrics", "logdir"],
-    "protocol": ["rllink_codec", "rllink_episodes", "rllink"],
+    "protocol": ["rllink_codec", "rllink_episodes", "rllink_act", "rllink"],
     "transports": ["transport"],
     "model": ["onnx_graph", "net", "ppo", "onnx_policy"],
     "env adapters": ["envspec", "pz_envs", "envs"],
     "actor and simulator loops": ["actor", "multiagent", "sim", "eval"],
-    "hub": ["store", "hub", "serving"],
+    "hub": ["store", "inference", "hub", "serving"],
     "launchers": ["supervisor", "ray_launcher"],
     "trainer": ["report", "resume", "setup_run", "trainer"],
     "faces": ["run", "__init__", "conformance_rules", "conformance"],

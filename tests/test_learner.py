@@ -104,7 +104,9 @@ def test_handshake_and_on_policy_wait(learner_and_server):
     serve_until(learner, lambda: "next" in replies, 10, "the new weights")
     t.join(5)
     assert replies["pong"]["type"] == "PONG"
-    assert replies["config"] == {"type": "SET_CONFIG", "env_steps_per_sample": 32, "force_on_policy": True}
+    assert replies["config"] == {"type": "SET_CONFIG", "env_steps_per_sample": 32, "force_on_policy": True,
+                                 "observation_shape": [4], "observation_dtype": "<f4",
+                                 "action_space": {"type": "Discrete", "n": 2}}
     assert replies["state"]["weights_seq_no"] == 1 and replies["next"]["weights_seq_no"] == 2
 
 

@@ -96,8 +96,8 @@ def test_numpy_values_encode_like_their_lists():
 def test_message_types():
     assert all(t.value == t.name for t in rllink.MessageType)
     assert {t.value for t in rllink.REQUEST_TYPES} == {"PING", "GET_CONFIG", "GET_STATE", "EPISODES",
-                                                      "EPISODES_AND_GET_STATE", "HEARTBEAT"}
-    assert {t.value for t in rllink.REPLY_TYPES} == {"PONG", "SET_CONFIG", "SET_STATE"}
+                                                      "EPISODES_AND_GET_STATE", "HEARTBEAT", "ACT"}
+    assert {t.value for t in rllink.REPLY_TYPES} == {"PONG", "SET_CONFIG", "SET_STATE", "ACTIONS"}
     assert "PING" in rllink.REQUEST_TYPES
 
 

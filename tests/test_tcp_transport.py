@@ -15,13 +15,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shmrl.envs import env_spec
+from shmrl.inference import space_config
 from shmrl.rllink import ProtocolError
 from shmrl.transport.tcp import ConnectionClosed, TcpClient, TcpServer, parse_address
 
 from conftest import (Net, conn_id_of, episodes_msg, log_lines, read_to_eof, recv_exactly, recv_frame, rllib_episodes,
                       rllib_frame, state_frame, wait_until)
 
-CONFIG = {"type": "SET_CONFIG", "env_steps_per_sample": 8, "force_on_policy": True}
+# shmrl's SET_CONFIG: RLlib's two fields, then the spaces (for server-side inference's clients)
+CONFIG = {"type": "SET_CONFIG", "env_steps_per_sample": 8, "force_on_policy": True,
+          **space_config(env_spec("CartPole-v1"))}
 
 
 def io_threads(server) -> list:

@@ -418,3 +418,17 @@ def test_multiagent_quick(tool):
     assert sorted(run["return_by_agent"]) == ["agent_0", "agent_1", "agent_2"]
     assert spread["target"]["wall_s"] == 600.0 and run["met"] == (run["reached_s"] is not None
                                                                   and run["reached_s"] <= 600)
+
+
+def test_inference_bench_quick(tool):
+    """tools/inference_bench.py: server-side inference's env steps/s and ACT's round trip
+    at each client count, beside client-side inference's steps/s."""
+    rc, out, err = tool("inference_bench.py", "--quick", "--json", timeout=180)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    assert [p["clients"] for p in r["server_side"]] == [p["clients"] for p in r["client_side"]] == [1, 2]
+    for point in r["server_side"]:
+        assert positive(point["env_steps_per_s"]) and point["rtt_samples"] > 0, point
+        assert 0 < point["rtt_ms_p50"] <= point["rtt_ms_p99"], point
+    assert all(positive(p["env_steps_per_s"]) for p in r["client_side"]), r
+    assert len(r["loadavg_before"]) == 3 and "server-inference" in r["client_cmd"]

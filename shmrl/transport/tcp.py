@@ -43,7 +43,8 @@ from shmrl.transport.tcp_client import TcpClient, parse_address  # noqa: F401 (t
 log = logging.getLogger("shmrl.transport")
 
 _T = rllink.MessageType
-_ANSWERED = frozenset(t.value for t in (_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES_AND_GET_STATE))
+_ANSWERED = frozenset(t.value for t in (_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES_AND_GET_STATE,
+                                        _T.ACT))
 _PONG = _T.PONG.value
 _EPISODES = _T.EPISODES.value
 _HEADER = rllink.HEADER_LEN
