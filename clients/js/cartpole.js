@@ -5,6 +5,7 @@
  *
  *   python -m shmrl.run --sims 0 --tcp-port 5556 --env-steps-per-sample 256 &
  *   node clients/js/cartpole.js --port 5556 --envs 4
+ *   node clients/js/cartpole.js --port 5556 --envs 4 --server-inference   # the server runs the policy
  *
  * Exit status: 0 when the server ended the session (it stayed away after closing the
  * connection), 1 when it could not be reached at all or broke the protocol, 2 for a bad
@@ -46,14 +47,15 @@ const SPACE = { obsSize: 4, action: { type: 'Discrete', n: 2 } };
 
 function parseArgs(argv) {
   const args = { host: '127.0.0.1', port: null, envs: 4, seed: 0, codec: 'binary', name: null,
-    authToken: process.env.SHMRL_AUTH_TOKEN || null, timeout: 600, giveUp: 5, quiet: false };
+    authToken: process.env.SHMRL_AUTH_TOKEN || null, timeout: 600, giveUp: 5, quiet: false, serverInference: false };
   const flags = { '--host': 'host', '--port': 'port', '--envs': 'envs', '--seed': 'seed', '--codec': 'codec',
     '--name': 'name', '--auth-token': 'authToken', '--timeout': 'timeout', '--give-up-s': 'giveUp' };
   for (let i = 0; i < argv.length; i++) {
     if (argv[i] === '--quiet') { args.quiet = true; continue; }
+    if (argv[i] === '--server-inference') { args.serverInference = true; continue; }
     if (argv[i] === '--help' || argv[i] === '-h') {
       process.stdout.write('usage: node cartpole.js --port PORT [--host HOST] [--envs K] [--seed S] [--codec binary|json]\n'
-        + '       [--name NAME] [--auth-token SECRET] [--timeout S] [--give-up-s S] [--quiet]\n');
+        + '       [--name NAME] [--auth-token SECRET] [--timeout S] [--give-up-s S] [--server-inference] [--quiet]\n');
       process.exit(0);
     }
     const key = flags[argv[i]];
@@ -76,7 +78,8 @@ async function main() {
     process.stderr.write(`error: ${e.message}\n`);
     return 2;
   }
-  const ort = require('onnxruntime-node');   // after the command line: --help needs no install
+  // After the command line (--help needs no install); server-side inference needs no onnxruntime.
+  const ort = args.serverInference ? null : require('onnxruntime-node');
   const { seededRandom } = require('./shmrl_client');
   const random = seededRandom(args.seed * 1000003 + 1);
   const recent = [];
@@ -85,6 +88,7 @@ async function main() {
   return runClient(ort, {
     host: args.host, port: args.port, k: args.envs, space: SPACE, codec: args.codec,
     clientName: args.name, authToken: args.authToken, timeoutS: args.timeout, giveUpS: args.giveUp,
+    inference: args.serverInference ? 'server' : 'client',
     random, log,
     makeEnvs: (k) => Array.from({ length: k }, () => new CartPole(random)),
     onEpisode: (ret) => {

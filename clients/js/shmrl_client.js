@@ -15,6 +15,8 @@
  *   heartbeats              when binary was agreed (section 5)
  *   reconnecting            with a bounded backoff; the session is over (exit 0) when the
  *                           server stays away after it closed the connection
+ *   server-side inference   `inference: 'server'`: ACT with K observations -> ACTIONS (section 11),
+ *                           no onnxruntime needed
  *
  * Only `onnxruntime-node` is needed beyond Node itself.
  */
@@ -237,20 +239,26 @@ class Connection {
   close() { this.socket.destroy(); }
 }
 
-/** PING -> PONG, GET_CONFIG -> SET_CONFIG, GET_STATE -> SET_STATE (sections 2, 3). */
-async function handshake(conn, { codec = 'binary', clientName = null, authToken = null, timeoutS = 30 } = {}) {
+/** PING -> PONG, GET_CONFIG -> SET_CONFIG, GET_STATE -> SET_STATE (sections 2, 3); with
+ * `inference: 'server'` the PING asks the server to run the policy (section 11) and there is
+ * no GET_STATE (`state` is null). */
+async function handshake(conn, { codec = 'binary', clientName = null, authToken = null, timeoutS = 30, inference = 'client' } = {}) {
   const ping = { type: 'PING' };
   if (authToken) ping.auth_token = authToken;
   if (codec === 'binary') ping.codecs = ['binary'];
   if (clientName) ping.client_name = clientName;
+  if (inference === 'server') ping.inference = 'server';
   const pong = await conn.request(ping, 'PONG', timeoutS);
   if (pong.codec !== undefined) {
     if (pong.codec !== 'binary' || codec !== 'binary') throw new ProtocolError(`PONG names codec ${pong.codec}, which was not offered`);
     conn.codec = 'binary';
     conn.heartbeatS = typeof pong.heartbeat_s === 'number' ? pong.heartbeat_s : null;
   }
+  if (inference === 'server' && pong.inference !== 'server') {
+    throw new ProtocolError("the server does not serve actions (its PONG did not grant 'inference': 'server'); run without --server-inference");
+  }
   const config = await conn.request({ type: 'GET_CONFIG' }, 'SET_CONFIG', timeoutS);
-  const state = await conn.request({ type: 'GET_STATE' }, 'SET_STATE', timeoutS);
+  const state = inference === 'server' ? null : await conn.request({ type: 'GET_STATE' }, 'SET_STATE', timeoutS);
   return { config, state };
 }
 
@@ -427,6 +435,7 @@ async function runSession(ort, opts, onConnected) {
   try {
     const { config, state } = await handshake(conn, opts);
     onConnected();
+    if (opts.inference === 'server') return await serverInference(conn, opts, config);
     let policy = await Policy.load(ort, state);
     const { k, space } = opts;
     const sampler = new Sampler(space.action, opts.random);
@@ -465,6 +474,60 @@ async function runSession(ort, opts, onConnected) {
     }
   } finally {
     conn.close();
+  }
+}
+
+/** K actions from an ACTIONS reply (binary: an NdArray, JSON: a list): ints for a
+ * Discrete, Box rows clipped to the env's bounds (the server sends unclipped samples). */
+function actionsOf(reply, k, action) {
+  const a = reply.actions;
+  const flat = a instanceof NdArray ? Array.from(a.data, Number) : a.flat();
+  const d = action.type === 'Discrete' ? 1 : action.shape[0];
+  if (flat.length !== k * d) throw new ProtocolError(`ACTIONS holds ${flat.length} values, expected ${k} x ${d}`);
+  if (action.type === 'Discrete') return flat;
+  return Array.from({ length: k }, (_, i) => flat.slice(i * d, (i + 1) * d)
+    .map((v, j) => Math.min(Math.max(v, action.low[j]), action.high[j])));
+}
+
+/** Server-side inference (RLLINK.md section 11): each ACT carries the K envs' observations
+ * and the outcome of their last step (none in the first), each ACTIONS the next actions;
+ * the server keeps the trajectories. An env whose episode ended is reset at once: its obs
+ * row is the new episode's first, its final_obs row the old one's last. */
+async function serverInference(conn, opts, config) {
+  const { k, space } = opts;
+  const size = space.obsSize;
+  if (config.observation_shape && (config.observation_shape.length !== 1 || config.observation_shape[0] !== size)) {
+    throw new ProtocolError(`the server trains observations of shape [${config.observation_shape}], this env's are [${size}]`);
+  }
+  const envs = opts.makeEnvs(k);
+  const obs = new Float32Array(k * size);
+  envs.forEach((env, i) => obs.set(env.reset(), i * size));
+  const returns = new Array(k).fill(0);
+  let msg = { type: 'ACT', obs: new NdArray('<f4', [k, size], obs) };
+  for (;;) {
+    const actions = actionsOf(await conn.request(msg, 'ACTIONS', opts.timeoutS), k, space.action);
+    const rewards = new Float32Array(k);
+    const [terminateds, truncateds] = [new Uint8Array(k), new Uint8Array(k)];
+    const finalObs = new Float32Array(k * size);
+    for (let i = 0; i < k; i++) {
+      const [next, reward, terminated, truncated] = envs[i].step(actions[i]);
+      rewards[i] = reward;
+      returns[i] += reward;
+      if (terminated || truncated) {
+        [terminateds[i], truncateds[i]] = [terminated ? 1 : 0, truncated ? 1 : 0];
+        finalObs.set(next, i * size);
+        opts.onEpisode(returns[i]);
+        returns[i] = 0;
+        obs.set(envs[i].reset(), i * size);
+      } else {
+        obs.set(next, i * size);
+      }
+    }
+    msg = {
+      type: 'ACT', obs: new NdArray('<f4', [k, size], obs), rewards: new NdArray('<f4', [k], rewards),
+      terminateds: new NdArray('|b1', [k], terminateds), truncateds: new NdArray('|b1', [k], truncateds),
+    };
+    if (truncateds.includes(1)) msg.final_obs = new NdArray('<f4', [k, size], finalObs);
   }
 }
 
