@@ -40,8 +40,8 @@ import time
 import numpy as np
 
 from shmrl import rllink
-from shmrl.conformance_rules import (S_CONFIG, S_CONVERSATION, S_HEARTBEAT, S_PING, S_REPLIES, S_STATE,
-                                     EpisodeRules, read_frame)
+from shmrl.conformance_rules import (S_ACT, S_CONVERSATION, S_HEARTBEAT, S_INFERENCE, S_REPLIES, S_STATE,
+                                     ActRules, EpisodeRules, read_frame)
 
 HEARTBEAT_S = 0.02          # asked of a binary client: short, so that sampling a message needs several
 SILENCE_S = 2.0             # the longest silence allowed while it samples (100 heartbeats: a loaded machine)
@@ -64,6 +64,7 @@ class Connection:
         self.heartbeat_s: float | None = None
         self.beats = self.reported = 0    # HEARTBEATs while sampling; the last env_steps one said
         self.sampling_s = 0.0             # time between a reply and the next message, in all
+        self.server_inference = False     # the PING asked for it (and the checker granted it)
 
     def recv_exactly(self, n: int) -> bytes:
         data = bytearray()
@@ -99,9 +100,14 @@ class Checker:
 
     def __init__(self, spec, models: dict, onnx_files: dict, reconnect: bool = True, timeout: float = 60.0,
                  hold_s: float = HOLD_S, out=sys.stdout):
-        self.rules = EpisodeRules(spec, models)
+        from shmrl.inference import space_config
+        from shmrl.sampler import Sampler
+
+        self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models), ActRules(spec)
         self.onnx_files, self.reconnect, self.timeout, self.out = onnx_files, reconnect, timeout, out
         self.hold_s = hold_s
+        self.spaces = space_config(spec)    # SET_CONFIG describes them to every client, as shmrl's does
+        self.sampler = Sampler(spec.actions, np.random.default_rng(0))
         self.violations: list[tuple[str, str]] = []
         self.checked: list[str] = []        # what the run exercised, for the summary
         self.stepped = 0                    # env steps received on the connection
@@ -116,6 +122,12 @@ class Checker:
 
     def set_state(self, version: int) -> dict:
         return {"type": "SET_STATE", "onnx_file": self.onnx_files[version], "weights_seq_no": version}
+
+    def actions(self, version: int, obs) -> dict:
+        """ACTIONS for an ACT's observations, sampled from that version's model."""
+        actions, _ = self.sampler.sample(self.rules.models[version].logits(obs))
+        return {"type": "ACTIONS", "actions": np.asarray(actions, self.spec.actions.action_dtype),
+                "weights_seq_no": version}
 
     # ------------------------------------------------------------ the conversation
 
@@ -146,9 +158,10 @@ class Checker:
                                               f"{self.stepped} env steps already sent on this connection")
                 conn.reported = max(conn.reported, msg["env_steps"])
 
-    def handshake(self, conn: Connection, steps_per_sample: int, label: str) -> bool:
+    def handshake(self, conn: Connection, steps_per_sample: int, label: str):
         """PING, GET_CONFIG and GET_STATE, in that order (GET_CONFIG may come after GET_STATE):
-        True once the client may sample."""
+        True once the client may sample; a server-inference client's first ACT (it needs
+        neither GET_CONFIG nor GET_STATE); False when the conversation broke."""
         msg = self.next_request(conn, self.timeout, f"{label}, first frame")
         if msg is None:
             return False
@@ -159,19 +172,30 @@ class Checker:
         if "binary" in msg.get("codecs", []):
             pong.update(codec="binary", heartbeat_s=HEARTBEAT_S)
             conn.codec, conn.heartbeat_s = "binary", HEARTBEAT_S
+        if msg.get("inference") == "server":
+            pong["inference"], conn.server_inference = "server", True
         conn.reply(pong)
-        self.note(f"{label}: PING ({'binary offered' if conn.heartbeat_s else 'JSON only'}) answered")
+        self.note(f"{label}: PING ({'binary offered' if conn.heartbeat_s else 'JSON only'}"
+                  f"{', server-side inference' if conn.server_inference else ''}) answered")
         have = set()
-        while have != {"SET_CONFIG", "SET_STATE"}:
+        while conn.server_inference or have != {"SET_CONFIG", "SET_STATE"}:
             msg = self.next_request(conn, self.timeout, f"{label}, handshake")
             if msg is None:
                 return False
             if msg["type"] == "GET_CONFIG":
-                conn.reply({"type": "SET_CONFIG", "env_steps_per_sample": steps_per_sample, "force_on_policy": True})
+                conn.reply({"type": "SET_CONFIG", "env_steps_per_sample": steps_per_sample, "force_on_policy": True,
+                            **self.spaces})
                 have.add("SET_CONFIG")
             elif msg["type"] == "GET_STATE":
                 conn.reply(self.set_state(conn.version))
                 have.add("SET_STATE")
+            elif msg["type"] == "ACT" and conn.server_inference:
+                self.note(f"{label}: handshake PING{', GET_CONFIG' if have else ''}, then ACT")
+                return msg
+            elif msg["type"] == "ACT":
+                self.violate(S_INFERENCE, f"{label}: ACT from a client whose PING did not ask for server-side "
+                                          f"inference (\"inference\": \"server\")")
+                return False
             else:
                 rule = S_STATE if msg["type"].startswith("EPISODES") else S_CONVERSATION
                 self.violate(rule, f"{label}: {msg['type']} before the handshake was done (it has "
@@ -179,6 +203,43 @@ class Checker:
                 return False
         self.note(f"{label}: handshake PING, GET_CONFIG, GET_STATE")
         return True
+
+    def acts(self, conn: Connection, msg: dict, n: int, label: str, hold_at: int = 0, new_version_at: int = 0) -> bool:
+        """Check ``n`` ACTs (``msg`` the first), answering all but the last with ACTIONS from
+        the version the connection holds; hold the reply to ACT ``hold_at``, switch to
+        version 1 at ACT ``new_version_at``. True if the conversation is still in step."""
+        for i in range(1, n + 1):
+            where = f"{label}, ACT {i}"
+            for rule, text in self.act_rules.check(msg, where):
+                self.violate(rule, text)
+            if i == n:
+                return True
+            if i == hold_at and not self.hold(conn, self.hold_s, where):
+                return False
+            if i == new_version_at:
+                conn.version = 1
+            conn.reply(self.actions(conn.version, msg["obs"]))
+            msg = self.next_request(conn, self.timeout, f"{label}, ACT {i + 1}", sampling_since=time.monotonic())
+            if msg is None:
+                return False
+            if msg["type"] != "ACT":
+                self.violate(S_ACT, f"{where}: a server-inference client sends ACT after ACTIONS, not {msg['type']}")
+                return False
+        return True
+
+    def act_script(self, conn: Connection, first: dict, label: str, steps: int) -> None:
+        """Connection 1: an ACT per step of K envs for ``steps`` env steps, a held reply, a new
+        version; the last ACT is refused (closed). Connection 2: 10 ACTs, the last answered."""
+        self.act_rules.new_connection()
+        k = len(first["obs"]) if not isinstance(first["obs"], dict) else len(next(iter(first["obs"].values())))
+        if label == "connection 1":
+            n = max(-(-steps // k), 12)
+            if self.acts(conn, first, n, label, hold_at=3, new_version_at=6):
+                self.note(f"{label}: {n} ACTs of {k} envs checked, {self.act_rules.episodes_ended} episodes ended"
+                          f"{'' if self.act_rules.episodes_ended else ' (episode ends not exercised: more --steps would)'}")
+        elif self.acts(conn, first, 10, label):
+            self.note(f"{label}: the first ACT carried no outcome again, 10 ACTs checked")
+            conn.reply(self.actions(conn.version, first["obs"]))
 
     def episodes(self, conn: Connection, n: int, steps_per_sample: int, label: str) -> bool:
         """Message n: an EPISODES_AND_GET_STATE, checked; True if the stream is still in step."""
@@ -231,7 +292,10 @@ class Checker:
         self.rules.new_connection()
         self.stepped = 0
         try:
-            if self.handshake(conn, steps_per_sample, label):
+            started = self.handshake(conn, steps_per_sample, label)
+            if isinstance(started, dict):
+                self.act_script(conn, started, label, steps_per_sample * (4 if label != "connection 1" else 1))
+            elif started:
                 script(conn)
         except Closed as e:
             self.violate(S_CONVERSATION, f"{label}: {e} in the middle of the conversation")
@@ -248,7 +312,7 @@ class Checker:
             conn.reply(self.set_state(1))   # the same version again: nothing to reload
             if not self.episodes(conn, 3, steps, "connection 1"):
                 return
-            if conn.heartbeat_s:
+            if conn.heartbeat_s and not conn.server_inference:
                 if conn.beats:
                     self.note(f"connection 1: {conn.beats} HEARTBEATs while sampling")
                 elif conn.sampling_s < 10 * HEARTBEAT_S:

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from shmrl import rllink
-from shmrl.episode import EpisodeBatch, obs_map
+from shmrl.episode import EpisodeBatch, obs_map, obs_rows
 from shmrl.hub import check_episodes
 
 S_FRAMING = "RLLINK.md §1 Framing"
@@ -29,6 +29,8 @@ S_ACTIONS = "RLLINK.md §4.2 Actions and their distribution"
 S_HEARTBEAT = "RLLINK.md §5 HEARTBEAT"
 S_REPLIES = "RLLINK.md §6 When replies come"
 S_BINARY = "RLLINK.md §7 The binary codec"
+S_INFERENCE = "RLLINK.md §11 Server-side inference"
+S_ACT = "RLLINK.md §11.1 ACT and ACTIONS"
 
 ATOL = 2e-3   # float32 outputs of two onnxruntime builds, and log-probs summed in float32
 
@@ -49,8 +51,10 @@ def read_frame(recv_exactly) -> tuple[dict | None, tuple | None]:
     try:
         return rllink.validate(msg, "request"), None
     except rllink.ProtocolError as e:
-        episodes = isinstance(msg, dict) and "episodes" in msg
-        return None, (S_EPISODES if episodes else S_MESSAGES, f"{msg.get('type', '?')}: {e}")
+        kind = msg.get("type") if isinstance(msg, dict) else None
+        rule = S_EPISODES if isinstance(msg, dict) and "episodes" in msg else S_ACT if kind == "ACT" else S_MESSAGES
+        text = str(e)
+        return None, (rule, text if kind and text.startswith(kind) else f"{kind or '?'}: {text}")
 
 
 def log_probs(layout, dist: np.ndarray, actions: np.ndarray) -> np.ndarray:
@@ -176,4 +180,45 @@ class EpisodeRules:
             out.append((S_EPISODES, f"{where}: episode {key!r}, left running in the previous message, was not "
                                     f"continued (a chunk starting from its last observation)"))
         self.open = now_open
+        return out
+
+
+class ActRules:
+    """The rules over the ACTs of a server-inference client on one connection (RLLINK.md
+    §11.1) beyond shmrl's validation of each (``rllink_act``): K fixed by the first ACT,
+    the step's outcome absent from the first and present in every other, observations
+    (and the final ones of truncated episodes) that fit the env."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.new_connection()
+
+    def new_connection(self) -> None:
+        self.k, self.acts, self.episodes_ended = None, 0, 0
+
+    def check(self, msg: dict, where: str) -> list[tuple]:
+        out = []
+        k = obs_rows(msg["obs"])
+        if self.k is None:
+            self.k = k
+        elif k != self.k:
+            out.append((S_ACT, f"{where}: {k} envs; the connection's first ACT had {self.k} (K is fixed for a connection)"))
+        if self.acts == 0 and "rewards" in msg:
+            out.append((S_ACT, f"{where}: the connection's first ACT carries rewards, terminateds and truncateds; "
+                               f"there was no step before it (they must be absent)"))
+        elif self.acts and "rewards" not in msg:
+            out.append((S_ACT, f"{where}: no rewards, terminateds, truncateds: every ACT but a connection's first "
+                               f"carries the outcome of the step the last ACTIONS made"))
+        why, _ = self.spec.obs.check(msg["obs"])
+        if why:
+            out.append((S_ACT, f"{where}: 'obs' does not fit {self.spec.env_id}: {why}"))
+        if "rewards" in msg:
+            truncated = np.asarray(msg["truncateds"])
+            self.episodes_ended += int((truncated | np.asarray(msg["terminateds"])).sum())
+            if truncated.any():
+                why, _ = self.spec.obs.check(obs_map(lambda v: v[truncated], msg["final_obs"]))
+                if why:
+                    out.append((S_ACT, f"{where}: 'final_obs' of the truncated envs does not fit "
+                                       f"{self.spec.env_id}: {why}"))
+        self.acts += 1
         return out

@@ -32,6 +32,13 @@ BUGS = {   # bug -> the section of docs/RLLINK.md the checker must name
     "impatient": "§6 When replies come",  # gives up on a held reply after 0.2 s
     "no-reconnect": "§2 The conversation",  # ends when the connection is closed
     "sticky-config": "§3.2",             # keeps the first env_steps_per_sample after reconnecting
+    # server-side inference (ACT/ACTIONS)
+    "act-none": None,
+    "act-unasked": "§11 Server-side inference",  # ACTs though its PING did not ask
+    "act-first-rewards": "§11.1",        # a step's outcome in a connection's first ACT
+    "act-no-outcome": "§11.1",           # a later ACT without rewards and flags
+    "act-k-changes": "§11.1",            # one ACT of fewer envs
+    "act-no-final-obs": "§11.1",         # truncated envs without final_obs
 }
 
 
@@ -127,6 +134,38 @@ def session(port: int, bug: str, rng, sticky: dict) -> None:
             policy, version = OnnxPolicy(decode_onnx_file(reply["onnx_file"])), reply["weights_seq_no"]
 
 
+def act_session(port: int, bug: str) -> None:
+    """Server-side inference: 2 envs, the actions the server sends."""
+    link = Link(port, bug)
+    link.request({"type": "PING"} if bug == "act-unasked" else {"type": "PING", "inference": "server"})
+    link.request({"type": "GET_CONFIG"})
+    envs = [make_env("CartPole-v1", seed=i) for i in range(2)]
+    msg = {"type": "ACT", "obs": [env.reset()[0].tolist() for env in envs]}
+    if bug == "act-first-rewards":
+        msg.update(rewards=[0.0, 0.0], terminateds=[False, False], truncateds=[False, False])
+    for n in range(1, 1_000_000):
+        reply = link.request(msg)
+        obs, rewards, terminateds, truncateds, final_obs = [], [], [], [], []
+        for env, action in zip(envs, reply["actions"]):
+            o, r, terminated, truncated, _ = env.step(int(action))
+            final_obs.append(o.tolist())
+            if terminated or truncated:
+                o = env.reset()[0]
+            obs.append(o.tolist())
+            rewards.append(float(r))
+            terminateds.append(bool(terminated))
+            truncateds.append(bool(truncated))
+        if bug == "act-no-final-obs" and n == 5:
+            truncateds = [True, True]
+        msg = {"type": "ACT", "obs": obs, "rewards": rewards, "terminateds": terminateds, "truncateds": truncateds}
+        if any(truncateds) and bug != "act-no-final-obs":
+            msg["final_obs"] = final_obs
+        if bug == "act-no-outcome" and n == 5:
+            msg = {"type": "ACT", "obs": obs}
+        if bug == "act-k-changes" and n == 5:
+            msg = {key: value[:1] if isinstance(value, list) else value for key, value in msg.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
@@ -135,7 +174,10 @@ def main() -> int:
     rng, sticky = np.random.default_rng(0), {}
     for attempt in range(20):
         try:
-            session(args.port, args.bug, rng, sticky)
+            if args.bug.startswith("act-"):
+                act_session(args.port, args.bug)
+            else:
+                session(args.port, args.bug, rng, sticky)
         except (ConnectionError, OSError):
             if args.bug == "no-reconnect":
                 return 1

@@ -42,13 +42,20 @@ def test_the_example_client_conforms_and_reconnects():
     assert "connection 2, message 4" in out and "follows the new SET_CONFIG" in out, out
 
 
-def test_the_js_client_conforms_in_both_codecs():
+def test_shmrl_sim_with_server_inference_conforms():
+    violations, out = check([sys.executable, "-m", "shmrl.sim", "--connect", "127.0.0.1:{port}",
+                             "--server-inference", "--envs-per-sim", "2"], reconnect=False)
+    assert not violations, out
+    assert "ACTs of 2 envs checked" in out and "ACT 3: waited 0.5 s" in out, out
+
+
+def test_the_js_client_conforms_in_both_codecs_and_with_server_inference():
     js = need_js_client()
-    for codec in ("binary", "json"):
-        violations, out = check(["node", js / "cartpole.js", "--port", "{port}", "--codec", codec, "--give-up-s", "1"],
+    for flags in (["--codec", "binary"], ["--codec", "json"], ["--server-inference"]):
+        violations, out = check(["node", js / "cartpole.js", "--port", "{port}", "--give-up-s", "1", *flags],
                                 steps=2000)
         assert not violations, out
-        assert "connection 2, message 4" in out, out
+        assert "connection 2, message 4" in out or "connection 2: the first ACT carried no outcome" in out, out
 
 
 @pytest.mark.parametrize("bug", sorted(BUGS))
