@@ -11,13 +11,17 @@ under test from a command template (``{port}`` is replaced), and leads it throug
   connection 2   the client reconnects with PING; SET_CONFIG now asks for a quarter of
                  the env steps; message 4; then the checker stops listening
 
-and checks every frame on the way: framing, the handshake's order, every field's type and
+(a client whose PING asks for server-side inference gets ACTIONS for its ACTs instead:
+one per step of its K envs, one reply held, a new version, the last ACT refused, then a
+reconnect and 10 ACTs) and checks every frame on the way: framing, the handshake's order, every field's type and
 shape (shmrl's own validation, ``rllink.validate`` and ``hub.check_episodes``: what shmrl's
 server would refuse), the message sizes SET_CONFIG asks for, chunk continuity (a running
 episode continues from its last observation; obs = actions + 1), output 0 and log-probs
 recomputed from the models it sent (so a client still sampling with version 0 is caught),
-each chunk's weights_seq_no, heartbeats when binary was agreed, and no request while a
-reply is held. Each violation is printed with the section of RLLINK.md it breaks.
+each chunk's weights_seq_no, heartbeats when binary was agreed, no request while a reply
+is held, and the ACT rules (K fixed, a step's outcome in every ACT but a connection's
+first, observations that fit the env). The client's reply timeout must outlast the held
+reply (``--hold-s``). Each violation is printed with the section of RLLINK.md it breaks.
 
     python -m shmrl.conformance --env CartPole-v1 -- node clients/js/cartpole.js --port {port}
     python -m shmrl.conformance -- python -m shmrl.sim --connect 127.0.0.1:{port}   # exits when closed:
