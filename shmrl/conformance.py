@@ -13,8 +13,8 @@ under test from a command template (``{port}`` is replaced), and leads it throug
 
 (a client whose PING asks for server-side inference gets ACTIONS for its ACTs instead:
 one per step of its K envs, one reply held, a new version, the last ACT refused, then a
-reconnect and 10 ACTs) and checks every frame on the way: framing, the handshake's order, every field's type and
-shape (shmrl's own validation, ``rllink.validate`` and ``hub.check_episodes``: what shmrl's
+reconnect and 10 ACTs) and checks every frame on the way: framing, the handshake's order,
+every field's type and shape (shmrl's own validation, ``rllink.validate`` and ``hub.check_episodes``: what shmrl's
 server would refuse), the message sizes SET_CONFIG asks for, chunk continuity (a running
 episode continues from its last observation; obs = actions + 1), output 0 and log-probs
 recomputed from the models it sent (so a client still sampling with version 0 is caught),
@@ -239,8 +239,9 @@ class Checker:
         if label == "connection 1":
             n = max(-(-steps // k), 12)
             if self.acts(conn, first, n, label, hold_at=3, new_version_at=6):
-                self.note(f"{label}: {n} ACTs of {k} envs checked, {self.act_rules.episodes_ended} episodes ended"
-                          f"{'' if self.act_rules.episodes_ended else ' (episode ends not exercised: more --steps would)'}")
+                ended = self.act_rules.episodes_ended
+                self.note(f"{label}: {n} ACTs of {k} envs checked, {ended} episodes ended"
+                          + ("" if ended else " (episode ends not exercised: more --steps would)"))
         elif self.acts(conn, first, 10, label):
             self.note(f"{label}: the first ACT carried no outcome again, 10 ACTs checked")
             conn.reply(self.actions(conn.version, first["obs"]))
@@ -288,8 +289,8 @@ class Checker:
         try:
             sock, _ = listener.accept()
         except socket.timeout:
-            self.violate(S_CONVERSATION, f"{label}: the client did not connect within {self.timeout:g} s"
-                         + (" (after a closed connection it must reconnect with PING)" if label != "connection 1" else ""))
+            again = " (after a closed connection it must reconnect with PING)" if label != "connection 1" else ""
+            self.violate(S_CONVERSATION, f"{label}: the client did not connect within {self.timeout:g} s{again}")
             return None
         conn = Connection(sock)
         conn.version = max(self.onnx_files) if label != "connection 1" else 0
@@ -307,7 +308,9 @@ class Checker:
 
     def script_1(self, steps: int):
         def run(conn: Connection):
-            if not self.episodes(conn, 1, steps, "connection 1") or not self.hold(conn, self.hold_s, "connection 1, message 1"):
+            if not self.episodes(conn, 1, steps, "connection 1"):
+                return
+            if not self.hold(conn, self.hold_s, "connection 1, message 1"):
                 return
             conn.version = 1
             conn.reply(self.set_state(1))
@@ -324,7 +327,8 @@ class Checker:
                               f"{conn.sampling_s:.2f} s; more --steps would)")
                 else:
                     self.violate(S_HEARTBEAT, "connection 1: binary was agreed, but no HEARTBEAT came in the "
-                                              f"{conn.sampling_s:.2f} s it sampled 3 messages (heartbeat_s {HEARTBEAT_S})")
+                                              f"{conn.sampling_s:.2f} s it sampled 3 messages "
+                                              f"(heartbeat_s {HEARTBEAT_S})")
         return run
 
     def script_2(self, steps: int):
@@ -403,11 +407,13 @@ def main(argv=None) -> int:
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     p = OneLineErrorParser(prog="python -m shmrl.conformance", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                           usage="%(prog)s [--env ID] [--no-reconnect] [--steps N] [--hold-s S] [--timeout S] -- COMMAND ...")
+                           usage="%(prog)s [--env ID] [--no-reconnect] [--steps N] [--hold-s S] [--timeout S] "
+                                 "-- COMMAND ...")
     p.add_argument("--env", default="CartPole-v1", help="the env the client steps (default: %(default)s)")
     p.add_argument("--no-reconnect", action="store_true",
                    help="the client ends when its connection is closed (shmrl.sim): skip connection 2")
-    p.add_argument("--steps", type=int, default=2000, help="env_steps_per_sample of connection 1 (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=2000,
+                   help="env_steps_per_sample of connection 1 (default: %(default)s)")
     p.add_argument("--hold-s", type=float, default=HOLD_S,
                    help="how long the reply to message 1 is held (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=60.0,

@@ -202,7 +202,8 @@ class ActRules:
         if self.k is None:
             self.k = k
         elif k != self.k:
-            out.append((S_ACT, f"{where}: {k} envs; the connection's first ACT had {self.k} (K is fixed for a connection)"))
+            out.append((S_ACT, f"{where}: {k} envs; the connection's first ACT had {self.k} "
+                               f"(K is fixed for a connection)"))
         if self.acts == 0 and "rewards" in msg:
             out.append((S_ACT, f"{where}: the connection's first ACT carries rewards, terminateds and truncateds; "
                                f"there was no step before it (they must be absent)"))

@@ -66,7 +66,8 @@ def test_the_js_cartpole_steps_as_gymnasiums():
     actions = [1, 1, 0, 1, 0, 0, 0, 1, 1, 1] * 3
     script = (f"const {{ CartPole }} = require('./cartpole'); const e = new CartPole(Math.random); e.reset();"
               f"e.state = {start}; const out = [];"
-              f"for (const a of {actions}) {{ const [o, r, te, tr] = e.step(a); out.push([Array.from(o), r, te, tr]); }}"
+              f"for (const a of {actions}) {{ const [o, r, te, tr] = e.step(a);"
+              " out.push([Array.from(o), r, te, tr]); }"
               "process.stdout.write(JSON.stringify(out));")
     steps = json.loads(node(script, js))
     env.unwrapped.state = np.array(start)
