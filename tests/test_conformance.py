@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from broken_client import BUGS
 from conftest import need_js_client
 from shmrl.conformance import check_client
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = ROOT / "tests" / "broken_client.py"
-sys.path.insert(0, str(ROOT / "tests"))
-from broken_client import BUGS  # noqa: E402
 
 RLLIB_PYTHON = Path.home() / ".cache" / "shmrl" / "rllib-2.48-venv" / "bin" / "python"
 # Short: a message of 200 steps and a reply held 0.5 s keep each check within seconds.

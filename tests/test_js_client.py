@@ -79,6 +79,37 @@ def test_the_js_cartpole_steps_as_gymnasiums():
             break
 
 
+SAMPLE = """
+const c = require('./shmrl_client');
+const out = {};
+for (const [name, space, dist] of [['categorical', { type: 'Discrete', n: 3 }, [0.5, -1, 2, 0, 0, 0]],
+                                   ['gaussian', { type: 'Box', shape: [2] }, [0.5, -1, -0.5, 0.25, 0, 1, 0, -2]]]) {
+  const s = new c.Sampler(space, c.seededRandom(5));
+  out[name] = [0, 1, 2, 3, 4, 5, 6, 7].map(() => s.sample(Float32Array.from(dist), 0).concat([dist.slice(0, s.width)]));
+  out[name].push(s.sample(Float32Array.from(dist), s.width).concat([dist.slice(s.width)]));
+}
+process.stdout.write(JSON.stringify(out));
+"""
+
+
+def test_the_js_sampler_draws_actions_with_their_log_probabilities():
+    """RLLINK.md 4.2, as the conformance checker computes it: each action's logp under the
+    distribution inputs it was drawn from; categorical actions in range, all of them drawn."""
+    js = need_js_client()
+    from shmrl.conformance_rules import log_probs
+    from shmrl.spaces import action_layout
+
+    gym = need("gymnasium", "gym")
+    out = json.loads(node(SAMPLE, js))
+    spaces = {"categorical": gym.spaces.Discrete(3), "gaussian": gym.spaces.Box(-1.0, 1.0, (2,), np.float32)}
+    for name, draws in out.items():
+        actions = [a for a, _, _ in draws]
+        logp = [lp for _, lp, _ in draws]
+        dist = np.array([d for _, _, d in draws], np.float32)
+        np.testing.assert_allclose(logp, log_probs(action_layout(spaces[name]), dist, actions), atol=1e-5)
+    assert set(a for a, _, _ in out["categorical"][:8]) <= {0, 1, 2} and len(set(a for a, _, _ in out["categorical"])) > 1
+
+
 def test_js_clients_train_in_both_codecs_and_with_server_inference_and_exit_0_when_the_run_ends(start_run, tmp_path):
     js = need_js_client()
     run = start_run("--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 256, "--max-env-steps", 3000,
