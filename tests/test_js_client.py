@@ -3,6 +3,7 @@ its CartPole steps as gymnasium's, it trains against ``python -m shmrl.run --sim
 both codecs and exits 0 when the run ends; 8 of them solve CartPole (slow)."""
 import base64
 import json
+import os
 import subprocess
 
 import numpy as np
@@ -111,14 +112,16 @@ def test_the_js_sampler_draws_actions_with_their_log_probabilities():
 
 
 def test_js_clients_train_in_both_codecs_and_with_server_inference_and_exit_0_when_the_run_ends(start_run, tmp_path):
+    """Against a run with an auth token, which the clients take from SHMRL_AUTH_TOKEN."""
     js = need_js_client()
     run = start_run("--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 256, "--max-env-steps", 3000,
-                    "--logdir", tmp_path / "run")
+                    "--logdir", tmp_path / "run", "--auth-token", "s3cret")
     port = run.tcp_port()
+    env = {**os.environ, "SHMRL_AUTH_TOKEN": "s3cret"}   # the clients' PING carries it
     modes = {"binary": ["--codec", "binary"], "json": ["--codec", "json"], "server": ["--server-inference"]}
     clients = [subprocess.Popen(["node", js / "cartpole.js", "--port", str(port), *flags, "--envs", "2",
                                  "--give-up-s", "1", "--name", f"js-{name}"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
                for name, flags in modes.items()]
     try:
         assert run.proc.wait(120) == 1, run.output()      # the step budget: exit status 1, not solved
