@@ -81,6 +81,19 @@ def need(module: str, extra: str):
                                               "(the test extra has it)")
 
 
+JS_CLIENT = Path(__file__).resolve().parents[1] / "clients" / "js"
+
+
+def need_js_client() -> Path:
+    """clients/js, or skip the calling test with the reason: Node, or the client's
+    node_modules (``npm ci`` in clients/js, which .ci/run does), is missing here."""
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed: the JavaScript client needs Node >= 18")
+    if not (JS_CLIENT / "node_modules" / "onnxruntime-node").is_dir():
+        pytest.skip("clients/js/node_modules is missing: run (cd clients/js && npm ci) (.ci/run does)")
+    return JS_CLIENT
+
+
 def balancing_action(obs) -> int:
     """CartPole's action that keeps the pole up for all 500 steps: push toward the side
     it falls to."""

@@ -1,0 +1,435 @@
+"""python -m shmrl.conformance: check an RLlink client against docs/RLLINK.md.
+
+The checker plays a scripted server on a free TCP port of this host, starts the client
+under test from a command template (``{port}`` is replaced), and leads it through:
+
+  connection 1   PING -> PONG (the binary codec and heartbeats when the client offers
+                 them), GET_CONFIG -> SET_CONFIG, GET_STATE -> SET_STATE version 0;
+                 message 1: its reply held for a while (the client must wait), then
+                 SET_STATE version 1 (new weights); message 2: SET_STATE version 1 again;
+                 message 3: the connection is closed instead of a reply
+  connection 2   the client reconnects with PING; SET_CONFIG now asks for a quarter of
+                 the env steps; message 4; then the checker stops listening
+
+(a client whose PING asks for server-side inference gets ACTIONS for its ACTs instead:
+one per step of its K envs, one reply held, a new version, the last ACT refused, then a
+reconnect and 10 ACTs) and checks every frame on the way: framing, the handshake's order,
+every field's type and shape (shmrl's own validation, ``rllink.validate`` and ``hub.check_episodes``: what shmrl's
+server would refuse), the message sizes SET_CONFIG asks for, chunk continuity (a running
+episode continues from its last observation; obs = actions + 1), output 0 and log-probs
+recomputed from the models it sent (so a client still sampling with version 0 is caught),
+each chunk's weights_seq_no, heartbeats when binary was agreed, no request while a reply
+is held, and the ACT rules (K fixed, a step's outcome in every ACT but a connection's
+first, observations that fit the env). The client's reply timeout must outlast the held
+reply (``--hold-s``). Each violation is printed with the section of RLLINK.md it breaks.
+
+    python -m shmrl.conformance --env CartPole-v1 -- node clients/js/cartpole.js --port {port}
+    python -m shmrl.conformance -- python -m shmrl.sim --connect 127.0.0.1:{port}   # exits when closed:
+        --no-reconnect
+
+Exit status: 0 when the client broke no rule, 1 when it broke any, 2 for a bad command line.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from shmrl import rllink
+from shmrl.conformance_rules import (S_ACT, S_CONVERSATION, S_HEARTBEAT, S_INFERENCE, S_REPLIES, S_STATE,
+                                     ActRules, EpisodeRules, read_frame)
+
+HEARTBEAT_S = 0.02          # asked of a binary client: short, so that sampling a message needs several
+SILENCE_S = 2.0             # the longest silence allowed while it samples (100 heartbeats: a loaded machine)
+HOLD_S = 2.0                # how long the reply to message 1 is held (the client must wait)
+
+
+class Closed(Exception):
+    """The client closed the connection (or sent nothing in time)."""
+
+
+class Connection:
+    """One accepted client connection: frames in (with their arrival times), replies out."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.codec = "json"
+        self.deadline = 0.0
+        self.version = 0                  # the policy version the client holds
+        self.heartbeat_s: float | None = None
+        self.beats = self.reported = 0    # HEARTBEATs while sampling; the last env_steps one said
+        self.sampling_s = 0.0             # time between a reply and the next message, in all
+        self.server_inference = False     # the PING asked for it (and the checker granted it)
+
+    def recv_exactly(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                raise Closed("nothing sent in time")
+            part = self.sock.recv(n - len(data))
+            if not part:
+                raise Closed("the client closed the connection")
+            data += part
+        return bytes(data)
+
+    def request(self, timeout: float):
+        """(message, violation, arrival time) of the next frame within ``timeout`` s."""
+        self.deadline = time.monotonic() + timeout
+        msg, violation = read_frame(self.recv_exactly)
+        return msg, violation, time.monotonic()
+
+    def quiet_for(self, seconds: float) -> bool:
+        """True if the client sent nothing for ``seconds`` (and is still connected)."""
+        return not select.select([self.sock], [], [], seconds)[0]
+
+    def reply(self, msg: dict) -> None:
+        self.sock.sendall(rllink.frame(rllink.encode(msg, self.codec)))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Checker:
+    """The scripted server and its findings (``violations``: (rule, text) pairs)."""
+
+    def __init__(self, spec, models: dict, onnx_files: dict, reconnect: bool = True, timeout: float = 60.0,
+                 hold_s: float = HOLD_S, out=sys.stdout):
+        from shmrl.inference import space_config
+        from shmrl.sampler import Sampler
+
+        self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models), ActRules(spec)
+        self.onnx_files, self.reconnect, self.timeout, self.out = onnx_files, reconnect, timeout, out
+        self.hold_s = hold_s
+        self.spaces = space_config(spec)    # SET_CONFIG describes them to every client, as shmrl's does
+        self.sampler = Sampler(spec.actions, np.random.default_rng(0))
+        self.violations: list[tuple[str, str]] = []
+        self.checked: list[str] = []        # what the run exercised, for the summary
+        self.stepped = 0                    # env steps received on the connection
+
+    def violate(self, rule: str, text: str) -> None:
+        self.violations.append((rule, text))
+        print(f"VIOLATION [{rule}] {text}", file=self.out, flush=True)
+
+    def note(self, text: str) -> None:
+        self.checked.append(text)
+        print(f"ok: {text}", file=self.out, flush=True)
+
+    def set_state(self, version: int) -> dict:
+        return {"type": "SET_STATE", "onnx_file": self.onnx_files[version], "weights_seq_no": version}
+
+    def actions(self, version: int, obs) -> dict:
+        """ACTIONS for an ACT's observations, sampled from that version's model."""
+        actions, _ = self.sampler.sample(self.rules.models[version].logits(obs))
+        return {"type": "ACTIONS", "actions": np.asarray(actions, self.spec.actions.action_dtype),
+                "weights_seq_no": version}
+
+    # ------------------------------------------------------------ the conversation
+
+    def next_request(self, conn: Connection, timeout: float, where: str, sampling_since: float | None = None):
+        """The next request that is not a HEARTBEAT (those are checked here, as are the
+        silences between frames while the client samples); None when the stream broke."""
+        last = sampling_since
+        beats = 0
+        while True:
+            msg, bad, at = conn.request(timeout)
+            if bad:
+                self.violate(bad[0], f"{where}: {bad[1]}")
+                return None
+            if last is not None and conn.heartbeat_s and at - last > SILENCE_S:
+                self.violate(S_HEARTBEAT, f"{where}: {at - last:.2f} s without a frame while sampling; the PONG "
+                                          f"asked for one every {conn.heartbeat_s} s")
+            last = at if sampling_since is not None else None
+            if msg["type"] != "HEARTBEAT":
+                conn.beats += beats
+                return msg
+            beats += 1
+            if msg.get("env_steps") is not None:
+                if msg["env_steps"] < conn.reported:
+                    self.violate(S_HEARTBEAT, f"{where}: HEARTBEAT env_steps went down, {conn.reported} -> "
+                                              f"{msg['env_steps']} (the total stepped since connecting)")
+                if msg["env_steps"] < self.stepped:
+                    self.violate(S_HEARTBEAT, f"{where}: HEARTBEAT env_steps {msg['env_steps']} is below the "
+                                              f"{self.stepped} env steps already sent on this connection")
+                conn.reported = max(conn.reported, msg["env_steps"])
+
+    def handshake(self, conn: Connection, steps_per_sample: int, label: str):
+        """PING, GET_CONFIG and GET_STATE, in that order (GET_CONFIG may come after GET_STATE):
+        True once the client may sample; a server-inference client's first ACT (it needs
+        neither GET_CONFIG nor GET_STATE); False when the conversation broke."""
+        msg = self.next_request(conn, self.timeout, f"{label}, first frame")
+        if msg is None:
+            return False
+        if msg["type"] != "PING":
+            self.violate(S_CONVERSATION, f"{label}: the first request is {msg['type']}, not PING")
+            return False
+        pong = {"type": "PONG"}
+        if "binary" in msg.get("codecs", []):
+            pong.update(codec="binary", heartbeat_s=HEARTBEAT_S)
+            conn.codec, conn.heartbeat_s = "binary", HEARTBEAT_S
+        if msg.get("inference") == "server":
+            pong["inference"], conn.server_inference = "server", True
+        conn.reply(pong)
+        self.note(f"{label}: PING ({'binary offered' if conn.heartbeat_s else 'JSON only'}"
+                  f"{', server-side inference' if conn.server_inference else ''}) answered")
+        have = set()
+        while conn.server_inference or have != {"SET_CONFIG", "SET_STATE"}:
+            msg = self.next_request(conn, self.timeout, f"{label}, handshake")
+            if msg is None:
+                return False
+            if msg["type"] == "GET_CONFIG":
+                conn.reply({"type": "SET_CONFIG", "env_steps_per_sample": steps_per_sample, "force_on_policy": True,
+                            **self.spaces})
+                have.add("SET_CONFIG")
+            elif msg["type"] == "GET_STATE":
+                conn.reply(self.set_state(conn.version))
+                have.add("SET_STATE")
+            elif msg["type"] == "ACT" and conn.server_inference:
+                self.note(f"{label}: handshake PING{', GET_CONFIG' if have else ''}, then ACT")
+                return msg
+            elif msg["type"] == "ACT":
+                self.violate(S_INFERENCE, f"{label}: ACT from a client whose PING did not ask for server-side "
+                                          f"inference (\"inference\": \"server\")")
+                return False
+            else:
+                rule = S_STATE if msg["type"].startswith("EPISODES") else S_CONVERSATION
+                self.violate(rule, f"{label}: {msg['type']} before the handshake was done (it has "
+                                   f"{sorted(have) or 'nothing'}; it needs SET_CONFIG and SET_STATE)")
+                return False
+        self.note(f"{label}: handshake PING, GET_CONFIG, GET_STATE")
+        return True
+
+    def acts(self, conn: Connection, msg: dict, n: int, label: str, hold_at: int = 0, new_version_at: int = 0) -> bool:
+        """Check ``n`` ACTs (``msg`` the first), answering all but the last with ACTIONS from
+        the version the connection holds; hold the reply to ACT ``hold_at``, switch to
+        version 1 at ACT ``new_version_at``. True if the conversation is still in step."""
+        for i in range(1, n + 1):
+            where = f"{label}, ACT {i}"
+            for rule, text in self.act_rules.check(msg, where):
+                self.violate(rule, text)
+            if i == n:
+                return True
+            if i == hold_at and not self.hold(conn, self.hold_s, where):
+                return False
+            if i == new_version_at:
+                conn.version = 1
+            conn.reply(self.actions(conn.version, msg["obs"]))
+            msg = self.next_request(conn, self.timeout, f"{label}, ACT {i + 1}", sampling_since=time.monotonic())
+            if msg is None:
+                return False
+            if msg["type"] != "ACT":
+                self.violate(S_ACT, f"{where}: a server-inference client sends ACT after ACTIONS, not {msg['type']}")
+                return False
+        return True
+
+    def act_script(self, conn: Connection, first: dict, label: str, steps: int) -> None:
+        """Connection 1: an ACT per step of K envs for ``steps`` env steps, a held reply, a new
+        version; the last ACT is refused (closed). Connection 2: 10 ACTs, the last answered."""
+        self.act_rules.new_connection()
+        k = len(first["obs"]) if not isinstance(first["obs"], dict) else len(next(iter(first["obs"].values())))
+        if label == "connection 1":
+            n = max(-(-steps // k), 12)
+            if self.acts(conn, first, n, label, hold_at=3, new_version_at=6):
+                ended = self.act_rules.episodes_ended
+                self.note(f"{label}: {n} ACTs of {k} envs checked, {ended} episodes ended"
+                          + ("" if ended else " (episode ends not exercised: more --steps would)"))
+        elif self.acts(conn, first, 10, label):
+            self.note(f"{label}: the first ACT carried no outcome again, 10 ACTs checked")
+            conn.reply(self.actions(conn.version, first["obs"]))
+
+    def episodes(self, conn: Connection, n: int, steps_per_sample: int, label: str) -> bool:
+        """Message n: an EPISODES_AND_GET_STATE, checked; True if the stream is still in step."""
+        where = f"{label}, message {n}"
+        since = time.monotonic()
+        msg = self.next_request(conn, self.timeout, where, sampling_since=since)
+        conn.sampling_s += time.monotonic() - since
+        if msg is None:
+            return False
+        if msg["type"] != "EPISODES_AND_GET_STATE":
+            rule = S_REPLIES if msg["type"] == "EPISODES" else S_CONVERSATION
+            self.violate(rule, f"{where}: expected EPISODES_AND_GET_STATE (force_on_policy is true), got {msg['type']}")
+            return False
+        for rule, text in self.rules.check(msg, where, conn.version, steps_per_sample):
+            self.violate(rule, text)
+        self.stepped += msg["episodes"].num_steps
+        self.note(f"{where}: {msg['episodes'].num_chunks} chunks, {msg['episodes'].num_steps} env steps checked")
+        return True
+
+    def hold(self, conn: Connection, seconds: float, where: str) -> bool:
+        """Hold a reply: the client must wait (HEARTBEATs are allowed, nothing else)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if conn.quiet_for(left):
+                break
+            try:
+                msg, bad, _ = conn.request(1.0)
+            except Closed:
+                self.violate(S_REPLIES, f"{where}: the client closed the connection while its reply was held "
+                                        f"{seconds:g} s (a strict on-policy server holds it through an update)")
+                return False
+            if bad or msg["type"] != "HEARTBEAT":
+                self.violate(S_CONVERSATION, f"{where}: sent {bad[1] if bad else msg['type']} while its reply "
+                                             f"was held; a client waits for the reply to its request")
+                return False
+        self.note(f"{where}: waited {seconds:g} s for a held reply")
+        return True
+
+    def session(self, listener: socket.socket, label: str, steps_per_sample: int, script) -> Connection | None:
+        """Accept a connection and run ``script(conn)`` on it after the handshake."""
+        listener.settimeout(self.timeout)
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            again = " (after a closed connection it must reconnect with PING)" if label != "connection 1" else ""
+            self.violate(S_CONVERSATION, f"{label}: the client did not connect within {self.timeout:g} s{again}")
+            return None
+        conn = Connection(sock)
+        conn.version = max(self.onnx_files) if label != "connection 1" else 0
+        self.rules.new_connection()
+        self.stepped = 0
+        try:
+            started = self.handshake(conn, steps_per_sample, label)
+            if isinstance(started, dict):
+                self.act_script(conn, started, label, steps_per_sample * (4 if label != "connection 1" else 1))
+            elif started:
+                script(conn)
+        except Closed as e:
+            self.violate(S_CONVERSATION, f"{label}: {e} in the middle of the conversation")
+        return conn
+
+    def script_1(self, steps: int):
+        def run(conn: Connection):
+            if not self.episodes(conn, 1, steps, "connection 1"):
+                return
+            if not self.hold(conn, self.hold_s, "connection 1, message 1"):
+                return
+            conn.version = 1
+            conn.reply(self.set_state(1))
+            if not self.episodes(conn, 2, steps, "connection 1"):
+                return
+            conn.reply(self.set_state(1))   # the same version again: nothing to reload
+            if not self.episodes(conn, 3, steps, "connection 1"):
+                return
+            if conn.heartbeat_s and not conn.server_inference:
+                if conn.beats:
+                    self.note(f"connection 1: {conn.beats} HEARTBEATs while sampling")
+                elif conn.sampling_s < 10 * HEARTBEAT_S:
+                    self.note(f"connection 1: heartbeats not exercised (it sampled 3 messages in "
+                              f"{conn.sampling_s:.2f} s; more --steps would)")
+                else:
+                    self.violate(S_HEARTBEAT, "connection 1: binary was agreed, but no HEARTBEAT came in the "
+                                              f"{conn.sampling_s:.2f} s it sampled 3 messages "
+                                              f"(heartbeat_s {HEARTBEAT_S})")
+        return run
+
+    def script_2(self, steps: int):
+        def run(conn: Connection):
+            if self.episodes(conn, 4, steps, "connection 2"):
+                self.note("connection 2: the message follows the new SET_CONFIG")
+                conn.reply(self.set_state(conn.version))
+        return run
+
+    def run(self, listener: socket.socket, steps: int) -> None:
+        conn = self.session(listener, "connection 1", steps, self.script_1(steps))
+        if conn is None:
+            return
+        conn.close()                          # refused: the reply to message 3 never comes
+        if self.reconnect:
+            conn = self.session(listener, "connection 2", max(steps // 4, 1), self.script_2(max(steps // 4, 1)))
+            if conn is not None:
+                conn.close()
+
+
+def make_models(spec, hidden: int = 32) -> tuple[dict, dict]:
+    """Two versions of a policy for ``spec`` whose output 0 differ clearly: {version:
+    OnnxPolicy}, {version: onnx_file}."""
+    from shmrl.net import PolicyNet
+    from shmrl.onnx_policy import OnnxPolicy, encode_onnx_file
+
+    net = PolicyNet(spec, hidden, "ReLU")
+    models, files = {}, {}
+    for version in (0, 1):
+        weights = net.initial_weights(version)
+        bias = weights["pi.head.b"]
+        bias[net.trained_rows] += 0.5 * version * np.where(np.arange(len(net.trained_rows)) % 2, -1.0, 1.0)
+        model = net.template.publish(weights)
+        models[version], files[version] = OnnxPolicy(model), encode_onnx_file(model)
+    return models, files
+
+
+def check_client(command: list[str], env: str = "CartPole-v1", reconnect: bool = True, steps: int = 2000,
+                 timeout: float = 60.0, hold_s: float = HOLD_S, out=sys.stdout) -> list[tuple[str, str]]:
+    """Run the client ``command`` (``{port}`` replaced) against the scripted server; the
+    violations it found. The client is stopped at the end, whatever happened."""
+    from shmrl.envs import env_spec
+
+    spec = env_spec(env)
+    if getattr(spec, "multiagent", False):
+        raise ValueError(f"{env} is a multi-agent env: the checker covers single-agent clients")
+    models, files = make_models(spec)
+    checker = Checker(spec, models, files, reconnect, timeout, hold_s, out)
+    with socket.create_server(("127.0.0.1", 0)) as listener, tempfile.TemporaryFile("w+") as client_log:
+        port = listener.getsockname()[1]
+        argv = [part.replace("{port}", str(port)) for part in command]
+        print(f"checking: {shlex.join(argv)}", file=out, flush=True)
+        proc = subprocess.Popen(argv, stdout=client_log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            checker.run(listener, steps)
+            listener.close()                  # the session is over: a reconnecting client finds no server
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        if checker.violations:
+            client_log.seek(0)
+            tail = client_log.read()[-3000:]
+            print(f"the client's output (last 3000 characters):\n{tail}", file=out, flush=True)
+    return checker.violations
+
+
+def main(argv=None) -> int:
+    from shmrl.config import OneLineErrorParser
+
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[argv.index("--") + 1:] if "--" in argv else []
+    p = OneLineErrorParser(prog="python -m shmrl.conformance", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           usage="%(prog)s [--env ID] [--no-reconnect] [--steps N] [--hold-s S] [--timeout S] "
+                                 "-- COMMAND ...")
+    p.add_argument("--env", default="CartPole-v1", help="the env the client steps (default: %(default)s)")
+    p.add_argument("--no-reconnect", action="store_true",
+                   help="the client ends when its connection is closed (shmrl.sim): skip connection 2")
+    p.add_argument("--steps", type=int, default=2000,
+                   help="env_steps_per_sample of connection 1 (default: %(default)s)")
+    p.add_argument("--hold-s", type=float, default=HOLD_S,
+                   help="how long the reply to message 1 is held (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for the client's connection and each request (default: %(default)s)")
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if not command or not any("{port}" in part for part in command):
+        p.error("give the client's command after --, with {port} where the checker's port goes")
+    if args.steps < 4 or args.timeout <= 0 or args.hold_s < 0:
+        p.error("--steps must be >= 4, --timeout > 0 and --hold-s >= 0")
+    try:
+        violations = check_client(command, args.env, not args.no_reconnect, args.steps, args.timeout, args.hold_s)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    print(f"{len(violations)} violation(s)" if violations else "the client conforms: no violation", flush=True)
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

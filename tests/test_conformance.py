@@ -1,0 +1,97 @@
+"""python -m shmrl.conformance: shmrl's own clients, the JavaScript client and RLlib 2.48's
+pass it; a client with each kind of bug it knows (tests/broken_client.py) is caught, under
+the rule of RLLINK.md it breaks."""
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from broken_client import BUGS
+from conftest import need_js_client
+from shmrl.conformance import check_client
+
+ROOT = Path(__file__).resolve().parents[1]
+BROKEN = ROOT / "tests" / "broken_client.py"
+
+RLLIB_PYTHON = Path.home() / ".cache" / "shmrl" / "rllib-2.48-venv" / "bin" / "python"
+# Short: a message of 200 steps and a reply held 0.5 s keep each check within seconds.
+QUICK = dict(steps=200, hold_s=0.5, timeout=20.0)
+
+
+def check(command, **kwargs) -> tuple[list, str]:
+    out = io.StringIO()
+    violations = check_client([str(c) for c in command], out=out, **{**QUICK, **kwargs})
+    return violations, out.getvalue()
+
+
+def test_shmrl_sim_conforms():
+    # shmrl.sim ends when its connection ends (exit 1): no second connection to check.
+    violations, out = check([sys.executable, "-m", "shmrl.sim", "--connect", "127.0.0.1:{port}"], reconnect=False)
+    assert not violations, out
+    assert "message 3: " in out and "waited 0.5 s for a held reply" in out, out
+
+
+def test_the_example_client_conforms_and_reconnects():
+    violations, out = check([sys.executable, ROOT / "examples" / "external_client.py", "--port", "{port}",
+                             "--retry-s", "0.2", "--max-retries", "2"])
+    assert not violations, out
+    assert "connection 2, message 4" in out and "follows the new SET_CONFIG" in out, out
+
+
+def test_shmrl_sim_with_server_inference_conforms():
+    violations, out = check([sys.executable, "-m", "shmrl.sim", "--connect", "127.0.0.1:{port}",
+                             "--server-inference", "--envs-per-sim", "2"], reconnect=False)
+    assert not violations, out
+    assert "ACTs of 2 envs checked" in out and "ACT 3: waited 0.5 s" in out, out
+
+
+def test_the_js_client_conforms_in_both_codecs_and_with_server_inference():
+    js = need_js_client()
+    for flags in (["--codec", "binary"], ["--codec", "json"], ["--server-inference"]):
+        violations, out = check(["node", js / "cartpole.js", "--port", "{port}", "--give-up-s", "1", *flags],
+                                steps=2000)
+        assert not violations, out
+        assert "connection 2, message 4" in out or "connection 2: the first ACT carried no outcome" in out, out
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_a_client_with_a_bug_is_caught_under_its_rule(bug):
+    timeout = 4.0 if bug == "no-reconnect" else QUICK["timeout"]   # how long the checker waits for connection 2
+    violations, out = check([sys.executable, BROKEN, "--port", "{port}", "--bug", bug], timeout=timeout)
+    rule = BUGS[bug]
+    if rule is None:
+        assert not violations, out
+        return
+    assert violations, f"the checker did not catch {bug}:\n{out}"
+    assert any(rule in r for r, _ in violations), f"{bug} should break {rule}; found {violations}"
+    assert f"VIOLATION [RLLINK.md {rule}" in out, out
+
+
+def test_the_command_line_exits_1_on_a_violation_and_2_when_misused(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "shmrl.conformance", "--steps", "200", "--hold-s", "0", "--timeout", "20", "--",
+           sys.executable, BROKEN, "--port", "{port}", "--bug", "sticky-config"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "VIOLATION [RLLINK.md §3.2" in done.stdout and "1 violation(s)" in done.stdout, done.stdout
+    for bad in ([], ["--", "node", "x.js"], ["--steps", "0", "--", "x", "{port}"]):
+        done = subprocess.run([sys.executable, "-m", "shmrl.conformance", *bad], capture_output=True, text=True,
+                              timeout=60, env=env)
+        assert done.returncode == 2 and done.stderr.startswith("error:"), (bad, done.stderr)
+
+
+@pytest.mark.slow
+def test_rllib_248s_client_conforms(tmp_path):
+    """RLlib's _dummy_client (tools/rllib_compat.py starts it from its virtualenv, which
+    .ci/run sets up). It crashes when its connection closes: no second connection."""
+    if not RLLIB_PYTHON.exists():
+        pytest.skip(f"{RLLIB_PYTHON} is missing: python tools/rllib_compat.py --setup (.ci/run does)")
+    # In a scratch folder: the client writes its _temp_onnx where it runs.
+    command = ["sh", "-c", f"cd {tmp_path} && exec {RLLIB_PYTHON} {ROOT / 'tools' / 'rllib_compat.py'} "
+                           f"_rllib-client --port {{port}} --wait 60"]
+    violations, out = check(command, reconnect=False, timeout=90.0, steps=2000)
+    assert not violations, out
+    assert "connection 1, message 3" in out, out
