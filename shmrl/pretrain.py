@@ -65,7 +65,6 @@ def pretrain_policies(config, nets: dict, first_weights: dict) -> dict:
     for i, (pid, net) in enumerate(nets.items()):
         ppo = PPO(net, config, seed=config.seed + i, initial_weights=first_weights[pid])
         reward_stats, report = clone(ppo, batches[pid], config, config.seed + i)
-        log.info("pretrained policy %r on %s", pid, report)
         print(f"pretrain: policy {pid!r}: {report}", flush=True)
         out[pid] = (ppo.get_state(), reward_stats)
     return out

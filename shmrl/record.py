@@ -183,6 +183,28 @@ def gym_actions(space, actions: np.ndarray):
     return build(space)
 
 
+def gym_env_spaces(env_id: str, obs_space, action_space) -> tuple:
+    """(the gymnasium id of the env, or None; the observation and action spaces to export):
+    the gymnasium env's own spaces where they hold the same values as the recorded ones
+    (shmrl's built-in CartPole bounds its velocities where gymnasium's has infinity) and
+    nothing was left out, else the recorded ones."""
+    import gymnasium as gym
+
+    from shmrl import spaces
+
+    try:
+        env = gym.spec(env_id.removeprefix("gym:")).id
+        made = gym.make(env)
+    except Exception:   # shmrl's own env functions, PettingZoo: no gymnasium id to recover it by
+        return None, to_gym(obs_space), to_gym(action_space)
+    theirs = spaces.obs_layout(made.observation_space)
+    ours = spaces.obs_layout(obs_space)
+    if (theirs.leaves, ours.skipped, spaces.action_layout(made.action_space).parts) == \
+            (ours.leaves, (), spaces.action_layout(action_space).parts):
+        return env, made.observation_space, made.action_space
+    return env, to_gym(obs_space), to_gym(action_space)
+
+
 def export_minari(path, dataset_id: str, description: str | None = None):
     """Write the recording at ``path`` as the Minari dataset ``dataset_id``; returns it."""
     try:
@@ -207,13 +229,9 @@ def export_minari(path, dataset_id: str, description: str | None = None):
                                      terminations=flags[0].tolist(), truncations=flags[1].tolist(), infos={}))
     if not buffers:
         raise DatasetError(f"{path}: no episodes to export")
-    env_id = dataset.env.removeprefix("gym:")
-    try:
-        env = gym.spec(env_id).id
-    except Exception:   # shmrl's own env functions, PettingZoo: no gymnasium id to recover it by
-        env = None
+    env, observation_space, action_space = gym_env_spaces(dataset.env, obs_space, action_space)
     return minari.create_dataset_from_buffers(
-        dataset_id, buffers, env=env, observation_space=to_gym(obs_space), action_space=to_gym(action_space),
+        dataset_id, buffers, env=env, observation_space=observation_space, action_space=action_space,
         algorithm_name="shmrl", description=description or f"recorded by shmrl from {dataset.env}",
         jpeg_encoding=False)
 
