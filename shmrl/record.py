@@ -3,7 +3,7 @@
     python -m shmrl.record --tcp-port 9900 --out demos              # clients that play by themselves
     python -m shmrl.record --tcp-port 9900 --out demos --policy runs/a/policy.onnx
     python -m shmrl.record --sims 4 --env gym:HalfCheetah-v5 --policy runs/a/policy.onnx --episodes 50 --out hc
-    python -m shmrl.record export demos --minari-id shmrl/cartpole-demos-v0
+    python -m shmrl.record export demos --minari-id cartpole-demos-v0
 
 The first form serves RLlink clients over TCP (any number, from any engine) and writes
 every episode they send to the dataset folder ``--out`` (docs/RECORDING.md), appending
