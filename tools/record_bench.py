@@ -35,6 +35,11 @@ QUICK = {"pretrain": dict(seeds=[0], sims=1, expert_return=60.0, episodes=5, tar
          "overhead": dict(steps=4000, repeats=1, sims=1)}
 
 
+def say(a, line: str) -> None:
+    """A progress line: on stdout, or on stderr when stdout is the one JSON object."""
+    print(line, file=sys.stderr if a.json else sys.stdout, flush=True)
+
+
 def timed_run(args: list[str], timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as logdir:
         code, wall, err = run_shmrl([*args, "--logdir", logdir], timeout)
@@ -42,6 +47,7 @@ def timed_run(args: list[str], timeout: float) -> dict:
     if code not in (0, 1):
         sys.stderr.write(err[-2000:])
     return {"exit": code, "wall_s": wall, "env_steps": summary.get("env_steps"),
+            "steps_per_s": summary.get("env_steps_per_s") or 0.0,   # the run's own: from its first env steps
             "return_mean": summary.get("return_mean"), "solved": summary.get("solved", False)}
 
 
@@ -54,11 +60,8 @@ def overhead(a) -> dict:
             for kind in ("plain", "record"):
                 extra = ["--record", str(Path(work) / f"ds{i}")] if kind == "record" else []
                 r = timed_run([*common, *extra], a.timeout)
-                r["steps_per_s"] = (r["env_steps"] or 0) / r["wall_s"]
                 runs[kind].append(r)
-                if not a.json:
-                    print(f"{kind:7s} {r['env_steps']} env steps in {r['wall_s']:.2f} s: "
-                          f"{r['steps_per_s']:.0f} steps/s", flush=True)
+                say(a, f"{kind:7s} {r['env_steps']} env steps in {r['wall_s']:.2f} s: {r['steps_per_s']:.0f} steps/s")
     med = {k: statistics.median(r["steps_per_s"] for r in v) for k, v in runs.items()}
     return {"env": a.env, "runs": runs, "median_steps_per_s": med,
             "record_cost_pct": 100.0 * (1 - med["record"] / med["plain"]) if med["plain"] else None}
@@ -72,9 +75,7 @@ def pretrain(a) -> dict:
         if code != 0:
             raise SystemExit(f"the expert did not reach {a.expert_return} (exit {code}): {err[-1000:]}")
         expert = read_logdir(expert_dir)[0]
-        if not a.json:
-            print(f"expert: return {expert['return_mean']:.1f} after {expert['env_steps']} env steps in {wall:.1f} s",
-                  flush=True)
+        say(a, f"expert: return {expert['return_mean']:.1f} after {expert['env_steps']} env steps in {wall:.1f} s")
         rec = popen_group([sys.executable, "-m", "shmrl.record", "--env", a.env, "--sims", str(a.sims), "--policy",
                            str(expert_dir / "policy.onnx"), "--episodes", str(a.episodes), "--out", str(dataset)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -90,9 +91,8 @@ def pretrain(a) -> dict:
         whole = [float(ep.rewards.sum()) for ep in episodes if not ep.stopped]
         demo = {"episodes": len(episodes), "whole_episodes": len(whole),
                 "return_mean": statistics.fmean(whole) if whole else None}
-        if not a.json:
-            print(f"dataset: {demo['episodes']} episodes ({demo['whole_episodes']} whole, mean return "
-                  f"{demo['return_mean']})", flush=True)
+        say(a, f"dataset: {demo['episodes']} episodes ({demo['whole_episodes']} whole, mean return "
+               f"{demo['return_mean']})")
         runs = {"scratch": [], "pretrain": []}
         target = [] if a.target is None else ["--stop-return", str(a.target)]
         for seed in a.seeds:
@@ -103,9 +103,8 @@ def pretrain(a) -> dict:
                               a.timeout)
                 r["seed"] = seed
                 runs[kind].append(r)
-                if not a.json:
-                    print(f"seed {seed} {kind:8s}: {'solved' if r['solved'] else 'NOT solved'} in "
-                          f"{r['wall_s']:.1f} s, {r['env_steps']} env steps, return {r['return_mean']}", flush=True)
+                say(a, f"seed {seed} {kind:8s}: {'solved' if r['solved'] else 'NOT solved'} in {r['wall_s']:.1f} s, "
+                       f"{r['env_steps']} env steps, return {r['return_mean']}")
 
     def median(kind, key):
         return statistics.median(r[key] or 0 for r in runs[kind])
@@ -124,7 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=300_000, help="overhead: env steps per run")
     p.add_argument("--repeats", type=int, default=3, help="overhead: runs of each kind")
-    p.add_argument("--expert-return", type=float, default=500.0, help="pretrain: the expert's stop return")
+    p.add_argument("--expert-return", type=float, default=490.0, help="pretrain: the expert's stop return")
     p.add_argument("--episodes", type=int, default=20, help="pretrain: expert episodes recorded")
     p.add_argument("--target", type=float, default=None, help="pretrain: the return to reach (default: the env's)")
     p.add_argument("--pretrain-epochs", type=int, default=50)
