@@ -50,6 +50,8 @@ class Recorder:
     def add(self, policy_id: str, conn_id: str, batch, starts: list, ends: list) -> None:
         """A batch the store accepted, with each chunk's glue keys (``ends[i]`` None: its
         episode ended)."""
+        if self.failure is not None:   # the writer stopped (said once, when it did): nothing is kept
+            return
         n = batch.num_steps
         with self._cond:
             if self._queued_steps and self._queued_steps + n > self.max_queued_steps and not self._closing:

@@ -165,6 +165,24 @@ def test_a_run_records_minigrid_images_whole_and_they_match_its_counts(start_run
     assert "mission" not in episodes[0].obs
 
 
+def test_a_multi_agent_run_records_each_agents_episodes_and_minari_export_refuses_them(start_run, tmp_path):
+    need("pettingzoo", "pettingzoo")
+    run = start_run("--env", "pz:connect_four_v3", "--sims", "1", "--max-env-steps", "800", "--train-batch-size",
+                    "400", "--record", tmp_path / "ds", "--logdir", tmp_path / "run")
+    assert run.proc.wait(120) == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    dataset = Dataset(tmp_path / "ds")
+    assert dataset.manifest["agents"] == ["player_0", "player_1"] and list(dataset.policy_spaces) == ["shared"]
+    episodes = list(dataset.episodes())
+    assert {ep.agent_id for ep in episodes} == {"player_0", "player_1"}
+    assert sum(len(ep) for ep in episodes) == summary["env_steps"]
+    assert all("action_mask" in ep.obs for ep in episodes)
+    done = subprocess.run([sys.executable, "-m", "shmrl.record", "export", str(tmp_path / "ds"), "--minari-id",
+                           "x-v0", "--minari-root", str(tmp_path / "minari")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "multi-agent" in done.stderr
+
+
 def test_recording_survives_kill_9_of_the_learner(start_run, tmp_path):
     """Shards are written whole (temp name, fsync, rename): after kill -9 of the learner in
     the middle of a run, the dataset reads, with the episodes of all but the last seconds."""
