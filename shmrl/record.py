@@ -301,6 +301,8 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except KeyboardInterrupt:   # before anything was served
+        return 0
 
 
 if __name__ == "__main__":

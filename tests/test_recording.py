@@ -137,6 +137,31 @@ def test_a_closed_connection_writes_its_open_episodes_and_the_manifest_round_tri
         assert space_from_json(json.loads(json.dumps(space_to_json(space)))) == space
 
 
+def test_a_writer_that_falls_behind_leaves_whole_episodes_out_never_a_hole(tmp_path, caplog):
+    """Memory stays bounded: with the writer stuck, messages beyond the bound wait a moment,
+    then are left out of the recording with one warning, and so is every episode they had a
+    chunk of; what is written is whole."""
+    import threading
+
+    store = EpisodeStore()
+    writer = DatasetWriter(tmp_path / "ds", manifest_for("test-dict", {"default": IMAGE_SPEC}))
+    stuck, write = threading.Event(), writer.write
+    writer.write = lambda *a: (stuck.wait(30), write(*a))[1]
+    recorder = Recorder(writer, flush_every=0.0, max_queued_steps=40, max_wait=0.01)
+    store.record(recorder)
+    msgs, truth = play(np.random.default_rng(2), envs=2, messages=30, per_message=5, with_ids=True)
+    for chunks in msgs:
+        store.add("c1", {"default": EpisodeBatch.from_episodes(chunks)})
+    assert recorder.steps_dropped > 0
+    assert sum("the recording falls behind" in r.message for r in caplog.records) == 1
+    stuck.set()
+    recorder.close()
+    episodes = list(Dataset(tmp_path / "ds").episodes())
+    assert 0 < len(episodes) < counts(truth)[0]
+    for ep in episodes:
+        check_episode(ep, truth, stopped=ep.stopped)
+
+
 def test_a_dataset_of_another_env_is_refused_before_anything_starts(tmp_path):
     from shmrl.envs import env_spec
 
@@ -214,6 +239,31 @@ def test_a_dataset_recorded_by_one_run_pretrains_another(tmp_path):
     assert done.returncode == 1, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("pretrain: policy 'default'"))
     assert "held-out episodes" in line and "action accuracy" in line and "value explained variance" in line
+
+
+def policy_file(tmp_path, env: str):
+    from shmrl.envs import env_spec
+    from shmrl.net import PolicyNet
+
+    net = PolicyNet(env_spec(env), 16)
+    path = tmp_path / f"{env}.onnx"
+    path.write_bytes(net.template.publish(net.initial_weights(0)))
+    return path
+
+
+def test_recording_a_fixed_policy_of_local_simulators_stops_after_its_episodes(tmp_path):
+    """--policy is what the simulators play (one weights version throughout); --episodes
+    ends it; a policy of another env is refused."""
+    record = [sys.executable, "-m", "shmrl.record", "--sims", "1", "--episodes", "5", "--out", str(tmp_path / "ds")]
+    done = subprocess.run([*record, "--policy", str(policy_file(tmp_path, "CartPole-v1"))], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    episodes = list(Dataset(tmp_path / "ds").episodes())
+    assert sum(not ep.stopped for ep in episodes) >= 5
+    assert len({int(s) for ep in episodes for s in ep.weights_seq_no}) == 1
+    done = subprocess.run([*record, "--policy", str(policy_file(tmp_path, "Pendulum-v1"))], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: --policy")
 
 
 def test_tcp_clients_recorded_without_training_load_in_minari_and_shmrl(tmp_path):

@@ -8,7 +8,9 @@
 
 ``overhead`` runs ``python -m shmrl.run`` for ``--steps`` env steps (no stop return) with
 and without ``--record``, alternating, ``--repeats`` times each, and prints each one's
-median env steps per second and the cost of recording in percent.
+median env steps per second (the run's own, from its first env steps) and CPU time per env
+step (the run and its simulators), and the cost of recording in percent of each. On a
+machine others load too, the CPU time per step is the steadier of the two.
 
 ``pretrain`` trains an expert to ``--expert-return`` (``--stop-return``), records
 ``--episodes`` of its episodes with ``python -m shmrl.record --sims`` (sampling, as in
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,13 +44,17 @@ def say(a, line: str) -> None:
 
 
 def timed_run(args: list[str], timeout: float) -> dict:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as logdir:
         code, wall, err = run_shmrl([*args, "--logdir", logdir], timeout)
         summary, _ = read_logdir(logdir)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)   # the run and its simulators, reaped
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     if code not in (0, 1):
         sys.stderr.write(err[-2000:])
     return {"exit": code, "wall_s": wall, "env_steps": summary.get("env_steps"),
             "steps_per_s": summary.get("env_steps_per_s") or 0.0,   # the run's own: from its first env steps
+            "cpu_us_per_step": 1e6 * cpu / max(summary.get("env_steps") or 0, 1),
             "return_mean": summary.get("return_mean"), "solved": summary.get("solved", False)}
 
 
@@ -61,10 +68,13 @@ def overhead(a) -> dict:
                 extra = ["--record", str(Path(work) / f"ds{i}")] if kind == "record" else []
                 r = timed_run([*common, *extra], a.timeout)
                 runs[kind].append(r)
-                say(a, f"{kind:7s} {r['env_steps']} env steps in {r['wall_s']:.2f} s: {r['steps_per_s']:.0f} steps/s")
+                say(a, f"{kind:7s} {r['env_steps']} env steps in {r['wall_s']:.2f} s: {r['steps_per_s']:.0f} steps/s, "
+                       f"{r['cpu_us_per_step']:.1f} CPU us per step")
     med = {k: statistics.median(r["steps_per_s"] for r in v) for k, v in runs.items()}
-    return {"env": a.env, "runs": runs, "median_steps_per_s": med,
-            "record_cost_pct": 100.0 * (1 - med["record"] / med["plain"]) if med["plain"] else None}
+    cpu = {k: statistics.median(r["cpu_us_per_step"] for r in v) for k, v in runs.items()}
+    return {"env": a.env, "runs": runs, "median_steps_per_s": med, "median_cpu_us_per_step": cpu,
+            "record_cost_pct": 100.0 * (1 - med["record"] / med["plain"]) if med["plain"] else None,
+            "record_cpu_cost_pct": 100.0 * (cpu["record"] / cpu["plain"] - 1) if cpu["plain"] else None}
 
 
 def pretrain(a) -> dict:
@@ -144,7 +154,9 @@ def main(argv=None) -> int:
         print(json.dumps(result))
     elif a.mode == "overhead":
         print(f"{a.env}: {result['median_steps_per_s']['plain']:.0f} steps/s without --record, "
-              f"{result['median_steps_per_s']['record']:.0f} with: recording costs {result['record_cost_pct']:.1f}%")
+              f"{result['median_steps_per_s']['record']:.0f} with: recording costs {result['record_cost_pct']:.1f}% of "
+              f"the throughput; CPU per env step (learner and simulators) {result['median_cpu_us_per_step']['plain']:.1f} "
+              f"and {result['median_cpu_us_per_step']['record']:.1f} us: {result['record_cpu_cost_pct']:+.1f}%")
     else:
         print(f"{a.env}: --pretrain needs {result['env_steps_ratio']:.2f}x the env steps and "
               f"{result['wall_ratio']:.2f}x the wall time of PPO from scratch (medians); all solved: "
