@@ -112,6 +112,12 @@ class RunSettings:
     return_window: int = setting(
         100, "the mean return reported, and compared with --stop-return, is that of the last N complete "
         "episodes (default: %(default)s)", check=at_least(1), metavar="N")
+    pretrain: str | None = setting(
+        None, "before PPO starts, clone the policy from the episodes of the dataset DIR (--record, "
+        "python -m shmrl.record) and fit the value function to their returns (a --resume goes on from "
+        "its checkpoint instead)", kind=str, metavar="DIR")
+    pretrain_epochs: int = setting(
+        50, "passes of --pretrain over the dataset (default: %(default)s)", check=at_least(1), metavar="N")
 
 
 @dataclass(kw_only=True)
@@ -140,11 +146,6 @@ class LogSettings:
         None, "also write every episode the clients send (any transport, multi-agent too) to the dataset "
         "folder DIR (docs/RECORDING.md), appending if it exists; written every 2 s and at the end",
         kind=str, metavar="DIR")
-    pretrain: str | None = setting(
-        None, "before PPO starts, clone the policy from the episodes of the dataset DIR (--record, "
-        "python -m shmrl.record) and fit the value function to their returns", kind=str, metavar="DIR")
-    pretrain_epochs: int = setting(
-        50, "passes of --pretrain over the dataset (default: %(default)s)", check=at_least(1), metavar="N")
 
 
 @dataclass(kw_only=True)
@@ -418,8 +419,6 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
         raise ConfigError("--sims 0 runs no local simulator: give --tcp-port for external clients")
     if config.ray is not None and config.sims == 0:
         raise ConfigError("--ray places simulators: give --sims N (N >= 1)")
-    if config.pretrain and config.resume:
-        raise ConfigError("--pretrain starts a policy from demonstrations; a --resume'd run has its policy")
     if getattr(spec, "multiagent", False) and config.memory not in (None, "none"):
         raise ConfigError("--memory: recurrent policies are single-agent for now; a multi-agent env takes "
                           "--memory none")

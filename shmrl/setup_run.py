@@ -73,7 +73,7 @@ def set_up(config, servers_given: bool = False) -> Setup:
         first_weights = {pid: net.initial_weights(config.seed + i) for i, (pid, net) in enumerate(nets.items())}
         first_seq = 1
     pretrained = None
-    if config.pretrain:   # the clone is what the clients are served first
+    if config.pretrain and not resumed:   # the clone is what the clients are served first
         from shmrl.pretrain import pretrain_policies
 
         pretrained = pretrain_policies(config, nets, first_weights)

@@ -239,6 +239,10 @@ def test_a_dataset_recorded_by_one_run_pretrains_another(tmp_path):
     assert done.returncode == 1, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("pretrain: policy 'default'"))
     assert "held-out episodes" in line and "action accuracy" in line and "value explained variance" in line
+    done = subprocess.run([sys.executable, "-m", "shmrl.run", "--resume", str(tmp_path / "b"), "--max-env-steps",
+                           "1200"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr   # it goes on from its checkpoint: no second clone
+    assert "resuming from" in done.stdout and "pretrain:" not in done.stdout
 
 
 def policy_file(tmp_path, env: str):
