@@ -141,12 +141,14 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None, help="where the datasets go (default: the system's temp folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="seconds: tiny runs (flags given still win)")
-    p.add_argument("extra", nargs="*", help="arguments for shmrl.run (after --)")
+    p.epilog = "Arguments after -- go to every python -m shmrl.run."
     argv = sys.argv[1:] if argv is None else list(argv)
+    argv, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     mode = next((x for x in argv if x in QUICK), None)
     if "--quick" in argv and mode:
         p.set_defaults(**QUICK[mode])
     a = p.parse_args(argv)
+    a.extra = extra
     t0 = time.time()
     result = overhead(a) if a.mode == "overhead" else pretrain(a)
     result["bench_s"] = time.time() - t0
