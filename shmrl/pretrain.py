@@ -13,7 +13,6 @@ explained variance.
 """
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
@@ -23,7 +22,6 @@ from shmrl.config import ConfigError
 from shmrl.dataset import Dataset, DatasetError
 from shmrl.store import PolicyChunks
 
-log = logging.getLogger("shmrl.pretrain")
 ROUNDS = 5                 # the value targets are recomputed with the critic this often
 MINIBATCH = 512            # steps per gradient step of the clone (more than PPO's: it is plain regression)
 HOLD_OUT = 0.1

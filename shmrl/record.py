@@ -37,8 +37,6 @@ import numpy as np
 from shmrl.config import EXIT_FAILED, EXIT_USAGE, Config, ConfigError, OneLineErrorParser, resolve_config
 from shmrl.dataset import Dataset, DatasetError
 
-log = logging.getLogger("shmrl.record")
-
 
 class FixedModel:
     """A policy's "template" that always publishes the same ONNX file (``--policy``)."""
@@ -208,7 +206,6 @@ def gym_env_spaces(env_id: str, obs_space, action_space) -> tuple:
 def export_minari(path, dataset_id: str, description: str | None = None):
     """Write the recording at ``path`` as the Minari dataset ``dataset_id``; returns it."""
     try:
-        import gymnasium as gym
         import minari
         from minari.data_collector.episode_buffer import EpisodeBuffer
     except ImportError as e:
