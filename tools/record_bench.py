@@ -22,6 +22,7 @@ Every run has its own process group and is stopped if it outlives ``--timeout``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -77,24 +78,33 @@ def overhead(a) -> dict:
             "record_cpu_cost_pct": 100.0 * (cpu["record"] / cpu["plain"] - 1) if cpu["plain"] else None}
 
 
+def record(a, expert_dir: Path, dataset: Path) -> None:
+    """``--episodes`` episodes of the expert, sampled as in training, into ``dataset``."""
+    rec = popen_group([sys.executable, "-m", "shmrl.record", "--env", a.env, "--sims", str(a.sims), "--policy",
+                       str(expert_dir / "policy.onnx"), "--episodes", str(a.episodes), "--out", str(dataset)],
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = rec.communicate(timeout=a.timeout)[0]
+    finally:
+        stop_process(rec)
+    if rec.returncode != 0:
+        raise SystemExit(f"recording failed ({rec.returncode}): {out[-1000:]}")
+
+
 def pretrain(a) -> dict:
-    with tempfile.TemporaryDirectory(dir=a.workdir) as work:
+    with (contextlib.nullcontext(a.keep) if a.keep else tempfile.TemporaryDirectory(dir=a.workdir)) as work:
         expert_dir, dataset = Path(work) / "expert", Path(work) / "dataset"
-        code, wall, err = run_shmrl(["--env", a.env, "--sims", str(a.sims), "--stop-return", str(a.expert_return),
-                                     "--seed", "100", "--logdir", str(expert_dir), *a.extra], a.timeout)
-        if code != 0:
-            raise SystemExit(f"the expert did not reach {a.expert_return} (exit {code}): {err[-1000:]}")
+        if not read_logdir(expert_dir)[0].get("solved"):   # --keep: an expert of an earlier call is used again
+            code, wall, err = run_shmrl(["--env", a.env, "--sims", str(a.sims), "--stop-return",
+                                         str(a.expert_return), "--seed", "100", "--logdir", str(expert_dir),
+                                         *a.extra], a.timeout)
+            if code != 0:
+                raise SystemExit(f"the expert did not reach {a.expert_return} (exit {code}): {err[-1000:]}")
         expert = read_logdir(expert_dir)[0]
-        say(a, f"expert: return {expert['return_mean']:.1f} after {expert['env_steps']} env steps in {wall:.1f} s")
-        rec = popen_group([sys.executable, "-m", "shmrl.record", "--env", a.env, "--sims", str(a.sims), "--policy",
-                           str(expert_dir / "policy.onnx"), "--episodes", str(a.episodes), "--out", str(dataset)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            out = rec.communicate(timeout=a.timeout)[0]
-        finally:
-            stop_process(rec)
-        if rec.returncode != 0:
-            raise SystemExit(f"recording failed ({rec.returncode}): {out[-1000:]}")
+        say(a, f"expert: return {expert['return_mean']:.1f} after {expert['env_steps']} env steps in "
+               f"{expert['wall_s']:.1f} s")
+        if not (dataset / "manifest.json").exists():   # likewise its recording
+            record(a, expert_dir, dataset)
         from shmrl.dataset import Dataset
 
         episodes = list(Dataset(dataset).episodes())
@@ -138,6 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=None, help="pretrain: the return to reach (default: the env's)")
     p.add_argument("--pretrain-epochs", type=int, default=50)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--keep", metavar="DIR", help="pretrain: keep the expert and its dataset in DIR, and use "
+                   "those already there")
     p.add_argument("--workdir", default=None, help="where the datasets go (default: the system's temp folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="seconds: tiny runs (flags given still win)")
