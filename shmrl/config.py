@@ -113,6 +113,12 @@ class RunSettings:
     return_window: int = setting(
         100, "the mean return reported, and compared with --stop-return, is that of the last N complete "
         "episodes (default: %(default)s)", check=at_least(1), metavar="N")
+    pretrain: str | None = setting(
+        None, "before PPO starts, clone the policy from the episodes of the dataset DIR (--record, "
+        "python -m shmrl.record) and fit the value function to their returns (a --resume goes on from "
+        "its checkpoint instead)", kind=str, metavar="DIR")
+    pretrain_epochs: int = setting(
+        50, "passes of --pretrain over the dataset (default: %(default)s)", check=at_least(1), metavar="N")
 
 
 @dataclass(kw_only=True)
@@ -137,6 +143,10 @@ class LogSettings:
         None, "go on from the last checkpoint in DIR (weights, optimizer, env-step counts, "
         "weights_seq_no, return window), with its configuration except for the flags given "
         "here; logs are appended to DIR", kind=str, metavar="DIR", flag_default_none=True)
+    record: str | None = setting(
+        None, "also write every episode the clients send (any transport, multi-agent too) to the dataset "
+        "folder DIR (docs/RECORDING.md), appending if it exists; written every 2 s and at the end",
+        kind=str, metavar="DIR")
 
 
 @dataclass(kw_only=True)

@@ -37,6 +37,7 @@ class Setup:
     first_weights: dict          # policy id -> its weights to publish first
     first_seq: int
     resumed: tuple | None        # (path, arrays, state) of the checkpoint it goes on from
+    pretrained: dict | None = None   # --pretrain: policy id -> ((arrays, values) of its PPO, reward stats)
 
 
 def set_up(config, servers_given: bool = False) -> Setup:
@@ -71,13 +72,37 @@ def set_up(config, servers_given: bool = False) -> Setup:
     else:
         first_weights = {pid: net.initial_weights(config.seed + i) for i, (pid, net) in enumerate(nets.items())}
         first_seq = 1
+    pretrained = None
+    if config.pretrain and not resumed:   # the clone is what the clients are served first
+        from shmrl.pretrain import pretrain_policies
+
+        pretrained = pretrain_policies(config, nets, first_weights)
+        first_weights = {pid: saved_policy(state[0][0], "") for pid, state in pretrained.items()}
+    if config.record:
+        check_recording(config, spec, policy_specs)
     from shmrl.metrics import tensorboard_available
 
     if config.tensorboard is None:
         config.tensorboard = tensorboard_available()
     elif config.tensorboard and not tensorboard_available():
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
-    return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed)
+    return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained)
+
+
+def recording_manifest(config, spec, policy_specs) -> dict:
+    from shmrl.dataset import manifest_for
+
+    return manifest_for(env_name(config.env), policy_specs, spec.agents if getattr(spec, "multiagent", False) else None)
+
+
+def check_recording(config, spec, policy_specs) -> None:
+    """--record into a dataset of another env or other spaces: refused before anything starts."""
+    from shmrl.dataset import DatasetError, check_appendable
+
+    try:
+        check_appendable(config.record, recording_manifest(config, spec, policy_specs))
+    except DatasetError as e:
+        raise ConfigError(f"--record {e}") from None
 
 
 def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
@@ -90,6 +115,15 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
                       agents=setup.spec.agents if setup.multiagent else None,
                       extra_config=None if not setup.multiagent else {
                           "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
+    if config.record:
+        from shmrl.dataset import DatasetWriter
+        from shmrl.recorder import Recorder
+
+        serving.store.record(Recorder(DatasetWriter(config.record, recording_manifest(config, setup.spec,
+                                                                                       setup.policy_specs))))
+    for pid, (_, reward_stats) in (setup.pretrained or {}).items():
+        if reward_stats is not None and serving.store.policies[pid].reward_stats is not None:
+            serving.store.policies[pid].reward_stats.set_state(reward_stats, "reward_stats")
     if setup.resumed:
         path, arrays, state = setup.resumed
         restore_store(serving.store, state, arrays, setup.multiagent)
@@ -111,6 +145,8 @@ def make_ppos(setup: Setup) -> dict:
     torch.set_num_threads(config.torch_threads or os.cpu_count() or 1)
     ppos = {pid: PPO(net, config, seed=config.seed + i, initial_weights=setup.first_weights[pid])
             for i, (pid, net) in enumerate(setup.nets.items())}
+    for pid, ((arrays, values), _) in (setup.pretrained or {}).items():
+        ppos[pid].set_state(arrays, values)
     if setup.resumed:
         _, arrays, state = setup.resumed
         for pid, ppo in ppos.items():

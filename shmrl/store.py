@@ -9,6 +9,7 @@ adds to it and takes from it; the training thread reads its counts and writes
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 
@@ -54,6 +55,7 @@ class PolicyChunks:
         self.reward_stats = RunningMeanStd() if reward_gamma is not None else None
         self.window = window
         self.returns_by_agent: dict = {}   # multi-agent chunks: agent id -> its recent returns
+        self.recorder = None   # called with every batch taken (see EpisodeStore.record)
 
     def add(self, conn_id: str, batch: EpisodeBatch) -> list[tuple[float, int]]:
         """Take chunks: their steps wait for training, their returns complete episodes (one
@@ -61,9 +63,10 @@ class PolicyChunks:
         episode they complete."""
         ids = batch.episode_ids
         obs, first, last = batch.obs, batch.obs_first.tolist(), batch.obs_last.tolist()
-        before = [self._open.pop((conn_id, "id", ids[i]) if ids is not None and ids[i] is not None
-                                 else (conn_id, "obs", obs_row_bytes(obs, first[i])), (0.0, 0, 0.0))
-                  for i in range(batch.num_chunks)]
+        starts = [(conn_id, "id", ids[i]) if ids is not None and ids[i] is not None
+                  else (conn_id, "obs", obs_row_bytes(obs, first[i])) for i in range(batch.num_chunks)]
+        ends = [None] * batch.num_chunks   # the key each chunk leaves open (None: its episode ended)
+        before = [self._open.pop(key, (0.0, 0, 0.0)) for key in starts]
         discounted = self._discounted_returns(batch, [b[2] for b in before])
         completed = []
         for i, (ret, length, done) in enumerate(zip(batch.chunk_returns().tolist(), batch.lengths.tolist(),
@@ -81,7 +84,10 @@ class PolicyChunks:
                 eid = ids[i] if ids is not None else None
                 key = (conn_id, "id", eid) if eid is not None else (conn_id, "obs", obs_row_bytes(obs, last[i]))
                 self._open[key] = (ret, length, discounted[i])
+                ends[i] = key
         self.episodes_completed += len(completed)
+        if self.recorder is not None:   # --record: the chunks and how they glue, to its writer thread
+            self.recorder(conn_id, batch, starts, ends)
         if batch.num_steps:
             self.pending.append((conn_id, batch))
             count(self.pending_by_conn, conn_id, batch.num_steps)
@@ -209,6 +215,14 @@ class EpisodeStore:
         self.steps_lost = 0        # stepped by a simulator that died before sending them: never received
         self.steps_by_conn: dict[str, int] = {}
         self.first_steps_at: float | None = None   # time.time() when the first env steps arrived
+        self.recorder = None       # --record: a shmrl.recorder.Recorder that gets every chunk taken
+
+    def record(self, recorder) -> None:
+        """Hand every chunk taken from now on to ``recorder`` (``add(policy id, conn_id,
+        batch, starts, ends)``, with the glue keys of its chunks, and ``forget``)."""
+        self.recorder = recorder
+        for pid, policy in self.policies.items():
+            policy.recorder = functools.partial(recorder.add, pid)
 
     def add(self, conn_id: str, chunks: dict[str, EpisodeBatch]) -> None:
         """Take a message's chunks, by policy id."""
@@ -237,6 +251,8 @@ class EpisodeStore:
         """A connection closed: its open episodes will never complete."""
         for policy in self.policies.values():
             policy.forget(conn_id)
+        if self.recorder is not None:
+            self.recorder.forget(conn_id)
 
     def drop(self, reason: str, steps: int) -> None:
         """Count steps received but refused as they came in (over a client's budget, out

@@ -211,6 +211,8 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
     finally:
         if serving is not None:
             serving.stop()   # from here on the store stands still
+            if serving.store.recorder is not None:   # --record: the episodes still open are written too
+                serving.store.recorder.close()
         if supervisor is not None:
             supervisor.stop()
         try:

@@ -37,6 +37,8 @@ FLAG_VALUES = [
     (["--max-env-steps", "5000"], "max_env_steps", 5000), (["--logdir", "runs/x"], "logdir", "runs/x"),
     (["--checkpoint-every", "4"], "checkpoint_every", 4), (["--keep-checkpoints", "2"], "keep_checkpoints", 2),
     (["--log-every", "2.5"], "log_every", 2.5), (["--tensorboard"], "tensorboard", True),
+    (["--record", "demos"], "record", "demos"), (["--pretrain", "demos"], "pretrain", "demos"),
+    (["--pretrain-epochs", "5"], "pretrain_epochs", 5),
     (["--no-tensorboard"], "tensorboard", False), (["--transport", "tcp"], "transport", "tcp"),
     (["--tcp-port", "0"], "tcp_port", 0), (["--tcp-host", "0.0.0.0"], "tcp_host", "0.0.0.0"),
     (["--auth-token", "s3cret"], "auth_token", "s3cret"), (["--max-frame-bytes", "4096"], "max_frame_bytes", 4096),
@@ -80,7 +82,8 @@ def test_every_flag_of_the_old_command_line_is_still_there():
     assert OLD_OPTION_STRINGS <= options, OLD_OPTION_STRINGS - options
     assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window", "--max-obs-abs",
                                             "--max-reward-abs", "--max-skipped-updates", "--max-json-frame-bytes",
-                                            "--client-budget", "--max-message-steps", "--max-message-chunks"}
+                                            "--client-budget", "--max-message-steps", "--max-message-chunks",
+                                            "--record", "--pretrain", "--pretrain-epochs"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):

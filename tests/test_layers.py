@@ -21,16 +21,16 @@ PACKAGE = ROOT / "shmrl"
 # From the bottom up: a module may import from its own layer and from those listed above
 # it. Names are modules under shmrl/ ("transport" is the package and every module in it).
 LAYERS = {
-    "base types": ["config", "presets", "spaces", "sampler", "episode", "rollout", "stats", "checkpoint", "metrics", "logdir"],
+    "base types": ["config", "presets", "spaces", "sampler", "episode", "rollout", "stats", "checkpoint", "metrics", "logdir", "dataset"],
     "protocol": ["rllink_codec", "rllink_episodes", "rllink_act", "rllink"],
     "transports": ["transport"],
     "model": ["onnx_graph", "net", "ppo", "onnx_policy"],
     "env adapters": ["envspec", "pz_envs", "envs"],
     "actor and simulator loops": ["actor", "multiagent", "sim", "eval"],
-    "hub": ["store", "inference", "hub", "serving"],
+    "hub": ["store", "inference", "recorder", "hub", "serving"],
     "launchers": ["supervisor", "ray_launcher"],
-    "trainer": ["report", "resume", "setup_run", "trainer"],
-    "faces": ["run", "__init__", "conformance_rules", "conformance"],
+    "trainer": ["report", "resume", "pretrain", "setup_run", "trainer"],
+    "faces": ["run", "record", "__init__", "conformance_rules", "conformance"],
 }
 # The client side: what simulators and eval run, without torch (numpy and onnxruntime only).
 CLIENT_MODULES = ["shmrl.actor", "shmrl.sim", "shmrl.multiagent", "shmrl.eval"]
