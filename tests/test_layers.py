@@ -29,7 +29,7 @@ LAYERS = {
     "actor and simulator loops": ["actor", "multiagent", "sim", "eval"],
     "hub": ["store", "hub", "serving"],
     "launchers": ["supervisor", "ray_launcher"],
-    "trainer": ["report", "resume", "setup_run", "trainer"],
+    "trainer": ["report", "resume", "setup_run", "adapt", "trainer"],
     "faces": ["run", "__init__"],
 }
 # The client side: what simulators and eval run, without torch (numpy and onnxruntime only).
