@@ -7,11 +7,13 @@ policy moved per update (approx_kl, clip_frac), a plot of both curves, JSON.
     python tools/slow_sims.py                                  # HalfCheetah-v5, 1000 steps/s, 100k steps, 3 seeds
     python tools/slow_sims.py --envs Hopper-v5 --steps 300000 --plot hopper.png
     python tools/slow_sims.py --no-sb3 --seeds 0 -- --learn-per-step off   # shmrl alone, flags of its own
+    python tools/slow_sims.py --clients --no-sb3               # shmrl's simulators as external TCP clients
     python tools/slow_sims.py --quick --json                   # seconds: InvertedPendulum-v5, one seed
 
 SB3 runs as tools/zoo.py runs it (rl-zoo3's own training script and ppo.yml entry of the
 base env), on ``Throttled<ENV>`` (one process at --rate); shmrl on
-``slow_sim:<factory>`` with --sims S simulators at --rate / S each, and the base env's
+``slow_sim:<factory>`` with --sims S simulators (or, --clients, S ``python -m shmrl.sim
+--connect`` clients) at --rate / S each, and the base env's
 own preset (gamma and the like: presets.toml) as flags. Each stops at --steps env steps
 or after --steps / --rate x 4 + 60 seconds.
 """
@@ -21,15 +23,19 @@ import argparse
 import dataclasses
 import json
 import os
+import re
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import slow_sim  # noqa: F401  (tools/slow_sim.py: checked importable here before a trainer needs it)
 import venvs
 import zoo
-from processes import read_logdir
+from processes import interrupt_group, popen_group, read_logdir
 
 HERE = Path(__file__).resolve().parent
 FACTORIES = {base: name for name, base in slow_sim.BASE_IDS.items()}
@@ -48,6 +54,40 @@ def base_preset_flags(env: str) -> list[str]:
         flag = flag_of(fields[key])
         flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
     return flags
+
+
+def run_shmrl_clients(env: str, seed: int, seconds: float, folder: Path, extra: list[str], env_vars: dict,
+                      clients: int) -> dict:
+    """shmrl with no simulator of its own (--sims 0) and ``clients`` external ones,
+    ``python -m shmrl.sim --connect``, each throttled by ``env_vars``; stopped at its step
+    budget or after ``seconds`` (its clients with it)."""
+    logdir, log = folder / "shmrl", folder / "shmrl.log"
+    environ = {**os.environ, **env_vars}
+    cmd = [sys.executable, "-m", "shmrl.run", "--env", env, "--seed", str(seed), "--logdir", str(logdir),
+           "--stop-return", "inf", "--log-every", "30", "--sims", "0", "--tcp-port", "0", *extra]
+    start, sims = time.monotonic(), []
+    with open(log, "w") as out:
+        learner = popen_group(cmd, cwd=zoo.REPO, stdout=out, stderr=subprocess.STDOUT, env=environ)
+        try:
+            port = None
+            while port is None and learner.poll() is None and time.monotonic() - start < 120:
+                found = re.search(r"listening for RLlink clients on [\d.]+:(\d+)", log.read_text())
+                port = found and int(found.group(1))
+                time.sleep(0.2)
+            if port is None:
+                raise RuntimeError(f"shmrl did not listen; its log:\n{log.read_text()[-3000:]}")
+            sims = [popen_group([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", env,
+                                 "--seed", str(seed * 1000 + k)], cwd=zoo.REPO, env=environ,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in range(clients)]
+            learner.wait(timeout=max(seconds - (time.monotonic() - start), 1))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for proc in [learner, *sims]:
+                if proc.poll() is None:
+                    interrupt_group(proc)
+    return zoo.shmrl_result(logdir, log, " ".join(["python -m shmrl.run --env", env, "--sims 0 --tcp-port 0",
+                                                   *extra, f"+ {clients} x python -m shmrl.sim --connect"]))
 
 
 def shmrl_rows(folder: Path) -> list[dict]:
@@ -86,9 +126,14 @@ def one_seed(env: str, seed: int, a, py, folder: Path) -> dict:
     if a.shmrl:
         (folder / "shmrl").mkdir()
         pythonpath = os.pathsep.join([str(HERE), str(zoo.REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        extra = ["--sims", str(a.sims), "--max-env-steps", str(a.steps), *base_preset_flags(env), *a.extra]
-        entry["shmrl"] = zoo.run_shmrl(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl", extra,
-                                       env_vars={"PYTHONPATH": pythonpath, slow_sim.RATE_VAR: str(a.rate / a.sims)})
+        extra = ["--max-env-steps", str(a.steps), *base_preset_flags(env), *a.extra]
+        env_vars = {"PYTHONPATH": pythonpath, slow_sim.RATE_VAR: str(a.rate / a.sims)}
+        if a.clients:
+            entry["shmrl"] = run_shmrl_clients(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl", extra,
+                                               env_vars, a.sims)
+        else:
+            entry["shmrl"] = zoo.run_shmrl(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl",
+                                           ["--sims", str(a.sims), *extra], env_vars=env_vars)
         entry["shmrl"]["learner"] = learner_stats(shmrl_rows(folder / "shmrl"))
     steps_at = [int(a.steps * f) for f in (0.25, 0.5, 1.0)]
     times_at = [t for t in (30, 60, 120, 300, 600, 1200) if t <= seconds]
@@ -119,18 +164,20 @@ def main(argv=None) -> int:
                                                              "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=100_000, help="env steps of each run (default: %(default)s)")
     p.add_argument("--sims", type=int, default=4, help="shmrl's simulators, each at --rate / S (default: %(default)s)")
+    p.add_argument("--clients", action="store_true",
+                   help="shmrl's simulators are external clients (python -m shmrl.sim --connect), not its own")
     p.add_argument("--sb3", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--shmrl", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--python", type=Path, help="a python with rl_zoo3 and mujoco (default: tools/zoo.py's venv)")
     p.add_argument("--plot", type=Path, help="write both trainers' curves to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--quick", action="store_true", help="InvertedPendulum-v5, seed 0, 3000 steps at 1000/s")
+    p.add_argument("--quick", action="store_true", help="InvertedPendulum-v5, seed 0, 5000 steps at 1000/s")
     p.add_argument("extra", nargs="*", help="after --: extra arguments for shmrl.run")
     a = p.parse_args(argv)
     if a.quick:
-        a.envs, a.seeds, a.steps, a.rate, a.sims = ["InvertedPendulum-v5"], [0], 3000, 1000.0, 2
+        a.envs, a.seeds, a.steps, a.rate, a.sims = ["InvertedPendulum-v5"], [0], 5000, 1000.0, 2
     py = (a.python or venvs.ZOO.ensure(venvs.ZOO.folder)) if a.sb3 else None
-    results = {"rate": a.rate, "steps": a.steps, "sims": a.sims, "extra": a.extra, "load_before": os.getloadavg(),
+    results = {"rate": a.rate, "steps": a.steps, "sims": a.sims, "clients": a.clients, "extra": a.extra, "load_before": os.getloadavg(),
                "sb3": a.sb3, "shmrl": a.shmrl, "envs": {}}
     for env in a.envs:
         runs = []

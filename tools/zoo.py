@@ -175,8 +175,13 @@ def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str
     cmd = [sys.executable, "-m", "shmrl.run", "--env", env, "--seed", str(seed), "--logdir",
            str(logdir), "--stop-return", str(stop_return), "--log-every", "30", *extra]
     stop_after(cmd, seconds, REPO, folder / "shmrl.log", env_vars)
+    return shmrl_result(logdir, folder / "shmrl.log", " ".join(["python -m shmrl.run --env", env, *extra]))
+
+
+def shmrl_result(logdir: Path, log: Path, command: str) -> dict:
+    """A shmrl run's curve (from metrics.jsonl and summary.json), throughput and command."""
     if not (logdir / "metrics.jsonl").exists():
-        raise RuntimeError(f"shmrl wrote no metrics; its log:\n{(folder / 'shmrl.log').read_text()[-3000:]}")
+        raise RuntimeError(f"shmrl wrote no metrics; its log:\n{log.read_text()[-3000:]}")
     summary, rows = read_logdir(logdir)
     curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
              for r in rows if has_return(r)]      # not before the first episode
@@ -187,8 +192,7 @@ def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str
             curve.append({"wall_s": summary["wall_s"], "env_steps": summary["env_steps"],
                           "return_mean": summary["return_mean"]})
     return {"curve": curve, "env_steps_per_s": rows[-1]["env_steps_per_s"] if rows else None,
-            "env_steps": env_steps,
-            "command": " ".join(["python -m shmrl.run --env", env, *extra])}
+            "env_steps": env_steps, "command": command}
 
 
 def at(curve: list[dict], key: str, limit: float) -> float | None:
