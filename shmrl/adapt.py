@@ -11,14 +11,18 @@ it began with passes 1.5 x --target-kl (``PPO.update``), so more epochs never mo
 policy further than that; a batch that needs few steps gets few.
 
 The level follows the learner's busy share (``report.Clock``: the fraction of wall time
-spent in update and publish) over the last WINDOW updates: it goes to the highest level
-whose cost, doubling per level, would keep that share at most the target; it rises only
-when every share of the window says so, and falls when their median does (the shares of a
-loaded machine jump). With --async the simulators sample on while the learner trains, so
-its idle time is free: the target is ASYNC_TARGET. Without, they wait for every update,
-and a longer update costs env steps per second: the target is SYNC_TARGET, which a fast
-simulator's learner (CartPole's, busy 20-40% of the time) stays above. Either way a fast
-simulator keeps level 0, the preset's settings, unchanged.
+spent in update and publish) and the epochs the KL bound let each update run, over the
+last WINDOW updates. It climbs one level when every share of the window says the next
+level's cost, doubling per level, would keep the learner busy at most the target share,
+and the KL bound did not cut this level short (its median update ran every epoch). It
+falls one level when the KL bound cut this level's updates below the gradient steps of
+the level beneath (smaller minibatches then only move the policy faster to the bound: the
+extra steps buy nothing), and to the level the median share affords when the learner is
+busy. With --async the simulators sample on while the learner trains, so its idle time
+is free: the target is ASYNC_TARGET. Without, they wait for every update, and a longer
+update costs env steps per second: the target is SYNC_TARGET, which a fast simulator's
+learner (CartPole's, busy 20-40% of the time) stays above. Either way a fast simulator
+keeps level 0, the preset's settings, unchanged.
 ``--learn-per-step off`` keeps level 0; ``on`` starts at the top level and stays there.
 """
 from __future__ import annotations
@@ -52,7 +56,7 @@ def ladder(epochs: int, minibatch_size: int, batch_size: int) -> list[tuple[int,
 
 class LearnPerStep:
     """The level of learning per env step. ``plan()``: the next update's settings;
-    ``observe(share)``: the busy share of the log period that update ended."""
+    ``observe(share, epochs_run)``: how that update went."""
 
     def __init__(self, mode: str, epochs: int, minibatch_size: int, batch_size: int, target_kl: float,
                  async_sampling: bool):
@@ -63,6 +67,7 @@ class LearnPerStep:
         self.levels = ladder(epochs, minibatch_size, batch_size)
         self.level = len(self.levels) - 1 if mode == "on" else 0
         self.shares: deque[float] = deque(maxlen=WINDOW)
+        self.epochs_run: deque[float] = deque(maxlen=WINDOW)
         self.settle = 1   # updates not counted: the first (torch warms up) and the first after a change
 
     def plan(self) -> dict:
@@ -70,20 +75,31 @@ class LearnPerStep:
         return {"epochs": epochs, "minibatch_size": minibatch_size,
                 "target_kl": self.target_kl if self.level > 0 else None}
 
-    def observe(self, share: float) -> None:
+    def observe(self, share: float, epochs_run: float | None = None) -> None:
+        """``share``: the busy share of the log period the last update ended; ``epochs_run``:
+        the epochs that update ran (fewer than planned where the KL bound stopped it)."""
         if self.mode != "auto":
             return
         if self.settle:
             self.settle -= 1
             return
+        epochs, minibatch_size = self.levels[self.level]
         self.shares.append(share)
+        self.epochs_run.append(epochs if epochs_run is None else epochs_run)
         if len(self.shares) < WINDOW:
             return
-        up, down = self.level_for(max(self.shares)), self.level_for(statistics.median(self.shares))
-        level = up if up > self.level else down if down < self.level else self.level
+        ran, level = statistics.median(self.epochs_run), self.level
+        below_epochs, below_minibatch = self.levels[max(level - 1, 0)]
+        if level > 0 and ran / minibatch_size < below_epochs / below_minibatch:
+            level -= 1   # the KL bound cut this level below the gradient steps of the one beneath: no use
+        elif self.level_for(max(self.shares)) > level and ran >= epochs:
+            level += 1   # idle, and the trust region left room at this level: one more
+        else:
+            level = min(level, self.level_for(statistics.median(self.shares)))   # too busy: down
         if level != self.level:
             self.level, self.settle = level, 1
             self.shares.clear()
+            self.epochs_run.clear()
 
     def level_for(self, share: float) -> int:
         """The highest level whose cost, doubling per level from the current one's

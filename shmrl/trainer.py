@@ -128,7 +128,7 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
         if not stats:
             continue
         stats.update(learner_share=clock.period_share(), learn_level=learning.level)
-        learning.observe(stats["learner_share"])
+        learning.observe(stats["learner_share"], stats["epochs_run"])
         row = metrics_row(stats, serving, supervisor, clock)
         now = time.time()
         if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:

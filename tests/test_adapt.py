@@ -38,10 +38,16 @@ def feed(learning, shares):
     return levels
 
 
+def idle_updates(learning, share_at_0, n=40, epochs_run=None):
+    """``n`` updates whose busy share is ``share_at_0`` at level 0 and doubles per level."""
+    for _ in range(n):
+        learning.observe(share_at_0 * 2 ** learning.level, epochs_run)
+
+
 def test_an_idle_learner_climbs_and_a_busy_one_stays_at_the_preset():
     idle = policy()
     assert idle.plan() == {"epochs": 10, "minibatch_size": 256, "target_kl": None}   # level 0: the preset's
-    feed(idle, [0.02] * 6)
+    idle_updates(idle, 0.02)   # one level per window while the shares allow and the KL bound leaves room
     assert idle.level == 3   # 0.02 * 2**3 = 0.16 <= 0.2 (sync's target); one more would be 0.32
     assert idle.plan() == {"epochs": 20, "minibatch_size": 64, "target_kl": 0.02}
     # A fast simulator's learner (CartPole: 20-40% busy, jumping) never leaves level 0.
@@ -49,8 +55,24 @@ def test_an_idle_learner_climbs_and_a_busy_one_stays_at_the_preset():
     assert set(feed(busy, [0.2, 0.45, 0.19, 0.3, 0.25, 0.11, 0.35] * 5)) == {0}
     # With --async an idle learner's time is free: the target is higher.
     free = policy(async_sampling=True)
-    feed(free, [0.1] * 6)
+    idle_updates(free, 0.1)
     assert free.level == 2
+
+
+def test_a_level_the_kl_bound_cuts_short_gives_way():
+    """An update the KL bound stops before it has taken the gradient steps of the level
+    beneath gains nothing from the smaller minibatches: the level comes down; one that it
+    merely trims is kept, but not climbed past."""
+    learning = policy()
+    idle_updates(learning, 0.02, n=12)
+    assert learning.level == 2   # (10, 64): 10 epochs of 64-step minibatches
+    # 4 of its 10 epochs at 64 steps < level 1's 10 at 128: no more learning than there
+    idle_updates(learning, 0.02, n=6, epochs_run=4.0)
+    assert learning.level == 1
+    trimmed = policy()
+    idle_updates(trimmed, 0.02, n=12)
+    idle_updates(trimmed, 0.02, n=30, epochs_run=8.0)   # 8 epochs at 64 > 10 at 128: kept, not climbed
+    assert trimmed.level == 2
 
 
 def test_one_low_share_does_not_climb_and_a_busy_window_comes_down():
@@ -58,7 +80,7 @@ def test_one_low_share_does_not_climb_and_a_busy_window_comes_down():
     feed(learning, [0.05, 0.05, 0.05, 0.05, 0.5, 0.05])
     assert learning.level == 0   # every share of the window must say so
     learning = policy(mode="auto")
-    feed(learning, [0.02] * 6)
+    idle_updates(learning, 0.02)
     top = learning.level
     feed(learning, [0.6] * 6)   # the median: the learner is busy at this level
     assert learning.level < top
