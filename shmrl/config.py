@@ -295,6 +295,15 @@ class PPOSettings:
     max_seq_len: int | None = setting(
         32, "with --memory, PPO back-propagates through sequences of at most T steps (default: %(default)s)",
         preset=True, check=at_least(1), metavar="T")
+    learn_per_step: str = setting(
+        "auto", "learning per env step: auto spends the learner's idle time (a slow simulator) on more "
+        "gradient steps per batch, up to 16x --epochs x --minibatch-size's, each update bounded by "
+        "--target-kl, and keeps this preset's settings while the learner is busy (a fast simulator); "
+        "off: always the preset's; on: always the most (README, 'Slow simulators') (default: %(default)s)",
+        choices=("auto", "off", "on"))
+    target_kl: float = setting(
+        0.02, "with more learning per env step (--learn-per-step), an update stops once the approximate KL "
+        "from the policy it began with passes 1.5 x KL (default: %(default)s)", check=above(0), metavar="KL")
 
 
 @dataclass(kw_only=True)

@@ -320,16 +320,26 @@ class PPO:
         if self.normalizer is not None:
             self.normalizer.update(as_leaves(chunks.obs, self.net))
 
-    def update(self, batch: Batch, progress: float = 0.0) -> dict:
-        """``epochs`` passes of clipped-surrogate minibatch steps over ``batch``. Returns the
-        losses and diagnostics averaged over the last epoch's minibatches. ``progress``: the
-        fraction of the run's env-step budget trained so far (for ``lr_anneal``). The units
-        shuffled into minibatches are steps, or a recurrent policy's whole sequences."""
+    def update(self, batch: Batch, progress: float = 0.0, epochs: int | None = None,
+               minibatch_size: int | None = None, target_kl: float | None = None) -> dict:
+        """``epochs`` passes (default: the config's) of clipped-surrogate minibatch steps of
+        ``minibatch_size`` steps (default: the config's) over ``batch``. With ``target_kl``
+        the update stops before a minibatch step whose approximate KL from the policy as
+        it was when the update began is above 1.5 x ``target_kl`` (stable-baselines3's
+        rule, but from the update's start: in --async the behaviour policy may be versions
+        older): the trust region that bounds many epochs of small minibatches. Returns the
+        losses and diagnostics averaged over the last epoch's minibatches (those taken, or
+        the epoch before's if it stopped at an epoch's first; the update's first step is
+        always taken, its KL being 0) and ``epochs_run`` (fractional where it stopped).
+        ``progress``: the fraction of the run's env-step budget trained so far (for
+        ``lr_anneal``). The units shuffled into minibatches are steps, or a recurrent
+        policy's whole sequences."""
         cfg = self.config
+        epochs = cfg.epochs if epochs is None else epochs
         self.optimizer.lr = cfg.lr * max(1.0 - progress, 0.0) if cfg.lr_anneal else cfg.lr
         L = batch.seq_len
         units = len(batch) // L
-        mb = max(1, min(cfg.minibatch_size // L, units))   # units per minibatch
+        mb = max(1, min((minibatch_size or cfg.minibatch_size) // L, units))   # units per minibatch
         actions = batch.actions.astype(self.layout.action_dtype, copy=False)
         obs = {k: tensor(v) for k, v in batch.obs.items()}
         actions, logp_behaviour, returns = (torch.from_numpy(x) for x in (actions, batch.logp, batch.returns))
@@ -338,10 +348,14 @@ class PPO:
         state = None if batch.state is None else torch.from_numpy(batch.state)
         real = advantages if mask is None else advantages[mask > 0]
         advantages = (advantages - real.mean()) / (real.std() + 1e-8)
-        stats = torch.zeros(6)  # pi_loss, v_loss, entropy, approx_kl, clip_frac, ratio_out_of_bounds
+        # pi_loss, v_loss, entropy, approx_kl, clip_frac, ratio_out_of_bounds: this epoch's sums, and the last whole one's
+        stats, done = torch.zeros(6), None
         opt = self.optimizer    # to go back to if a loss or gradient is not finite
         before = (opt.flat.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone(), opt.t)
-        for epoch in range(cfg.epochs):
+        steps_per_epoch, steps = max(units // mb, 1), 0
+        kl_limit = 1.5 * target_kl if target_kl else math.inf
+        logp_start = None if target_kl is None else self._logp_now(obs, actions, state, L, units, mb)
+        for epoch in range(epochs):
             # One gather per epoch: each minibatch below is a slice (a view), not a copy.
             perm = self.rng.permutation(units)
             rows = torch.from_numpy(perm if L == 1 else (perm[:, None] * L + np.arange(L)).ravel())
@@ -349,25 +363,50 @@ class PPO:
             e_actions, e_logp_b, e_adv, e_returns = (x[rows] for x in (actions, logp_behaviour, advantages, returns))
             e_mask = None if mask is None else mask[rows]
             e_state = None if state is None else state[torch.from_numpy(perm)]
-            last_epoch = epoch == cfg.epochs - 1
+            e_logp_start = None if logp_start is None else logp_start[rows]
+            # The stats are every epoch's where the update may stop early, else only the last's.
+            keep = epoch == epochs - 1 or target_kl is not None
+            stats.zero_()
+            taken = 0
             for start in range(0, units - mb + 1, mb):
                 s = slice(start * L, (start + mb) * L)
                 loss, terms = self.loss({k: v[s] for k, v in e_obs.items()}, e_actions[s], e_logp_b[s], e_adv[s],
                                         e_returns[s], None if state is None else e_state[start:start + mb],
-                                        None if mask is None else e_mask[s], entropy=bool(cfg.ent_coef) or last_epoch)
+                                        None if mask is None else e_mask[s], entropy=bool(cfg.ent_coef) or keep,
+                                        logp_start=None if logp_start is None else e_logp_start[s])
+                if logp_start is not None and float(terms.pop()) > kl_limit:   # past the trust region: not taken
+                    break
                 self.optimizer.zero_grad()
                 loss.backward()
                 if not math.isfinite(self.optimizer.step(cfg.max_grad_norm)):
                     return self._skipped(before, "its loss or gradient was not finite")
-                if last_epoch:
+                taken += 1
+                if keep:
                     with torch.no_grad():
                         stats += torch.stack(terms)
-        stats /= max(units // mb, 1)
+            steps += taken
+            if taken:
+                done = stats / taken
+            if taken < steps_per_epoch:
+                break
         if not bool(torch.isfinite(opt.flat).all()):
             return self._skipped(before, "it made a weight not finite")
         return {**dict(zip(("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "ratio_out_of_bounds"),
-                           stats.tolist())),
-                "lr": self.optimizer.lr}
+                           done.tolist())),
+                "lr": self.optimizer.lr, "epochs_run": steps / steps_per_epoch}
+
+    @torch.no_grad()
+    def _logp_now(self, obs: dict, actions, state, L: int, units: int, mb: int) -> torch.Tensor:
+        """The log-probability of every row's action under the weights as they are, by
+        minibatches of ``mb`` units."""
+        parts = []
+        for start in range(0, units, mb):
+            s = slice(start * L, (start + mb) * L)
+            o = {k: v[s] for k, v in obs.items()}
+            out = (self.net.actor_torch(self.params, o) if state is None
+                   else self.net.sequence_torch(self.params, o, state[start:start + mb])[0])
+            parts.append(self.log_prob(out, actions[s], entropy=False)[0])
+        return torch.cat(parts)
 
     def _skipped(self, before: tuple, why: str) -> dict:
         """Undo an update (parameters and Adam's moments as ``before``); its stats say why."""
@@ -378,11 +417,13 @@ class PPO:
         return {"skipped": why}
 
     def loss(self, obs: dict, actions, logp_behaviour, advantages, returns, state=None, mask=None,
-             entropy: bool = True):
+             entropy: bool = True, logp_start=None):
         """(the loss of a minibatch, its terms: pi_loss, v_loss, entropy, approx_kl,
         clip_frac, ratio_out_of_bounds: the fraction of steps beyond MAX_LOG_RATIO). Its rows are steps, or with ``state`` whole sequences of equal length
         (the network runs them from ``state``); ``mask`` (1: a real step, 0: padding)
-        leaves padding out of every term. Without ``entropy`` that term is 0 (and cheaper)."""
+        leaves padding out of every term. Without ``entropy`` that term is 0 (and cheaper).
+        With ``logp_start`` (the actions' log-probabilities when the update began) the terms
+        end with the approximate KL from that policy."""
         cfg = self.config
         if state is None:
             out, values = self.net.both_torch(self.params, obs)
@@ -405,8 +446,12 @@ class PPO:
         v_loss = 0.5 * mean((values - returns).pow(2))
         ent = mean(ent) if entropy else torch.zeros(())
         loss = pi_loss + cfg.vf_coef * v_loss - cfg.ent_coef * ent
-        return loss, [pi_loss, v_loss, ent, mean((ratio - 1) - log_ratio),
-                      mean(((ratio - 1).abs() > cfg.clip).float()), mean((~in_bounds).float())]
+        terms = [pi_loss, v_loss, ent, mean((ratio - 1) - log_ratio),
+                 mean(((ratio - 1).abs() > cfg.clip).float()), mean((~in_bounds).float())]
+        if logp_start is not None:
+            moved = (logp - logp_start).detach()
+            terms.append(mean(moved.exp() - 1 - moved))
+        return loss, terms
 
     def get_state(self) -> tuple[dict[str, np.ndarray], dict]:
         """Everything training needs to go on, as arrays and JSON-able values (no pickle):

@@ -6,13 +6,42 @@ import time
 
 
 class Clock:
-    """The run's times: since the process started (``t_start``) and since learning began."""
+    """The run's times: since the process started (``t_start``) and since learning began;
+    and the learner's busy share: the fraction of wall time it spends training (update and
+    publish, ``trained``) rather than waiting for a batch, over each log period (between
+    metrics rows) and since the training loop began (``start_loop``)."""
 
     def __init__(self, t_start: float, steps_at_start: int):
         self.t_start, self.t_learn, self.steps_at_start = t_start, time.time(), steps_at_start
+        self.t_loop = self.t_period = time.perf_counter()
+        self.busy_s = self.period_busy_s = 0.0
 
     def steps_per_s(self, steps_received: int) -> float:
         return (steps_received - self.steps_at_start) / max(time.time() - self.t_learn, 1e-9)
+
+    def start_loop(self) -> None:
+        self.t_loop = self.t_period = time.perf_counter()
+        self.busy_s = self.period_busy_s = 0.0
+
+    def trained(self, seconds: float) -> None:
+        """The learner spent ``seconds`` training."""
+        self.busy_s += seconds
+        self.period_busy_s += seconds
+
+    def period_share(self) -> float:
+        """The learner's busy share since the last call (or the loop's start); starts the next period."""
+        now = time.perf_counter()
+        share = _share(self.period_busy_s, now - self.t_period)
+        self.t_period, self.period_busy_s = now, 0.0
+        return share
+
+    def learner_share(self) -> float:
+        """The learner's busy share since the training loop began."""
+        return _share(self.busy_s, time.perf_counter() - self.t_loop)
+
+
+def _share(busy: float, wall: float) -> float:
+    return min(busy / wall, 1.0) if wall > 0 else 0.0
 
 
 def counts(serving, supervisor) -> dict:
@@ -43,8 +72,8 @@ def returns(serving) -> dict:
     return means
 
 
-UPDATE_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "train_s", "batch_steps",
-                "weights_seq_no", "policy_lag", "lr", "reward_scale")
+UPDATE_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "train_s", "learner_share", "learn_level",
+                "epochs_run", "batch_steps", "weights_seq_no", "policy_lag", "lr", "reward_scale")
 
 
 def metrics_row(stats: dict, serving, supervisor, clock: Clock) -> dict:
@@ -62,6 +91,7 @@ def progress_line(row: dict, n_returns: int) -> str:
     clients = " ".join(f"{c}={_k(n)}" for c, n in sorted(row["env_steps_by_client"].items(),
                                                         key=lambda kv: (len(kv[0]), kv[0])))
     return (f"update {row['update']:4d} | steps {row['env_steps']:8d} | {row['env_steps_per_s']:8.0f} steps/s | "
+            f"learner {100 * row['learner_share']:3.0f}% | "
             f"return {row['return_mean']:7.1f} (n={n_returns}) | pi {row['pi_loss']:+.3f} "
             f"v {row['v_loss']:.3f} ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} | "
             f"lag {row['policy_lag']:.1f} | {row['elapsed_s']:.1f}s | {clients}"
@@ -84,5 +114,6 @@ def run_summary(serving, supervisor, clock: Clock, status: int, error: str | Non
             "env_steps_per_s": clock.steps_per_s(store.steps_received),
             "first_sample_s": store.first_steps_at - clock.t_start if store.first_steps_at else None,
             "updates": serving.updates, "weights_seq_no": serving.weights_seq_no,
+            "learner_share": clock.learner_share(),
             "simulator_recovery_s": supervisor.recovery_s if supervisor else [],
             "resumed_from": str(resumed_from) if resumed_from else None, **means}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shmrl.adapt import LearnPerStep
 from shmrl.checkpoint import CheckpointError
 from shmrl.config import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, saved_config
 from shmrl.episode import EpisodeBatch
@@ -32,11 +33,14 @@ class RunFailed(RuntimeError):
     """A part of the run failed (a simulator died, a transport broke)."""
 
 
-def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: float = 0.0) -> dict | None:
+def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: float = 0.0,
+           plan: dict | None = None) -> dict | None:
     """One PPO update of each policy on its chunks (``batches``: policy id -> its batches,
     taken at weights ``version``), then publish the new weights (and observation
-    statistics). ``progress``: the fraction of the step budget trained. The stats are
-    their means weighted by steps, and each policy's under ``policies``."""
+    statistics). ``progress``: the fraction of the step budget trained; ``plan``: the
+    epochs, minibatch size and target KL of this update (``adapt.LearnPerStep``; default:
+    the config's). The stats are their means weighted by steps, and each policy's under
+    ``policies``."""
     t0 = time.perf_counter()
     if not batches:   # nothing to learn from: a new version releases any client held back
         serving.publish({})
@@ -47,7 +51,7 @@ def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: 
         ppo = ppos[pid]
         seq = sub.weights_seq_no
         scale = ppo.config.reward_scale * serving.store.policies[pid].reward_scale()
-        result = ppo.update(ppo.make_batch(sub, reward_scale=scale), progress)
+        result = ppo.update(ppo.make_batch(sub, reward_scale=scale), progress, **(plan or {}))
         if "skipped" in result:   # the weights stay as they were; its steps are dropped
             skipped[pid] = result["skipped"]
             continue
@@ -72,7 +76,7 @@ def update(serving: Serving, ppos: dict, batches: dict, version: int, progress: 
     serving.publish({pid: ppos[pid].published_weights() for pid in per_policy})
     total = sum(p["batch_steps"] for p in per_policy.values())
     stats = {k: sum(p[k] * p["batch_steps"] for p in per_policy.values()) / total
-             for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale")}
+             for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale", "epochs_run")}
     stats.update(update=serving.updates, batch_steps=total, policy_lag=float(np.mean(lags)) if lags else 0.0,
                  train_s=time.perf_counter() - t0, weights_seq_no=serving.weights_seq_no, policies=per_policy)
     return stats
@@ -102,6 +106,9 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
     # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
     log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
     last_line = -math.inf
+    learning = LearnPerStep(config.learn_per_step, config.epochs, config.minibatch_size, config.train_batch_size,
+                            config.target_kl, config.async_sampling)
+    clock.start_loop()
     while True:
         batch = serving.next_batch(0.05)
         check_health(serving, supervisor)
@@ -112,9 +119,16 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
             return EXIT_SOLVED
         if store.steps_accepted >= config.max_env_steps:
             return EXIT_BUDGET
-        stats = update(serving, ppos, *batch, progress=store.steps_trained / config.max_env_steps) if batch else None
+        if not batch:
+            continue
+        plan = learning.plan()
+        t0 = time.perf_counter()
+        stats = update(serving, ppos, *batch, progress=store.steps_trained / config.max_env_steps, plan=plan)
+        clock.trained(time.perf_counter() - t0)
         if not stats:
             continue
+        stats.update(learner_share=clock.period_share(), learn_level=learning.level)
+        learning.observe(stats["learner_share"], stats["epochs_run"])
         row = metrics_row(stats, serving, supervisor, clock)
         now = time.time()
         if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:

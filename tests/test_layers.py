@@ -29,7 +29,7 @@ LAYERS = {
     "actor and simulator loops": ["actor", "multiagent", "sim", "eval"],
     "hub": ["store", "inference", "recorder", "hub", "serving"],
     "launchers": ["supervisor", "ray_launcher"],
-    "trainer": ["report", "resume", "pretrain", "setup_run", "trainer"],
+    "trainer": ["report", "resume", "pretrain", "setup_run", "adapt", "trainer"],
     "faces": ["run", "record", "__init__", "conformance_rules", "conformance"],
 }
 # The client side: what simulators and eval run, without torch (numpy and onnxruntime only).

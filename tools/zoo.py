@@ -62,10 +62,11 @@ def zoo_env(env: str) -> str:
     return env
 
 
-def zoo_config(py: Path, env: str, folder: Path) -> Path:
+def zoo_config(py: Path, env: str, folder: Path, entry_of: str | None = None) -> Path:
     """A hyperparameter file for ``env`` holding rl-zoo3's own entry for it (or for the
-    same task's older version; "atari" for a NoFrameskip game), as zoo's ``-conf`` takes it."""
-    script = (f"import rl_zoo3, os, yaml, json; env = {env!r}; name, version = env.rsplit('-', 1)\n"
+    same task's older version; "atari" for a NoFrameskip game), as zoo's ``-conf`` takes it;
+    ``entry_of``: the env whose entry to take (a throttled env takes its base env's)."""
+    script = (f"import rl_zoo3, os, yaml, json; env = {entry_of or env!r}; name, version = env.rsplit('-', 1)\n"
               "path = os.path.join(os.path.dirname(rl_zoo3.__file__), 'hyperparams', 'ppo.yml')\n"
               "table = yaml.safe_load(open(path))\n"
               "keys = ['atari'] if 'NoFrameskip' in env else [f'{name}-{v}' for v in ('v5', 'v4', 'v3', 'v2')]\n"
@@ -78,14 +79,15 @@ def zoo_config(py: Path, env: str, folder: Path) -> Path:
     return conf
 
 
-def stop_after(cmd: list, seconds: float, cwd: Path, log: Path) -> float:
-    """Run ``cmd`` in its own session; SIGINT after ``seconds`` (then SIGKILL if needed).
-    Returns the launch time (time.time()). The child starts with SIGINT at its default even
-    if this tool was started with it ignored (popen_group): else rl-zoo3 would train on
-    until the SIGKILL."""
+def stop_after(cmd: list, seconds: float, cwd: Path, log: Path, env_vars: dict | None = None) -> float:
+    """Run ``cmd`` in its own session (``env_vars`` added to its environment); SIGINT after
+    ``seconds`` (then SIGKILL if needed). Returns the launch time (time.time()). The child
+    starts with SIGINT at its default even if this tool was started with it ignored
+    (popen_group): else rl-zoo3 would train on until the SIGKILL."""
     t0 = time.time()
     with open(log, "w") as out:
-        proc = popen_group(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        proc = popen_group(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                           env={**os.environ, **env_vars} if env_vars else None)
         try:
             proc.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
@@ -112,17 +114,18 @@ def window_means(episodes: list[tuple[float, int, float]]) -> list[dict]:
 
 
 def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path, algo: str = "ppo",
-            extra: tuple = ()) -> dict:
+            extra: tuple = (), env_vars: dict | None = None, entry_of: str | None = None) -> dict:
     """rl-zoo3's training script for ``seconds``: its PPO with the entry ``zoo_config``
-    finds, or another ``algo`` (``ppo_lstm``: sb3-contrib's RecurrentPPO) with zoo's own
-    file for it; ``extra``: more of its arguments."""
+    finds (``entry_of``'s), or another ``algo`` (``ppo_lstm``: sb3-contrib's RecurrentPPO)
+    with zoo's own file for it; ``extra``: more of its arguments; ``env_vars``: added to
+    its environment."""
     skip = frames_per_step(env)
     env = zoo_env(env)
-    conf = ["-conf", str(zoo_config(py, env, folder))] if algo == "ppo" else []
+    conf = ["-conf", str(zoo_config(py, env, folder, entry_of))] if algo == "ppo" else []
     t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", algo, "--env", env, "--seed", str(seed),
                      *conf, "--log-folder", str(folder / "zoo"), "--vec-env", "dummy",
                      "--eval-freq", "-1", "--save-freq", "-1", *extra],
-                    seconds, folder, folder / "sb3.log")
+                    seconds, folder, folder / "sb3.log", env_vars)
     monitors = sorted((folder / "zoo").rglob("*.monitor.csv"))
     if not monitors:
         raise RuntimeError(f"SB3 wrote no Monitor file; its log:\n{(folder / 'sb3.log').read_text()[-3000:]}")
@@ -164,15 +167,21 @@ def has_return(row: dict) -> bool:
 
 
 def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str],
-              stop_return: float = float("inf")) -> dict:
+              stop_return: float = float("inf"), env_vars: dict | None = None) -> dict:
     """``python -m shmrl.run --env ENV`` (an --env value: ``gym:HalfCheetah-v5``) for
-    ``seconds``, or until ``stop_return``; its curve from metrics.jsonl."""
+    ``seconds``, or until ``stop_return``; its curve from metrics.jsonl. ``env_vars``:
+    added to its environment."""
     logdir = folder / "shmrl"
     cmd = [sys.executable, "-m", "shmrl.run", "--env", env, "--seed", str(seed), "--logdir",
            str(logdir), "--stop-return", str(stop_return), "--log-every", "30", *extra]
-    stop_after(cmd, seconds, REPO, folder / "shmrl.log")
+    stop_after(cmd, seconds, REPO, folder / "shmrl.log", env_vars)
+    return shmrl_result(logdir, folder / "shmrl.log", " ".join(["python -m shmrl.run --env", env, *extra]))
+
+
+def shmrl_result(logdir: Path, log: Path, command: str) -> dict:
+    """A shmrl run's curve (from metrics.jsonl and summary.json), throughput and command."""
     if not (logdir / "metrics.jsonl").exists():
-        raise RuntimeError(f"shmrl wrote no metrics; its log:\n{(folder / 'shmrl.log').read_text()[-3000:]}")
+        raise RuntimeError(f"shmrl wrote no metrics; its log:\n{log.read_text()[-3000:]}")
     summary, rows = read_logdir(logdir)
     curve = [{"wall_s": r["elapsed_s"], "env_steps": r["env_steps"], "return_mean": r["return_mean"]}
              for r in rows if has_return(r)]      # not before the first episode
@@ -183,8 +192,7 @@ def run_shmrl(env: str, seed: int, seconds: float, folder: Path, extra: list[str
             curve.append({"wall_s": summary["wall_s"], "env_steps": summary["env_steps"],
                           "return_mean": summary["return_mean"]})
     return {"curve": curve, "env_steps_per_s": rows[-1]["env_steps_per_s"] if rows else None,
-            "env_steps": env_steps,
-            "command": " ".join(["python -m shmrl.run --env", env, *extra])}
+            "env_steps": env_steps, "command": command}
 
 
 def at(curve: list[dict], key: str, limit: float) -> float | None:

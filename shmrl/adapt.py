@@ -1,0 +1,110 @@
+"""How much the learner learns from each batch, chosen by how busy it is: the one policy
+that spends a slow simulator's idle learner on more learning per env step.
+
+When the simulators, not the learner, are the bottleneck (a game engine, a robot, external
+clients delivering a few hundred env steps per second), the learner waits for batches
+most of the time. That time is spent on more gradient steps per batch, inside PPO's trust
+region: a ladder of levels, each twice the gradient steps of the one below it, first by
+halving the minibatch (down to MIN_MINIBATCH steps), then by doubling the epochs, up to
+MAX_LEVEL. Above level 0 every update stops early once the approximate KL from the policy
+it began with passes 1.5 x --target-kl (``PPO.update``), so more epochs never move the
+policy further than that; a batch that needs few steps gets few.
+
+The level follows the learner's busy share (``report.Clock``: the fraction of wall time
+spent in update and publish) and the epochs the KL bound let each update run, over the
+last WINDOW updates. It climbs one level when every share of the window says the next
+level's cost, doubling per level, would keep the learner busy at most the target share,
+and the KL bound did not cut this level short (its median update ran every epoch). It
+falls one level when the KL bound cut this level's updates below the gradient steps of
+the level beneath (smaller minibatches then only move the policy faster to the bound: the
+extra steps buy nothing), and to the level the median share affords when the learner is
+busy. With --async the simulators sample on while the learner trains, so its idle time
+is free: the target is ASYNC_TARGET. Without, they wait for every update, and a longer
+update costs env steps per second: the target is SYNC_TARGET, which a fast simulator's
+learner (CartPole's, busy 20-40% of the time) stays above. Either way a fast simulator
+keeps level 0, the preset's settings, unchanged.
+``--learn-per-step off`` keeps level 0; ``on`` starts at the top level and stays there.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+MODES = ("auto", "off", "on")
+MIN_MINIBATCH = 64      # steps; below this a gradient step costs nearly as much as at 64 and is noisier
+MAX_LEVEL = 4           # at most 16 times the preset's gradient steps per batch
+ASYNC_TARGET = 0.5      # the highest busy share a level may be expected to cost, with --async
+SYNC_TARGET = 0.2       # without: each update's seconds are seconds the simulators wait
+WINDOW = 5              # updates whose busy share decide the level (the first after a change is skipped)
+
+
+def ladder(epochs: int, minibatch_size: int, batch_size: int) -> list[tuple[int, int]]:
+    """(epochs, minibatch size) of each level: level 0 the preset's, each next twice the
+    gradient steps: the minibatch halved while it stays at least MIN_MINIBATCH steps (and
+    below the batch), else the epochs doubled."""
+    levels = [(epochs, minibatch_size)]
+    mb = min(minibatch_size, batch_size)
+    for _ in range(MAX_LEVEL):
+        if mb // 2 >= MIN_MINIBATCH:
+            mb //= 2
+        else:
+            epochs *= 2
+        levels.append((epochs, mb))
+    return levels
+
+
+class LearnPerStep:
+    """The level of learning per env step. ``plan()``: the next update's settings;
+    ``observe(share, epochs_run)``: how that update went."""
+
+    def __init__(self, mode: str, epochs: int, minibatch_size: int, batch_size: int, target_kl: float,
+                 async_sampling: bool):
+        if mode not in MODES:
+            raise ValueError(f"learn-per-step mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.mode, self.target_kl = mode, target_kl
+        self.target = ASYNC_TARGET if async_sampling else SYNC_TARGET
+        self.levels = ladder(epochs, minibatch_size, batch_size)
+        self.level = len(self.levels) - 1 if mode == "on" else 0
+        self.shares: deque[float] = deque(maxlen=WINDOW)
+        self.epochs_run: deque[float] = deque(maxlen=WINDOW)
+        self.settle = 1   # updates not counted: the first (torch warms up) and the first after a change
+
+    def plan(self) -> dict:
+        epochs, minibatch_size = self.levels[self.level]
+        return {"epochs": epochs, "minibatch_size": minibatch_size,
+                "target_kl": self.target_kl if self.level > 0 else None}
+
+    def observe(self, share: float, epochs_run: float | None = None) -> None:
+        """``share``: the busy share of the log period the last update ended; ``epochs_run``:
+        the epochs that update ran (fewer than planned where the KL bound stopped it)."""
+        if self.mode != "auto":
+            return
+        if self.settle:
+            self.settle -= 1
+            return
+        epochs, minibatch_size = self.levels[self.level]
+        self.shares.append(share)
+        self.epochs_run.append(epochs if epochs_run is None else epochs_run)
+        if len(self.shares) < WINDOW:
+            return
+        ran, level = statistics.median(self.epochs_run), self.level
+        below_epochs, below_minibatch = self.levels[max(level - 1, 0)]
+        if level > 0 and ran / minibatch_size < below_epochs / below_minibatch:
+            level -= 1   # the KL bound cut this level below the gradient steps of the one beneath: no use
+        elif self.level_for(max(self.shares)) > level and ran >= epochs:
+            level += 1   # idle, and the trust region left room at this level: one more
+        else:
+            level = min(level, self.level_for(statistics.median(self.shares)))   # too busy: down
+        if level != self.level:
+            self.level, self.settle = level, 1
+            self.shares.clear()
+            self.epochs_run.clear()
+
+    def level_for(self, share: float) -> int:
+        """The highest level whose cost, doubling per level from the current one's
+        ``share``, stays at most the target."""
+        if share <= 0:
+            return len(self.levels) - 1
+        steps = math.floor(math.log2(self.target / share))
+        return max(0, min(len(self.levels) - 1, self.level + steps))

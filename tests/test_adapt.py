@@ -1,0 +1,195 @@
+"""Learning per env step (shmrl/adapt.py): the ladder of levels, the policy that picks one
+from the learner's busy share, the KL bound that stops an update, and that a run turns it
+on for a slow simulator (a throttled one, tools/slow_sim.py) and keeps it off for a fast one."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import load_tool, metrics_rows, summary_of
+from shmrl.adapt import LearnPerStep, ladder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_each_level_doubles_the_gradient_steps_minibatch_first_then_epochs():
+    levels = ladder(10, 256, 2048)
+    assert levels == [(10, 256), (10, 128), (10, 64), (20, 64), (40, 64)]
+    steps = [epochs * 2048 // mb for epochs, mb in levels]
+    assert all(b == 2 * a for a, b in zip(steps, steps[1:]))
+    assert ladder(4, 512, 256)[:2] == [(4, 512), (4, 128)]   # a minibatch above the batch is the batch
+
+
+def policy(mode="auto", async_sampling=False):
+    return LearnPerStep(mode, epochs=10, minibatch_size=256, batch_size=2048, target_kl=0.02,
+                        async_sampling=async_sampling)
+
+
+def feed(learning, shares):
+    levels = []
+    for share in shares:
+        learning.observe(share)
+        levels.append(learning.level)
+    return levels
+
+
+def idle_updates(learning, share_at_0, n=40, epochs_run=None):
+    """``n`` updates whose busy share is ``share_at_0`` at level 0 and doubles per level."""
+    for _ in range(n):
+        learning.observe(share_at_0 * 2 ** learning.level, epochs_run)
+
+
+def test_an_idle_learner_climbs_and_a_busy_one_stays_at_the_preset():
+    idle = policy()
+    assert idle.plan() == {"epochs": 10, "minibatch_size": 256, "target_kl": None}   # level 0: the preset's
+    idle_updates(idle, 0.02)   # one level per window while the shares allow and the KL bound leaves room
+    assert idle.level == 3   # 0.02 * 2**3 = 0.16 <= 0.2 (sync's target); one more would be 0.32
+    assert idle.plan() == {"epochs": 20, "minibatch_size": 64, "target_kl": 0.02}
+    # A fast simulator's learner (CartPole: 20-40% busy, jumping) never leaves level 0.
+    busy = policy()
+    assert set(feed(busy, [0.2, 0.45, 0.19, 0.3, 0.25, 0.11, 0.35] * 5)) == {0}
+    # With --async an idle learner's time is free: the target is higher.
+    free = policy(async_sampling=True)
+    idle_updates(free, 0.1)
+    assert free.level == 2
+
+
+def test_a_level_the_kl_bound_cuts_short_gives_way():
+    """An update the KL bound stops before it has taken the gradient steps of the level
+    beneath gains nothing from the smaller minibatches: the level comes down; one that it
+    merely trims is kept, but not climbed past."""
+    learning = policy()
+    idle_updates(learning, 0.02, n=12)
+    assert learning.level == 2   # (10, 64): 10 epochs of 64-step minibatches
+    # 4 of its 10 epochs at 64 steps < level 1's 10 at 128: no more learning than there
+    idle_updates(learning, 0.02, n=6, epochs_run=4.0)
+    assert learning.level == 1
+    trimmed = policy()
+    idle_updates(trimmed, 0.02, n=12)
+    idle_updates(trimmed, 0.02, n=30, epochs_run=8.0)   # 8 epochs at 64 > 10 at 128: kept, not climbed
+    assert trimmed.level == 2
+
+
+def test_one_low_share_does_not_climb_and_a_busy_window_comes_down():
+    learning = policy()
+    feed(learning, [0.05, 0.05, 0.05, 0.05, 0.5, 0.05])
+    assert learning.level == 0   # every share of the window must say so
+    learning = policy(mode="auto")
+    idle_updates(learning, 0.02)
+    top = learning.level
+    feed(learning, [0.6] * 6)   # the median: the learner is busy at this level
+    assert learning.level < top
+
+
+def test_the_flag_forces_a_level():
+    on, off = policy("on"), policy("off")
+    assert on.level == 4 and feed(on, [0.9] * 10)[-1] == 4
+    assert off.level == 0 and feed(off, [0.01] * 10)[-1] == 0
+    with pytest.raises(ValueError, match="auto, off, on"):
+        policy("sometimes")
+
+
+def test_many_epochs_stop_at_the_kl_bound():
+    """With a target KL an update of many epochs stops early, and moves the policy less;
+    without, it runs every epoch."""
+    from shmrl.config import PPOSettings, with_defaults
+    from shmrl.envs import env_spec
+    from shmrl.episode import Episode, EpisodeBatch
+    from shmrl.net import PolicyNet
+    from shmrl.ppo import PPO
+
+    rng = np.random.default_rng(1)
+    chunks = []
+    for t in range(512):  # one-step episodes: action 1 is rewarded, action 0 is not
+        c = Episode(rng.normal(size=4).astype(np.float32))
+        c.add_step(t % 2, float(t % 2), np.zeros(4, np.float32), np.zeros(2, np.float32),
+                   float(np.log(0.5)), terminated=True)
+        chunks.append(c.finalize())
+    results = {}
+    for target in (None, 0.005):
+        ppo = PPO(PolicyNet(env_spec("CartPole-v1"), 64, "ReLU"), with_defaults(PPOSettings, lr=3e-3), seed=0)
+        batch = ppo.make_batch(EpisodeBatch.from_episodes(chunks))
+        results[target] = ppo.update(batch, epochs=40, minibatch_size=64, target_kl=target)
+    assert results[None]["epochs_run"] == 40
+    assert 0 < results[0.005]["epochs_run"] < 40
+    assert results[0.005]["approx_kl"] < results[None]["approx_kl"]
+    assert results[0.005]["clip_frac"] < results[None]["clip_frac"]
+
+
+def run_shmrl(tmp_path, *args, steps_per_s=None, timeout=120) -> list[dict]:
+    """``python -m shmrl.run`` with tools/ on the path (and a throttle); its metrics rows."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tools"), str(REPO)]))
+    if steps_per_s:
+        env["SLOW_SIM_STEPS_PER_S"] = str(steps_per_s)
+    logdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shmrl.run", "--logdir", logdir, "--log-every", "0", *args],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode in (0, 1), out[-3000:]
+    assert "learner " in out and "%" in out   # the progress line shows the busy share
+    return metrics_rows(logdir)
+
+
+def test_a_slow_simulator_gets_more_learning_per_env_step(tmp_path, no_shm_leftovers):
+    # 500 env steps/s in all; an update of one epoch costs little next to a batch's 0.5 s
+    rows = run_shmrl(tmp_path, "--env", "slow_sim:cart_pole", "--sims", "2", "--train-batch-size", "256",
+                     "--epochs", "1", "--max-env-steps", "4000", "--stop-return", "inf", steps_per_s=250)
+    assert all(0 <= r["learner_share"] <= 1 for r in rows)
+    assert max(r["learn_level"] for r in rows) > 0, [(r["learner_share"], r["learn_level"]) for r in rows]
+    raised = [r for r in rows if r["learn_level"] > 0]
+    assert all(r["epochs_run"] > 0 and r["approx_kl"] < 0.5 for r in raised)
+    assert 0 < summary_of(tmp_path / "run")["learner_share"] < 0.5
+
+
+def test_a_fast_simulator_keeps_the_preset(tmp_path, no_shm_leftovers):
+    rows = run_shmrl(tmp_path, "--env", "CartPole-v1", "--max-env-steps", "60000")
+    assert {r["learn_level"] for r in rows} == {0}, [(r["learner_share"], r["learn_level"]) for r in rows]
+    assert {r["epochs_run"] for r in rows} == {4}   # the preset's
+
+
+def test_the_throttle_holds_a_process_to_its_rate(monkeypatch):
+    slow_sim = load_tool("slow_sim")
+    monkeypatch.setenv(slow_sim.RATE_VAR, "200")
+    monkeypatch.setattr(slow_sim, "_pace", None)
+    env = slow_sim.cart_pole()
+    env.reset(seed=0)
+    import time
+
+    start = time.perf_counter()
+    for _ in range(40):
+        if any(env.step(env.action_space.sample())[2:4]):
+            env.reset()
+    took = time.perf_counter() - start
+    assert 40 / 200 * 0.9 <= took < 40 / 200 * 3, took
+
+
+@pytest.mark.slow   # about 40 s on an idle machine: both trainers, throttled
+@pytest.mark.skipif(not Path("~/.cache/shmrl/zoo-venv/bin/python").expanduser().exists(),
+                    reason="no rl-zoo3 virtualenv: `python tools/zoo.py --setup` makes it")
+def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm_leftovers):
+    pytest.importorskip("mujoco", reason="the mujoco extra is not installed (the test extra has it)")
+    out = tmp_path / "curves.png"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "slow_sims.py"), "--quick", "--json",
+                           "--plot", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (run,) = result["envs"]["InvertedPendulum-v5"]["runs"]
+    for who in ("shmrl", "sb3"):
+        assert run[who]["curve"] and run[who]["env_steps"] >= 2000, who
+        # throttled: neither samples faster than the rate (a little slack for the rate's clock)
+        steps = [p["env_steps"] for p in run[who]["curve"]]
+        assert steps == sorted(steps)
+    learner = run["shmrl"]["learner"]
+    assert 0 <= learner["learner_share_median"] <= 1 and learner["approx_kl_max"] < 1
+    assert out.read_bytes().startswith(b"\x89PNG")

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""shmrl beside stable-baselines3 + rl-zoo3's tuned PPO on a slow simulator: both trainers'
+envs throttled to the same aggregate rate (tools/slow_sim.py), seed by seed, in turns.
+Returns at given env steps and wall times, how busy shmrl's learner was and how far its
+policy moved per update (approx_kl, clip_frac), a plot of both curves, JSON.
+
+    python tools/slow_sims.py                                  # HalfCheetah-v5, 1000 steps/s, 100k steps, 3 seeds
+    python tools/slow_sims.py --envs Hopper-v5 --steps 300000 --plot hopper.png
+    python tools/slow_sims.py --no-sb3 --seeds 0 -- --learn-per-step off   # shmrl alone, flags of its own
+    python tools/slow_sims.py --clients --no-sb3               # shmrl's simulators as external TCP clients
+    python tools/slow_sims.py --quick --json                   # seconds: InvertedPendulum-v5, one seed
+
+SB3 runs as tools/zoo.py runs it (rl-zoo3's own training script and ppo.yml entry of the
+base env), on ``Throttled<ENV>`` (one process at --rate); shmrl on
+``slow_sim:<factory>`` with --sims S simulators (or, --clients, S ``python -m shmrl.sim
+--connect`` clients) at --rate / S each, and the base env's
+own preset (gamma and the like: presets.toml) as flags. Each stops at --steps env steps
+or after --steps / --rate x 4 + 60 seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import slow_sim  # noqa: F401  (tools/slow_sim.py: checked importable here before a trainer needs it)
+import venvs
+import zoo
+from processes import interrupt_group, popen_group, read_logdir
+
+HERE = Path(__file__).resolve().parent
+FACTORIES = {base: name for name, base in slow_sim.BASE_IDS.items()}
+
+
+def base_preset_flags(env: str) -> list[str]:
+    """The flags of the env's own table in presets.toml (``gym:ENV``'s), which the throttled
+    factory's name does not find (its family's it gets: the family is found by the spaces)."""
+    from shmrl.config import Config, flag_of
+    from shmrl.presets import _presets
+
+    own = {k: v for k, v in _presets().get("env", {}).get(f"gym:{env}", {}).items() if k != "family"}
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    flags = []
+    for key, value in own.items():
+        flag = flag_of(fields[key])
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+def run_shmrl_clients(env: str, seed: int, seconds: float, folder: Path, extra: list[str], env_vars: dict,
+                      clients: int) -> dict:
+    """shmrl with no simulator of its own (--sims 0) and ``clients`` external ones,
+    ``python -m shmrl.sim --connect``, each throttled by ``env_vars``; stopped at its step
+    budget or after ``seconds`` (its clients with it)."""
+    logdir, log = folder / "shmrl", folder / "shmrl.log"
+    environ = {**os.environ, **env_vars}
+    cmd = [sys.executable, "-m", "shmrl.run", "--env", env, "--seed", str(seed), "--logdir", str(logdir),
+           "--stop-return", "inf", "--log-every", "30", "--sims", "0", "--tcp-port", "0", *extra]
+    start, sims = time.monotonic(), []
+    with open(log, "w") as out:
+        learner = popen_group(cmd, cwd=zoo.REPO, stdout=out, stderr=subprocess.STDOUT, env=environ)
+        try:
+            port = None
+            while port is None and learner.poll() is None and time.monotonic() - start < 120:
+                found = re.search(r"listening for RLlink clients on [\d.]+:(\d+)", log.read_text())
+                port = found and int(found.group(1))
+                time.sleep(0.2)
+            if port is None:
+                raise RuntimeError(f"shmrl did not listen; its log:\n{log.read_text()[-3000:]}")
+            sims = [popen_group([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", env,
+                                 "--seed", str(seed * 1000 + k)], cwd=zoo.REPO, env=environ,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in range(clients)]
+            learner.wait(timeout=max(seconds - (time.monotonic() - start), 1))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for proc in [learner, *sims]:
+                if proc.poll() is None:
+                    interrupt_group(proc)
+    return zoo.shmrl_result(logdir, log, " ".join(["python -m shmrl.run --env", env, "--sims 0 --tcp-port 0",
+                                                   *extra, f"+ {clients} x python -m shmrl.sim --connect"]))
+
+
+def shmrl_rows(folder: Path) -> list[dict]:
+    return read_logdir(folder / "shmrl")[1]
+
+
+def learner_stats(rows: list[dict]) -> dict:
+    """How busy shmrl's learner was, how much it learned per batch, and how far each update moved."""
+    if not rows:
+        return {}
+    return {"learner_share_median": statistics.median(r["learner_share"] for r in rows),
+            "learn_levels": sorted({r["learn_level"] for r in rows}),
+            "epochs_run_median": statistics.median(r["epochs_run"] for r in rows),
+            "approx_kl_median": statistics.median(r["approx_kl"] for r in rows),
+            "approx_kl_max": max(r["approx_kl"] for r in rows),
+            "clip_frac_median": statistics.median(r["clip_frac"] for r in rows),
+            "clip_frac_max": max(r["clip_frac"] for r in rows)}
+
+
+def summarize(run: dict, steps_at: list[int], times_at: list[float]) -> dict:
+    curve = run["curve"]
+    return {"return_at_steps": {str(n): zoo.at(curve, "env_steps", n) for n in steps_at},
+            "return_at_s": {str(int(t)): zoo.at(curve, "wall_s", t) for t in times_at},
+            "final": curve[-1] if curve else None}
+
+
+def one_seed(env: str, seed: int, a, py, folder: Path) -> dict:
+    seconds = a.steps / a.rate * 4 + 60
+    entry = {"seed": seed}
+    if a.sb3:
+        (folder / "sb3").mkdir()
+        entry["sb3"] = zoo.run_sb3(py, "Throttled" + env, seed, seconds, folder / "sb3",
+                                   extra=("--gym-packages", "slow_sim", "-n", str(a.steps)),
+                                   env_vars={"PYTHONPATH": str(HERE), slow_sim.RATE_VAR: str(a.rate)},
+                                   entry_of=env)
+    if a.shmrl:
+        (folder / "shmrl").mkdir()
+        pythonpath = os.pathsep.join([str(HERE), str(zoo.REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        extra = ["--max-env-steps", str(a.steps), *base_preset_flags(env), *a.extra]
+        env_vars = {"PYTHONPATH": pythonpath, slow_sim.RATE_VAR: str(a.rate / a.sims)}
+        if a.clients:
+            entry["shmrl"] = run_shmrl_clients(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl", extra,
+                                               env_vars, a.sims)
+        else:
+            entry["shmrl"] = zoo.run_shmrl(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl",
+                                           ["--sims", str(a.sims), *extra], env_vars=env_vars)
+        entry["shmrl"]["learner"] = learner_stats(shmrl_rows(folder / "shmrl"))
+    steps_at = [int(a.steps * f) for f in (0.25, 0.5, 1.0)]
+    times_at = [t for t in (30, 60, 120, 300, 600, 1200) if t <= seconds]
+    for who in ("sb3", "shmrl"):
+        if who in entry:
+            entry[who].update(summarize(entry[who], steps_at, times_at))
+    return entry
+
+
+def medians(runs: list[dict]) -> dict:
+    out = {}
+    for who in ("sb3", "shmrl"):
+        mine = [r[who] for r in runs if who in r]
+        if not mine:
+            continue
+        for key in ("return_at_steps", "return_at_s"):
+            out[f"{who}_{key}_mean"] = {
+                k: (statistics.mean(v) if v else None)
+                for k in mine[0][key] for v in [[m[key][k] for m in mine if m[key].get(k) is not None]]}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--envs", nargs="+", default=["HalfCheetah-v5"], choices=sorted(FACTORIES))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--rate", type=float, default=1000.0, help="env steps per second, all simulators together "
+                                                             "(default: %(default)s)")
+    p.add_argument("--steps", type=int, default=100_000, help="env steps of each run (default: %(default)s)")
+    p.add_argument("--sims", type=int, default=4, help="shmrl's simulators, each at --rate / S (default: %(default)s)")
+    p.add_argument("--clients", action="store_true",
+                   help="shmrl's simulators are external clients (python -m shmrl.sim --connect), not its own")
+    p.add_argument("--sb3", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--shmrl", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--python", type=Path, help="a python with rl_zoo3 and mujoco (default: tools/zoo.py's venv)")
+    p.add_argument("--plot", type=Path, help="write both trainers' curves to this PNG")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--quick", action="store_true", help="InvertedPendulum-v5, seed 0, 5000 steps at 1000/s")
+    p.add_argument("extra", nargs="*", help="after --: extra arguments for shmrl.run")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.envs, a.seeds, a.steps, a.rate, a.sims = ["InvertedPendulum-v5"], [0], 5000, 1000.0, 2
+    py = (a.python or venvs.ZOO.ensure(venvs.ZOO.folder)) if a.sb3 else None
+    results = {"rate": a.rate, "steps": a.steps, "sims": a.sims, "clients": a.clients, "extra": a.extra, "load_before": os.getloadavg(),
+               "sb3": a.sb3, "shmrl": a.shmrl, "envs": {}}
+    for env in a.envs:
+        runs = []
+        for seed in a.seeds:
+            with tempfile.TemporaryDirectory(prefix=f"shmrl-slow-{env}-") as tmp:
+                runs.append(one_seed(env, seed, a, py, Path(tmp)))
+            if not a.json:
+                print_run(env, runs[-1])
+        results["envs"][env] = {"runs": runs, **medians(runs)}
+    results["load_after"] = os.getloadavg()
+    if a.plot:
+        zoo.plot(results, a.plot, title=f"shmrl and SB3 + rl-zoo3, every env throttled to {a.rate:.0f} steps/s in all")
+    if a.json:
+        print(json.dumps(results))
+    else:
+        for env, r in results["envs"].items():
+            for key in ("return_at_steps_mean", "return_at_s_mean"):
+                parts = [f"{who} " + " ".join(f"{k}={zoo.fmt(v)}" for k, v in r[f"{who}_{key}"].items())
+                         for who in ("shmrl", "sb3") if f"{who}_{key}" in r]
+                print(f"{env} {key.replace('_', ' ')} over {len(a.seeds)} seeds: " + " | ".join(parts))
+    return 0
+
+
+def print_run(env: str, entry: dict) -> None:
+    for who in ("sb3", "shmrl"):
+        if who in entry:
+            r = entry[who]
+            steps = " ".join(f"{int(n) // 1000}k={zoo.fmt(v)}" for n, v in r["return_at_steps"].items())
+            times = " ".join(f"{t}s={zoo.fmt(v)}" for t, v in r["return_at_s"].items())
+            learner = r.get("learner", {})
+            extra = (f" | learner {100 * learner['learner_share_median']:.0f}% levels {learner['learn_levels']} "
+                     f"kl max {learner['approx_kl_max']:.3f} clip max {learner['clip_frac_max']:.2f}") if learner else ""
+            print(f"{env} seed {entry['seed']} {who:5s}: {steps} | {times} | {zoo.fmt(r.get('env_steps'))} steps, "
+                  f"{zoo.fmt(r.get('env_steps_per_s'))}/s{extra}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
