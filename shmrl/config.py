@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -103,8 +104,9 @@ class RunSettings:
     seed: int = setting(0, "seed of the learner and, offset per simulator, of the environments and action "
                            "sampling (default: %(default)s)")
     stop_return: float | None = setting(
-        None, "stop when the mean return of the last --return-window complete episodes reaches R "
-        "(default: %(default)s; None: the env's reward threshold, or none: train to the budget)",
+        None, "stop when the mean return of the last --return-window complete episodes reaches R; "
+        "none (or inf): never, train to the --max-env-steps budget (default: %(default)s; None: the "
+        "env's reward threshold, or none where it has none)",
         kind=float, preset=True, metavar="R", allow_inf=True)
     max_env_steps: int | None = setting(
         1_000_000, "give up (exit 1) after N env steps received, counting those before a --resume "
@@ -335,6 +337,29 @@ class Config(NetworkSettings, PPOSettings, SamplingSettings, MultiAgentSettings,
     ``env`` may also be a callable that makes a gymnasium-style env."""
 
 
+class UnknownSetting(ConfigError, TypeError):
+    """A keyword that is no setting of shmrl.Config (a TypeError too, as for any class)."""
+
+
+def _check_names(init):
+    @functools.wraps(init)
+    def checked(self, **fields):
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Config)})
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], [f.name for f in dataclasses.fields(Config)], n=3)
+            if not near and unknown[0].startswith("asyn"):   # the one field not named after its flag
+                near = ["async_sampling"]
+            raise UnknownSetting(f"shmrl.Config has no setting {unknown[0]!r}"
+                                 + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+        init(self, **fields)
+    return checked
+
+
+# An unknown keyword names shmrl.Config and the settings it may have meant, not the
+# dataclass's generated __init__.
+Config.__init__ = _check_names(Config.__init__)
+
+
 def house_defaults(cls=Config) -> dict:
     """The house default of every preset setting of ``cls`` (Config or one of its groups)."""
     return {f.name: f.metadata["house"] for f in dataclasses.fields(cls) if f.metadata["preset"]}
@@ -437,8 +462,19 @@ def add_flag(group, f: dataclasses.Field, defaults: Config) -> None:
     if m["kind"] is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
-        kwargs.update(type=m["kind"], choices=m["choices"], metavar=m["metavar"])
+        kind = number_or_none if m["allow_inf"] else m["kind"]
+        kwargs.update(type=kind, choices=m["choices"], metavar=m["metavar"])
     group.add_argument(flag_of(f), **kwargs)
+
+
+def number_or_none(text: str) -> float:
+    """A float flag that may be infinite: ``none`` means never (infinity)."""
+    if text.strip().lower() == "none":
+        return math.inf
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or none, not {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -460,17 +496,15 @@ def saved_config(config: Config) -> dict:
 def config_from_saved(saved: dict) -> Config:
     """The Config a run wrote down (``saved_config``), the secret left out; settings it
     does not know (from an older shmrl) take their defaults."""
-    names = {f.name for f in dataclasses.fields(Config)}
-    return Config(**{k: v for k, v in saved.items() if k in names and k != "auth_token"})
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    kept = {k: v for k, v in saved.items() if k in fields and k != "auth_token"}
+    # JSON has no infinity: a saved stop return of none (inf) reads back as null, and a
+    # saved configuration is resolved, so null there can only have been inf.
+    kept.update({k: math.inf for k, v in kept.items() if v is None and fields[k].metadata["allow_inf"]})
+    return Config(**kept)
 
 
 def config_with(config: Config | None = None, **fields) -> Config:
     """``config`` (default: a fresh Config) with ``fields`` set; an unknown name is a
     ConfigError that lists the nearest known ones."""
-    names = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(fields) - names)
-    if unknown:
-        near = difflib.get_close_matches(unknown[0], names, n=3)
-        raise ConfigError(f"shmrl.Config has no setting {unknown[0]!r}"
-                          + (f" (did you mean {' or '.join(near)}?)" if near else ""))
     return dataclasses.replace(config, **fields) if config is not None else Config(**fields)

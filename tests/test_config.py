@@ -14,8 +14,9 @@ import pytest
 import shmrl
 from conftest import descendants
 from shmrl.config import (Config, ConfigError, PPOSettings, config_from_saved, config_with, resolve_config,
-                          validate, with_defaults)
+                          saved_config, validate, with_defaults)
 from shmrl.envs import env_spec
+from shmrl.logdir import dumps
 from shmrl.presets import PRESETS_FILE
 from shmrl.run import build_parser, parse_args
 
@@ -101,6 +102,21 @@ def test_the_flags_cover_every_setting_once():
     assert len(flagged) == len(FLAG_VALUES)
 
 
+def test_stop_return_none_trains_to_the_budget_and_survives_a_resume():
+    assert parse_args(["--stop-return", "none"]).stop_return == math.inf
+    assert parse_args(["--stop-return", "None"]).stop_return == math.inf
+    # JSON has no infinity: summary.json and checkpoints write null, which reads back as none.
+    saved = json.loads(dumps(saved_config(parse_args(["--stop-return", "none", "--restart-window", "inf"]))))
+    assert saved["stop_return"] is None
+    restored = config_from_saved(saved)
+    assert restored.stop_return == math.inf and restored.restart_window == math.inf
+
+
+def test_an_unknown_keyword_to_config_is_a_type_error_too():
+    with pytest.raises(TypeError, match="shmrl.Config has no setting 'lr_rate'"):
+        Config(lr_rate=1.0)
+
+
 def test_the_auth_token_defaults_to_its_environment_variable():
     code = "from shmrl.run import parse_args; print(parse_args([]).auth_token)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -120,6 +136,8 @@ def test_the_auth_token_defaults_to_its_environment_variable():
     (lambda: shmrl.train(activation="relu"), "--activation must be one of ReLU, Tanh"),
     (lambda: shmrl.train(ray="auto", sims=0, tcp_port=0), "--ray places simulators"),
     (lambda: shmrl.train(learning_rate=1e-3), "shmrl.Config has no setting 'learning_rate'"),
+    (lambda: shmrl.Config(sim=2), "shmrl.Config has no setting 'sim' (did you mean sims?)"),
+    (lambda: shmrl.train(shmrl.Config(), asynch=True), "(did you mean async_sampling?)"),
 ])
 def test_the_api_refuses_a_bad_setting_at_once(call, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
