@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shmrl.presets import PRESETS_FILE, preset_tables
+from shmrl.presets import PRESETS_FILE, preset_origins, preset_tables
 
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # A simulator that stops because nothing it could send is trainable says why by its exit status.
@@ -95,7 +95,8 @@ def flag_of(f: dataclasses.Field) -> str:
 @dataclass(kw_only=True)
 class RunSettings:
     sims: int | None = setting(
-        8, "simulator processes, each with its own shared-memory ring (default: %(default)s)",
+        8, "simulator processes, each with its own shared-memory ring; 0: none, only the external "
+        "clients of --tcp-port train (default: %(default)s)",
         preset=True, check=at_least(0))
     env: str | Callable = setting(
         "CartPole-v1", "environment: a built-in id (CartPole-v1, Pendulum-v1), gym:ID for any gymnasium env "
@@ -143,11 +144,15 @@ class LogSettings:
 @dataclass(kw_only=True)
 class TransportSettings:
     transport: str = setting(
-        "shm", "how the local simulators talk to the learner: shared-memory rings, or "
-        "RLlink JSON over TCP loopback like an external client (default: %(default)s)", choices=("shm", "tcp"))
+        "shm", "how the local simulators talk to the learner: shared-memory rings, or RLlink over "
+        "TCP loopback like an external client (shmrl's binary codec, which its PING offers and the "
+        "server takes; RLlib's JSON for clients that offer nothing) (default: %(default)s)",
+        choices=("shm", "tcp"))
     tcp_port: int | None = setting(
-        None, "also accept external RLlink clients (RLlib's JSON variant) on this port; "
-        "they train the same policy as the local simulators", kind=int, metavar="PORT",
+        None, "also accept external RLlink clients on this port (RLlib's JSON, or shmrl's binary codec "
+        "for clients that offer it); they train the same policy as the local simulators. 0: any free "
+        "port, which the log names ('listening for RLlink clients on HOST:PORT'); with --sims 0, "
+        "only external clients train (default: none, no TCP port)", kind=int, metavar="PORT",
         check=Rule("a port number from 0 to 65535 (0: any free port)", lambda v: 0 <= v <= 65535))
     tcp_host: str = setting(
         "127.0.0.1", "address to listen on (default: %(default)s, loopback only; 0.0.0.0 exposes "
@@ -250,7 +255,8 @@ class SamplingSettings:
     async_sampling: bool | None = setting(
         False, "simulators keep sampling while the learner trains: each EPISODES_AND_GET_STATE "
         "is answered at once with the latest weights, not after the next update; PPO's "
-        "ratio is taken against the behaviour log-probabilities the clients report", preset=True, flag="--async")
+        "ratio is taken against the behaviour log-probabilities the clients report (default: %(default)s)",
+        preset=True, flag="--async")
     max_policy_lag: int = setting(
         2, "with --async, drop (and count) chunks sampled with weights more than V "
         "versions old (default: %(default)s)", check=at_least(0), metavar="V")
@@ -441,23 +447,34 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
 
 # ---------------------------------------------------------------- the command line, from the fields
 
-def add_arguments(parser: argparse.ArgumentParser, defaults: Config) -> None:
+def add_arguments(parser: argparse.ArgumentParser, defaults: Config, origins: dict | None = None) -> None:
     """One flag per field of Config, under the headings of HELP_SECTIONS, with ``defaults``
-    as the defaults shown and taken."""
+    as the defaults shown and taken; ``origins``: where a default came from, by field
+    name (``setting_origins``), said after it in --help."""
     groups = {None: parser}
     for cls, title in HELP_SECTIONS:
         if title not in groups:
             groups[title] = parser.add_argument_group(title)
         for f in dataclasses.fields(cls):
-            add_flag(groups[title], f, defaults)
+            add_flag(groups[title], f, defaults, (origins or {}).get(f.name))
 
 
-def add_flag(group, f: dataclasses.Field, defaults: Config) -> None:
+def setting_origins(env, spec=None) -> dict[str, str]:
+    """Where each preset setting of ``env`` that is not the house default comes from, as
+    --help says it: ``env."CartPole-v1" in presets.toml``, ``family.continuous in ...``."""
+    return {name: f"{origin} in presets.toml" for name, origin in preset_origins(env, spec).items()}
+
+
+def add_flag(group, f: dataclasses.Field, defaults: Config, origin: str | None = None) -> None:
     m = f.metadata
     default = None if m["flag_default_none"] else getattr(defaults, f.name)
     if m["env_var"]:
         default = os.environ.get(m["env_var"])
     help = m["help"].format_map(vars(defaults)) if m["flag_default_none"] else m["help"]
+    if origin == "the command line":
+        help = help.replace("(default: %(default)s", "(given on the command line: %(default)s", 1)
+    elif origin:
+        help = help.replace("(default: %(default)s", f"(default: %(default)s, from {origin}", 1)
     kwargs = {"dest": f.name, "default": default, "help": help}
     if m["kind"] is bool:
         kwargs["action"] = argparse.BooleanOptionalAction

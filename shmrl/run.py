@@ -30,7 +30,7 @@ from pathlib import Path
 from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, EXIT_USAGE,  # noqa: F401
                           Config, ConfigError, OneLineErrorParser, add_arguments, config_from_args,
                           config_from_saved, env_name, preset_values, resolve_config,
-                          validate)
+                          setting_origins, validate)
 
 log = logging.getLogger("shmrl.run")
 
@@ -84,16 +84,34 @@ def train(config: Config, t_start: float | None = None) -> tuple[int, dict]:
         if launcher is not None and launcher.owns_ray:
             launcher.ray.shutdown()
 
-def build_parser(d: Config, spec=None) -> argparse.ArgumentParser:
+def build_parser(d: Config, spec=None, given: dict | None = None) -> argparse.ArgumentParser:
     """The command line, with ``d`` as the defaults (a resumed run's are its saved
-    configuration): one flag per setting of shmrl/config.py."""
+    configuration): one flag per setting of shmrl/config.py. ``given``: flags of the
+    command line, whose values --help shows as such."""
     sources = " + ".join(preset_values(d.env, spec)[1])
+    origins = {} if d.resume else setting_origins(d.env, spec)
+    if given:
+        d = dataclasses.replace(d, **given)
+        origins.update({name: "the command line" for name in given})
     p = OneLineErrorParser(prog="python -m shmrl.run", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            epilog=f"The defaults shown are those of --env {env_name(d.env)}: {sources}"
-                                  + (f", saved by the run in {d.logdir}" if d.resume else ""))
-    add_arguments(p, d)
+                                  + (f", saved by the run in {d.logdir}" if d.resume else "")
+                                  + "; each says where it came from unless it is config.py's own. "
+                                    "docs/FLAGS.md lists every flag, with each env's defaults.")
+    add_arguments(p, d, origins)
     return p
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
+    """The settings ``argv`` gives (what parses of it, --help left out): --help shows them."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    try:
+        known, _ = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])
+    except SystemExit:   # a bad value: --help shows the defaults, parse_args says what is wrong
+        return {}
+    return {name: value for name, value in vars(known).items() if name != "help"}
 
 
 def parse_args(argv=None) -> Config:
@@ -120,7 +138,10 @@ def parse_args(argv=None) -> Config:
         except checkpoint.CheckpointError as e:
             build_parser(defaults, spec).error(f"--resume {known.resume}: {e}")
         defaults = dataclasses.replace(config_from_saved(state.get("config", {})), logdir=known.resume)
-    p = build_parser(defaults, spec)
+    given = None
+    if "-h" in argv or "--help" in argv:
+        given = given_flags(build_parser(defaults, spec), argv)
+    p = build_parser(defaults, spec, given)
     config = resolve_config(config_from_args(p.parse_args(argv)), spec)
     try:
         validate(config, spec)

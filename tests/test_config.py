@@ -195,10 +195,38 @@ def test_halfcheetah_help_shows_its_preset_values_and_where_they_came_from():
     def help_of(flag):   # the flag's own lines, not the usage's
         return " ".join(shown.split(f"\n  {flag}")[1].split("\n  -")[0].split())
 
-    assert "(default: 0.98)" in help_of("--gamma")          # its own table
-    assert "(default: True)" in help_of("--normalize-obs")  # the continuous family
+    assert '(default: 0.98, from env."gym:HalfCheetah-v5" in presets.toml)' in help_of("--gamma")  # its own table
+    assert "(default: True, from family.continuous in presets.toml)" in help_of("--normalize-obs")
+    assert "(default: True, from family.continuous" in help_of("--async")   # what a preset turned on
     assert "(default: 0.2)" in help_of("--clip")            # the house default
     assert 'family.continuous + env."gym:HalfCheetah-v5" in' in shown and "config.py" in shown
+
+
+def help_lines(*args) -> dict[str, str]:
+    """``python -m shmrl.run ARGS --help``'s text of each flag, on one line."""
+    shown = subprocess.run([sys.executable, "-m", "shmrl.run", *args, "--help"], capture_output=True, text=True,
+                           timeout=60).stdout
+    options = shown.split("\noptions:")[1]
+    return {part.split()[0].rstrip(","): " ".join(part.split()) for part in options.split("\n  -")[1:]}
+
+
+def test_help_says_where_each_value_came_from_for_the_env_chosen():
+    shown = help_lines("--env", "Pendulum-v1", "--lr", "0.002", "--sims", "3")
+    assert "(given on the command line: 0.002)" in shown["-lr"]
+    assert "(given on the command line: 3)" in shown["-sims"]
+    assert '(default: 0.95, from env."Pendulum-v1" in presets.toml)' in shown["-gamma"]
+    assert "(default: 2000000, from env." in shown["-max-env-steps"]
+    assert "(default: 0.95)" in shown["-gae-lambda"]          # config.py's own: said without a source
+    assert "0: none, only the external clients of --tcp-port" in shown["-sims"]
+    assert "0: any free port" in shown["-tcp-port"]
+    assert "binary codec" in shown["-transport"] and "JSON over TCP" not in shown["-transport"]
+
+
+def test_gym_ids_of_built_in_envs_take_the_built_in_preset():
+    """gym:Pendulum-v1 is the built-in Pendulum-v1: one env, one preset (--async and all)."""
+    from shmrl.config import preset_values
+    assert preset_values("gym:Pendulum-v1")[0] == preset_values("Pendulum-v1")[0]
+    assert preset_values("gym:CartPole-v1")[0]["lr"] == preset_values("CartPole-v1")[0]["lr"]
 
 
 def test_every_key_in_the_presets_file_is_a_preset_setting():
