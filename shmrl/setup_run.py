@@ -42,8 +42,10 @@ class Setup:
 def set_up(config, servers_given: bool = False) -> Setup:
     """Everything that can refuse the run (ConfigError) short of opening its transports."""
     from shmrl.envs import env_spec
+    from shmrl.envspec import say_left_out
 
     spec = env_spec(config.env)
+    say_left_out(spec)
     config = resolve_config(config, spec)
     validate(config, spec, servers_given)
     multiagent = getattr(spec, "multiagent", False)
