@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLE_CLIENT
+from conftest import EXAMPLE_CLIENT, need
 
 TOKEN = "s3cret"
 
@@ -73,3 +73,14 @@ def test_the_example_clients_help_shows_its_defaults():
                          timeout=30).stdout
     for default in ("(default: 5556)", "(default: 5)", "(default: 2.0)", "(default: cartpole)"):
         assert default in out, out
+
+
+def test_eval_names_the_opponent_when_the_opponent_is_wrong(tmp_path):
+    need("pettingzoo", "pettingzoo")
+    policy = tmp_path / "policy-shared.onnx"
+    policy.write_bytes(b"whatever: the opponent is looked at first")
+    proc = subprocess.run([sys.executable, "-m", "shmrl.eval", str(policy), "--env", "pz:connect_four_v3",
+                           "--opponent", "rnd"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("error: --opponent rnd: No such file or directory: not random, self,") and "\n" not in err
