@@ -95,9 +95,9 @@ def check_health(serving: Serving, supervisor) -> None:
         raise RunFailed(f"the learner's serving thread failed: {serving.failure!r}")
 
 
-def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock: Clock) -> int:
+def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock: Clock, last: dict) -> int:
     """Take a batch -> update -> publish -> log -> checkpoint, until the stop return (exit 0)
-    or the step budget (exit 1)."""
+    or the step budget (exit 1). ``last``: the last update's stats and row, kept there."""
     config, store = setup.config, serving.store
     # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
     log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
@@ -116,6 +116,7 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
         if not stats:
             continue
         row = metrics_row(stats, serving, supervisor, clock)
+        last.update(stats=stats, row=row)
         now = time.time()
         if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
             print(progress_line(row, len(store.returns)), flush=True)
@@ -178,7 +179,7 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
         for server in servers:
             server.close()
         raise
-    status, error, unsaid, summary = EXIT_FAILED, None, [], {}
+    status, error, unsaid, summary, last = EXIT_FAILED, None, [], {}, {}
     serving = ppos = metrics = None
     clock = Clock(t_start, 0)
     try:
@@ -195,7 +196,7 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
         if launch_error is not None:
             raise RunFailed(f"could not start the simulators: {launch_error!r}")
         metrics = MetricsLog(logdir, append=bool(setup.resumed), tensorboard=setup.config.tensorboard)
-        status = loop(setup, serving, ppos, supervisor, metrics, clock)
+        status = loop(setup, serving, ppos, supervisor, metrics, clock, last)
     except RunFailed as e:
         error = str(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -211,6 +212,8 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
             serving.stop()   # from here on the store stands still
         if supervisor is not None:
             supervisor.stop()
+        if status in (EXIT_SOLVED, EXIT_BUDGET):
+            final_row(serving, supervisor, metrics, clock, last, unsaid)
         try:
             if serving is not None:
                 status, summary = finish(setup, serving, supervisor, ppos, clock, status, error, unsaid)
@@ -221,6 +224,20 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
                 server.close()
             lock.release()
     return status, summary
+
+
+def final_row(serving: Serving, supervisor, metrics, clock: Clock, last: dict, unsaid: list) -> None:
+    """The last update's row, written again with the counts and the return as the run
+    ended (what summary.json says) where episodes or steps came in after it: metrics.jsonl,
+    and a plot of it, ends where the run did (at the return that solved it)."""
+    row = last.get("row")
+    if row is None or (row["env_steps"], row["episodes"]) == (serving.store.steps_received,
+                                                              serving.store.episodes_completed):
+        return
+    try:
+        metrics.rewrite_last(metrics_row(last["stats"], serving, supervisor, clock))
+    except LogdirWriteError as e:
+        unsaid.append(str(e))
 
 
 def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, status: int, error,

@@ -28,6 +28,8 @@ def test_run_learns_and_writes_its_logdir(start_run, tmp_path):
     assert len(rows) == summary["updates"] >= 1
     assert [r["update"] for r in rows] == list(range(1, len(rows) + 1))
     assert {"env_steps", "env_steps_per_s", "return_mean", "pi_loss", "v_loss", "elapsed_s"} <= set(rows[0])
+    # The last row is the run's end: a plot of metrics.jsonl ends at the summary's return.
+    assert (rows[-1]["return_mean"], rows[-1]["env_steps"]) == (summary["return_mean"], summary["env_steps"])
     session = ort.InferenceSession(str(logdir / "policy.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].name == "onnx::Gemm_0"
     logits = session.run(None, {"onnx::Gemm_0": np.zeros((3, 4), np.float32)})[0]
