@@ -135,6 +135,9 @@ class LogSettings:
         None, "also write the metrics as TensorBoard scalars into the log folder (tensorboard "
         "--logdir runs); default: when the tensorboard package is installed (pip install 'shmrl[tensorboard]')",
         kind=bool)
+    plot: bool | None = setting(
+        None, "draw the run's learning curve into the log folder when it ends (learning_curves.png, as "
+        "python -m shmrl.plot does); default: when matplotlib is installed (pip install matplotlib)", kind=bool)
     resume: str | None = setting(
         None, "go on from the last checkpoint in DIR (weights, optimizer, env-step counts, "
         "weights_seq_no, return window), with its configuration except for the flags given "

@@ -79,10 +79,16 @@ def train(config: Config, t_start: float | None = None) -> tuple[int, dict]:
     from shmrl.trainer import train_run
 
     try:
-        return train_run(config, t_start, launcher)
+        status, summary = train_run(config, t_start, launcher)
     finally:
         if launcher is not None and launcher.owns_ray:
             launcher.ray.shutdown()
+    saved = summary.get("config", {})
+    if saved.get("plot") and status in (EXIT_SOLVED, EXIT_BUDGET):   # not after Ctrl-C, SIGTERM or a failure
+        from shmrl.plot import plot_run
+
+        plot_run(saved["logdir"])
+    return status, summary
 
 def build_parser(d: Config, spec=None, given: dict | None = None) -> argparse.ArgumentParser:
     """The command line, with ``d`` as the defaults (a resumed run's are its saved

@@ -79,6 +79,13 @@ def set_up(config, servers_given: bool = False) -> Setup:
         config.tensorboard = tensorboard_available()
     elif config.tensorboard and not tensorboard_available():
         raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
+    if config.plot is None or config.plot:
+        import importlib.util
+
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        if config.plot and not has_matplotlib:
+            raise ConfigError("--plot needs matplotlib: pip install matplotlib")
+        config.plot = has_matplotlib
     return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed)
 
 

@@ -71,6 +71,8 @@ FLAG_VALUES = [
     (["--client-budget", "5000"], "client_budget", 5000),
     (["--max-message-steps", "300"], "max_message_steps", 300),
     (["--max-message-chunks", "400"], "max_message_chunks", 400),
+    # issue 26
+    (["--plot"], "plot", True),
 ]
 
 
@@ -81,7 +83,8 @@ def test_every_flag_of_the_old_command_line_is_still_there():
     assert OLD_OPTION_STRINGS <= options, OLD_OPTION_STRINGS - options
     assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window", "--max-obs-abs",
                                             "--max-reward-abs", "--max-skipped-updates", "--max-json-frame-bytes",
-                                            "--client-budget", "--max-message-steps", "--max-message-chunks"}
+                                            "--client-budget", "--max-message-steps", "--max-message-chunks",
+                                            "--plot", "--no-plot"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):

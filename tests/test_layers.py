@@ -30,7 +30,7 @@ LAYERS = {
     "hub": ["store", "hub", "serving"],
     "launchers": ["supervisor", "ray_launcher"],
     "trainer": ["report", "resume", "setup_run", "trainer"],
-    "faces": ["run", "__init__"],
+    "faces": ["run", "plot", "__init__"],
 }
 # The client side: what simulators and eval run, without torch (numpy and onnxruntime only).
 CLIENT_MODULES = ["shmrl.actor", "shmrl.sim", "shmrl.multiagent", "shmrl.eval"]
