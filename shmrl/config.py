@@ -131,6 +131,9 @@ class LogSettings:
         None, "print a progress line at most every S seconds (0: every update); default: every "
         "update on a terminal, every 10 s when stdout is a file or a pipe", kind=float, check=at_least(0),
         metavar="S")
+    verbose: bool = setting(
+        False, "put the detail line (losses, policy lag, each client's env steps) under every progress "
+        "line, not only under every 10th (default: %(default)s)")
     tensorboard: bool | None = setting(
         None, "also write the metrics as TensorBoard scalars into the log folder (tensorboard "
         "--logdir runs); default: when the tensorboard package is installed (pip install 'shmrl[tensorboard]')",

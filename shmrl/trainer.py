@@ -20,7 +20,7 @@ from shmrl.checkpoint import CheckpointError
 from shmrl.config import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, saved_config
 from shmrl.episode import EpisodeBatch
 from shmrl.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
-from shmrl.report import Clock, metrics_row, progress_line, run_summary
+from shmrl.report import DETAIL_EVERY, Clock, metrics_row, progress_line, run_summary
 from shmrl.resume import policy_file, save_checkpoint, spent_budget
 from shmrl.serving import Serving, open_transports
 from shmrl.setup_run import Setup, make_ppos, make_serving, set_up
@@ -101,7 +101,7 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
     config, store = setup.config, serving.store
     # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
     log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
-    last_line = -math.inf
+    last_line, lines = -math.inf, 0
     while True:
         batch = serving.next_batch(0.05)
         check_health(serving, supervisor)
@@ -119,8 +119,9 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
         last.update(stats=stats, row=row)
         now = time.time()
         if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
-            print(progress_line(row, len(store.returns)), flush=True)
-            last_line = now
+            detail = config.verbose or lines % DETAIL_EVERY == 0
+            print(progress_line(row, store.returns, config.stop_return, config.max_env_steps, detail), flush=True)
+            last_line, lines = now, lines + 1
         metrics.write(row)
         if config.checkpoint_every and serving.updates % config.checkpoint_every == 0:
             checkpoint(setup, serving, ppos)

@@ -72,7 +72,7 @@ FLAG_VALUES = [
     (["--max-message-steps", "300"], "max_message_steps", 300),
     (["--max-message-chunks", "400"], "max_message_chunks", 400),
     # issue 26
-    (["--plot"], "plot", True),
+    (["--plot"], "plot", True), (["--verbose"], "verbose", True),
 ]
 
 
@@ -84,7 +84,7 @@ def test_every_flag_of_the_old_command_line_is_still_there():
     assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window", "--max-obs-abs",
                                             "--max-reward-abs", "--max-skipped-updates", "--max-json-frame-bytes",
                                             "--client-budget", "--max-message-steps", "--max-message-chunks",
-                                            "--plot", "--no-plot"}
+                                            "--plot", "--no-plot", "--verbose", "--no-verbose"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):
