@@ -14,7 +14,7 @@ speaks RLlink's JSON variant over TCP, so it trains against `python -m shmrl.run
         # which leaves mid-episode; the learner runs with
         # --env examples.external_client:pair_spaces [--policy-map per-agent]
 
-Multi-agent (README, "Multi-agent training"): every chunk also carries `agent_id` and
+Multi-agent (docs/MULTIAGENT.md): every chunk also carries `agent_id` and
 `module_id` (the policy that chose its actions, by the server's SET_CONFIG `policy_map`),
 and SET_STATE carries `policies`: module_id -> {onnx_file, weights_seq_no}.
 
@@ -40,7 +40,7 @@ carries the state before its first step as "state_in", a flat list (`state_in.0`
 `state_in.1` ...): zeros for a chunk that begins an episode, the running state for one
 that continues it. `Policy` below does all of it; nothing else changes.
 
-The ONNX contract (README, "The ONNX policy"): a flat Box observation is fed as input
+The ONNX contract (docs/ENVIRONMENTS.md, "The ONNX policy"): a flat Box observation is fed as input
 `onnx::Gemm_0`, float32 [1, obs_dim]. A Dict observation feeds one input per leaf,
 `obs.<leaf>` (nested keys joined with dots), in the leaf's dtype (float32; uint8 for an
 image; int64 for a Discrete), and its `action_mask` to the input `action_mask` (uint8):

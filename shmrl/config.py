@@ -100,7 +100,7 @@ class RunSettings:
         preset=True, check=at_least(0))
     env: str | Callable = setting(
         "CartPole-v1", "environment: a built-in id (CartPole-v1, Pendulum-v1), gym:ID for any gymnasium env "
-        "(pip install 'shmrl[gym]'), or package.module:make_env, a function that makes one; "
+        "(pip install -e '.[gym]' in shmrl's clone), or package.module:make_env, a function that makes one; "
         "the defaults below are this env's (default: %(default)s)")
     seed: int = setting(0, "seed of the learner and, offset per simulator, of the environments and action "
                            "sampling (default: %(default)s)")
@@ -136,7 +136,7 @@ class LogSettings:
         "line, not only under every 10th (default: %(default)s)")
     tensorboard: bool | None = setting(
         None, "also write the metrics as TensorBoard scalars into the log folder (tensorboard "
-        "--logdir runs); default: when the tensorboard package is installed (pip install 'shmrl[tensorboard]')",
+        "--logdir runs); default: when the tensorboard package is installed (pip install -e '.[tensorboard]' in shmrl's clone)",
         kind=bool)
     plot: bool | None = setting(
         None, "draw the run's learning curve into the log folder when it ends (learning_curves.png, as "
@@ -192,7 +192,7 @@ class TransportSettings:
         "(auto: the one this machine belongs to; HOST:6379); those on this node use shared "
         "memory, the others connect back over TCP on this node's cluster address (or "
         "--tcp-host) with the binary codec and an auth token (one is generated unless "
-        "--auth-token gives it). pip install 'shmrl[ray]'", kind=str, metavar="ADDRESS")
+        "--auth-token gives it). pip install -e '.[ray]' in shmrl's clone", kind=str, metavar="ADDRESS")
     sim_cpus: float = setting(1.0, "with --ray, CPUs reserved for each simulator actor (default: %(default)s)",
                               check=above(0), metavar="C")
 
@@ -322,7 +322,7 @@ class NetworkSettings:
         "none", "a recurrent core (LSTM or GRU) between the hidden layers and the heads, shared by "
         "actor and critic: the policy keeps a state across the steps of an episode, for envs "
         "whose observation does not show everything (the ONNX policy takes state_in.<i> and "
-        "gives state_out.<i>; README, 'Memory') (default: %(default)s)", preset=True, choices=("none", "lstm", "gru"))
+        "gives state_out.<i>; docs/ENVIRONMENTS.md, 'Memory') (default: %(default)s)", preset=True, choices=("none", "lstm", "gru"))
     memory_size: int | None = setting(64, "units of the recurrent core (default: %(default)s)", preset=True,
                                       check=at_least(1), metavar="N")
     torch_threads: int | None = setting(

@@ -1,6 +1,6 @@
 """The run's metrics: one JSON object per update in ``metrics.jsonl``, and the same numbers
 as TensorBoard scalars in the log folder when the ``tensorboard`` package is installed
-(``pip install 'shmrl[tensorboard]'``; then ``tensorboard --logdir runs``).
+(``pip install -e '.[tensorboard]' in shmrl's clone``; then ``tensorboard --logdir runs``).
 
 The scalars go through TensorBoard's own event-file writer. Each update becomes one event
 holding every scalar (one protobuf, about 0.1 ms), not one event per scalar as

@@ -163,7 +163,53 @@ def parse_args(argv=None) -> Config:
     return config
 
 
+def flags_markdown() -> str:
+    """docs/FLAGS.md: every flag of ``python -m shmrl.run`` with its default (config.py's,
+    then each table of presets.toml that changes it) and its --help text, by section.
+    ``python -m shmrl.run --flags-markdown > docs/FLAGS.md`` writes it; tests/test_docs.py
+    fails when the file is not what this gives."""
+    import re
+
+    from shmrl.config import HELP_SECTIONS, flag_of
+    from shmrl.presets import PRESETS_FILE, _presets
+
+    tables = [(f"family {name}", table) for name, table in _presets()["family"].items()]
+    tables += [(f"`{name}`", table) for name, table in _presets()["env"].items()]
+    shown = resolve_config(Config())
+    out = ["# Flags of `python -m shmrl.run`", "",
+           "Generated from shmrl/config.py and shmrl/presets.toml by `python -m shmrl.run --flags-markdown` "
+           "(tests/test_docs.py fails when it drifts). A preset setting's default is config.py's, then "
+           "the env's family's, then the env's own table (presets.toml, where each value's reason is "
+           "written); a flag given always wins. `python -m shmrl.run --env ID --help` shows the values "
+           "for one env and where each came from. Families: `continuous` (any env whose action is a 1-D "
+           "Box, unless its own table says otherwise), `minigrid` (gym:MiniGrid-*, gym:BabyAI-*), `minatar` "
+           "(gym:MinAtar/*), `atari` (gym:ALE/*); `gym:ID` of a built-in env takes the built-in's table.", ""]
+    seen = set()
+    for cls, title in HELP_SECTIONS:
+        if title not in seen:
+            seen.add(title)
+            out += ["", f"## {title or 'the run'}", "", "| flag | default | what it does |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            flag = flag_of(f) + (f", --no-{flag_of(f)[2:]}" if m["kind"] is bool else "")
+            house = m["house"]
+            default = f"`{house}`" if house is not None else "-"
+            if m["env_var"]:
+                default = f"`${m['env_var']}`, else none"
+            if m["preset"]:
+                changes = [f"{where}: `{table[f.name]}`" for where, table in tables if f.name in table]
+                default += "".join(f"; {c}" for c in changes)
+            text = m["help"].format_map(vars(shown)) if m["flag_default_none"] else m["help"]
+            text = re.sub(r" ?\(default: %\(default\)s\)", "", text).replace("(default: %(default)s; ", "(")
+            text = text.replace("(default: %(default)s, ", "(default: ").replace("%(default)s", str(house))
+            out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in (f"`{flag}`", default, text)) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv)) == ["--flags-markdown"]:
+        print(flags_markdown(), end="")
+        return 0
     t_start = process_start_time()
     try:
         config = parse_args(argv)
