@@ -418,3 +418,20 @@ def test_multiagent_quick(tool):
     assert sorted(run["return_by_agent"]) == ["agent_0", "agent_1", "agent_2"]
     assert spread["target"]["wall_s"] == 600.0 and run["met"] == (run["reached_s"] is not None
                                                                   and run["reached_s"] <= 600)
+
+
+def test_the_readme_commands_tool_runs_each_command_quickly():
+    """tools/readme_commands.py --quick: every command of the README parses (its --help), and
+    its Python block compiles, in a copy of the repository."""
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "readme_commands.py"), "--quick"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "$ python -m shmrl.run --sims 8 --max-env-steps 4000 --help" in proc.stdout
+    assert "all README commands ran" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_readme_commands_run_as_written_with_short_budgets():
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "readme_commands.py")], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
