@@ -76,9 +76,9 @@ def run_block(block: str, where: Path, env: dict, quick: bool, timeout: float) -
         detach = command.endswith("&")
         command = command.rstrip("&").strip()
         if quick:
-            if detach or "--resume" in command:
-                continue   # a server for the lines after it, a run's checkpoint: --help needs neither
-            command = command + " --help"
+            if "--resume" in command:
+                continue   # its --help reads the checkpoint, which only the full run makes
+            command, detach = command + " --help", False
         argv = [sys.executable if arg == "python" else arg for arg in shlex.split(command)]
         print(f"$ {command}", flush=True)
         proc = subprocess.Popen(argv, cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
