@@ -136,7 +136,8 @@ class LogSettings:
         "line, not only under every 10th (default: %(default)s)")
     tensorboard: bool | None = setting(
         None, "also write the metrics as TensorBoard scalars into the log folder (tensorboard "
-        "--logdir runs); default: when the tensorboard package is installed (pip install -e '.[tensorboard]' in shmrl's clone)",
+        "--logdir runs); default: when the tensorboard package is installed (pip install -e "
+        "'.[tensorboard]' in shmrl's clone)",
         kind=bool)
     plot: bool | None = setting(
         None, "draw the run's learning curve into the log folder when it ends (learning_curves.png, as "
@@ -322,7 +323,8 @@ class NetworkSettings:
         "none", "a recurrent core (LSTM or GRU) between the hidden layers and the heads, shared by "
         "actor and critic: the policy keeps a state across the steps of an episode, for envs "
         "whose observation does not show everything (the ONNX policy takes state_in.<i> and "
-        "gives state_out.<i>; docs/ENVIRONMENTS.md, 'Memory') (default: %(default)s)", preset=True, choices=("none", "lstm", "gru"))
+        "gives state_out.<i>; docs/ENVIRONMENTS.md, 'Memory') (default: %(default)s)", preset=True,
+        choices=("none", "lstm", "gru"))
     memory_size: int | None = setting(64, "units of the recurrent core (default: %(default)s)", preset=True,
                                       check=at_least(1), metavar="N")
     torch_threads: int | None = setting(

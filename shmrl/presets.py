@@ -16,6 +16,11 @@ def _presets() -> dict:
         return tomllib.load(f)
 
 
+def all_tables() -> dict:
+    """presets.toml as read: {"family": {name: table}, "env": {id: table}}."""
+    return _presets()
+
+
 def family_of(spec, env=None) -> str | None:
     """The family whose defaults an env takes (unless its own table names another): Atari
     games (gym:ALE/*), MiniGrid (gym:MiniGrid-*, gym:BabyAI-*), MinAtar (gym:MinAtar/*),

@@ -171,10 +171,10 @@ def flags_markdown() -> str:
     import re
 
     from shmrl.config import HELP_SECTIONS, flag_of
-    from shmrl.presets import PRESETS_FILE, _presets
+    from shmrl.presets import all_tables
 
-    tables = [(f"family {name}", table) for name, table in _presets()["family"].items()]
-    tables += [(f"`{name}`", table) for name, table in _presets()["env"].items()]
+    tables = [(f"family {name}", table) for name, table in all_tables()["family"].items()]
+    tables += [(f"`{name}`", table) for name, table in all_tables()["env"].items()]
     shown = resolve_config(Config())
     out = ["# Flags of `python -m shmrl.run`", "",
            "Generated from shmrl/config.py and shmrl/presets.toml by `python -m shmrl.run --flags-markdown` "

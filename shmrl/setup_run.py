@@ -78,7 +78,8 @@ def set_up(config, servers_given: bool = False) -> Setup:
     if config.tensorboard is None:
         config.tensorboard = tensorboard_available()
     elif config.tensorboard and not tensorboard_available():
-        raise ConfigError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' in shmrl's clone")
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' in "
+                          "shmrl's clone")
     if config.plot is None or config.plot:
         import importlib.util
 

@@ -169,7 +169,8 @@ def main(argv=None) -> int:
     p = OneLineErrorParser(prog="python -m shmrl.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--connect", metavar="HOST:PORT", help="an RLlink server to train against over TCP (shmrl's --tcp-port, or RLlib's)")
+    where.add_argument("--connect", metavar="HOST:PORT",
+                       help="an RLlink server to train against over TCP (shmrl's --tcp-port, or RLlib's)")
     where.add_argument("--attach", metavar="SEGMENT", help="shared-memory slot of a running shmrl learner")
     p.add_argument("--env", default="CartPole-v1", help="environment id (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
