@@ -111,11 +111,15 @@ def build_parser(d: Config, spec=None, given: dict | None = None) -> argparse.Ar
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
     """The settings ``argv`` gives (what parses of it, --help left out): --help shows them."""
+    def refuse(message):
+        raise ValueError(message)
+
     for action in parser._actions:
         action.default = argparse.SUPPRESS
+    parser.error = refuse   # said once, by parse_args: not here too
     try:
         known, _ = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])
-    except SystemExit:   # a bad value: --help shows the defaults, parse_args says what is wrong
+    except ValueError:   # a bad value: --help shows the defaults, parse_args says what is wrong
         return {}
     return {name: value for name, value in vars(known).items() if name != "help"}
 
