@@ -247,3 +247,14 @@ def test_the_readme_is_short_and_links_every_docs_page():
     pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
     unlinked = [page for page in pages if f"(docs/{page})" not in text]
     assert not unlinked, f"README.md does not link {unlinked}"
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    """A page moved into docs/ keeps links that work from where it now is."""
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            path = target.split("#")[0]
+            if path and not target.startswith(("http://", "https://")) and not (doc.parent / path).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, "\n".join(broken)
