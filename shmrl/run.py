@@ -4,6 +4,7 @@
     python -m shmrl.run --sims 8 --logdir runs/a  # metrics.jsonl, summary.json, policy.onnx, checkpoints
     python -m shmrl.run --resume runs/a           # go on from the last checkpoint in runs/a
     python -m shmrl.run --ray auto --sims 24      # the simulators as Ray actors across a cluster
+    python -m shmrl.run --env ID --help           # every flag, with its value for ID and where it came from
 
 Simulators that die or hang are restarted (and the env steps they lose are counted); a
 simulator that keeps failing fails the run. Ctrl-C and SIGTERM stop everything within
@@ -89,6 +90,7 @@ def train(config: Config, t_start: float | None = None) -> tuple[int, dict]:
 
         plot_run(saved["logdir"])
     return status, summary
+
 
 def build_parser(d: Config, spec=None, given: dict | None = None) -> argparse.ArgumentParser:
     """The command line, with ``d`` as the defaults (a resumed run's are its saved
