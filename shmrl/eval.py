@@ -19,7 +19,8 @@ and onnxruntime only.
 Exit status: 0 with the returns printed, 2 for a bad command line (one line ``error: ...``):
 a policy file that is missing or not an ONNX model, an unknown env, a policy that does
 not fit the env, or one whose outputs are NaN or infinite (a NaN in its weights): no
-return is reported from such a policy.
+return is reported from such a policy; an ``--opponent`` that is not random, self, a
+policy file or a run's log folder (the error names --opponent, not the policy).
 """
 from __future__ import annotations
 
