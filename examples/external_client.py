@@ -14,7 +14,7 @@ speaks RLlink's JSON variant over TCP, so it trains against `python -m shmrl.run
         # which leaves mid-episode; the learner runs with
         # --env examples.external_client:pair_spaces [--policy-map per-agent]
 
-Multi-agent (README, "Multi-agent training"): every chunk also carries `agent_id` and
+Multi-agent (docs/MULTIAGENT.md): every chunk also carries `agent_id` and
 `module_id` (the policy that chose its actions, by the server's SET_CONFIG `policy_map`),
 and SET_STATE carries `policies`: module_id -> {onnx_file, weights_seq_no}.
 
@@ -27,7 +27,11 @@ The loop, which is all an integration has to reproduce:
 3. send EPISODES_AND_GET_STATE with the chunks (an episode still running is sent as a
    chunk with both flags false and continues in the next message from its last obs),
    install the model from the SET_STATE reply, go to 2.
-4. when the server goes away, reconnect and start again at 1.
+4. when the server closes the connection between replies, its run is over: exit 0. When it
+   cannot be reached (not started yet) or the connection is lost mid-reply, try again at 1,
+   up to --max-retries times in a row (default 5, --retry-s 2 s apart), then exit 1.
+   A server that checks an auth token closes the connection in reply to a PING without the
+   right one: exit 1 ("wrong or missing auth token?").
 
 A recurrent policy (the learner runs with --memory lstm|gru) has inputs `state_in.<i>` and
 outputs `state_out.<i>`, float32 [1, memory_size] each: feed zeros at an episode's first
@@ -36,7 +40,7 @@ carries the state before its first step as "state_in", a flat list (`state_in.0`
 `state_in.1` ...): zeros for a chunk that begins an episode, the running state for one
 that continues it. `Policy` below does all of it; nothing else changes.
 
-The ONNX contract (README, "The ONNX policy"): a flat Box observation is fed as input
+The ONNX contract (docs/ENVIRONMENTS.md, "The ONNX policy"): a flat Box observation is fed as input
 `onnx::Gemm_0`, float32 [1, obs_dim]. A Dict observation feeds one input per leaf,
 `obs.<leaf>` (nested keys joined with dots), in the leaf's dtype (float32; uint8 for an
 image; int64 for a Discrete), and its `action_mask` to the input `action_mask` (uint8):
@@ -52,8 +56,10 @@ import base64
 import gzip
 import json
 import math
+import os
 import random
 import socket
+import sys
 import time
 
 import numpy as np
@@ -61,23 +67,38 @@ import onnxruntime as ort
 
 
 # ---------------------------------------------------------------- framing
+class ServerClosed(ConnectionError):
+    """The server closed the connection; ``between_replies``: not in the middle of a reply
+    (how a server ends its run, or refuses a PING)."""
+
+    def __init__(self, message: str, between_replies: bool):
+        super().__init__(message)
+        self.between_replies = between_replies
+
+
 def send_message(sock: socket.socket, msg: dict) -> None:
     body = json.dumps(msg).encode("utf-8")
-    sock.sendall(b"%08d" % len(body) + body)   # 8 ASCII digits: the body's length
+    try:
+        sock.sendall(b"%08d" % len(body) + body)   # 8 ASCII digits: the body's length
+    except (BrokenPipeError, ConnectionResetError):
+        raise ServerClosed("the server closed the connection", between_replies=True) from None
 
 
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
+def recv_exactly(sock: socket.socket, n: int, reply_start: bool = False) -> bytes:
     data = bytearray()
     while len(data) < n:
-        chunk = sock.recv(n - len(data))
+        try:
+            chunk = sock.recv(n - len(data))
+        except ConnectionResetError:
+            chunk = b""
         if not chunk:
-            raise ConnectionError("server closed the connection")
+            raise ServerClosed("the server closed the connection", between_replies=reply_start and not data)
         data += chunk
     return bytes(data)
 
 
 def recv_message(sock: socket.socket) -> dict:
-    header = recv_exactly(sock, 8)
+    header = recv_exactly(sock, 8, reply_start=True)
     if not header.isdigit():
         raise ConnectionError(f"bad frame header {header!r}")
     return json.loads(recv_exactly(sock, int(header)))
@@ -283,10 +304,21 @@ def new_chunk(obs, policy: Policy) -> dict:
     return chunk
 
 
-def run_session(host: str, port: int, on_connected, game: str = "cartpole") -> None:
+class Refused(Exception):
+    """The server closed the connection in reply to PING: a wrong or missing auth token."""
+
+
+def run_session(host: str, port: int, on_connected, game: str = "cartpole", auth_token: str | None = None) -> None:
     make_env, act = GAMES[game]
     with socket.create_connection((host, port), timeout=60) as sock:
-        request(sock, {"type": "PING"}, "PONG")
+        ping = {"type": "PING"} if auth_token is None else {"type": "PING", "auth_token": auth_token}
+        try:
+            request(sock, ping, "PONG")
+        except ServerClosed as e:
+            if not e.between_replies:
+                raise
+            # A server that checks tokens closes the connection, saying nothing, on a wrong one.
+            raise Refused("the server refused the connection: wrong or missing auth token?") from None
         on_connected()
         config = request(sock, {"type": "GET_CONFIG"}, "SET_CONFIG")
         if game == "pair":
@@ -366,14 +398,19 @@ def run_multiagent(sock: socket.socket, config: dict, env, act) -> None:
             returns = returns[-20:]
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=5556)
-    p.add_argument("--retry-s", type=float, default=2.0, help="wait between reconnection attempts")
-    p.add_argument("--max-retries", type=int, default=None, help="give up after this many failures in a row")
+    p.add_argument("--host", default="127.0.0.1", help="the learner's host (default: %(default)s)")
+    p.add_argument("--port", type=int, default=5556, help="the learner's --tcp-port (default: %(default)s)")
+    p.add_argument("--auth-token", default=os.environ.get("SHMRL_AUTH_TOKEN"), metavar="SECRET",
+                   help="the learner's --auth-token, if it has one (default: $SHMRL_AUTH_TOKEN)")
+    p.add_argument("--max-retries", type=int, default=5, metavar="N",
+                   help="when the learner cannot be reached or the connection is lost mid-reply, try again "
+                        "up to N times in a row, then exit 1 (default: %(default)s)")
+    p.add_argument("--retry-s", type=float, default=2.0, metavar="S",
+                   help="seconds between attempts (default: %(default)s)")
     p.add_argument("--game", choices=sorted(GAMES), default="cartpole", help="what to play (default: %(default)s)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     failures = 0
 
     def connected():
@@ -382,14 +419,25 @@ def main() -> None:
 
     while True:
         try:
-            run_session(args.host, args.port, connected, args.game)
-        except (ConnectionError, OSError) as e:   # refused, reset, closed, timed out
+            run_session(args.host, args.port, connected, args.game, args.auth_token)
+        except Refused as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except ServerClosed as e:
+            if e.between_replies:   # the learner's run ended: so does this client's
+                print("the server ended the session", flush=True)
+                return 0
             failures += 1
-            if args.max_retries is not None and failures > args.max_retries:
-                raise SystemExit(f"giving up after {failures} failed connections: {e}")
-            print(f"connection lost ({e}); reconnecting in {args.retry_s:.0f} s", flush=True)
-            time.sleep(args.retry_s)
+            error = e
+        except (ConnectionError, OSError) as e:   # refused, reset, timed out
+            failures += 1
+            error = e
+        if failures > args.max_retries:
+            print(f"error: giving up after {failures} failed attempts in a row: {error}", file=sys.stderr)
+            return 1
+        print(f"connection failed ({error}); trying again in {args.retry_s:g} s", flush=True)
+        time.sleep(args.retry_s)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -37,6 +37,11 @@ class SimulatorError(RuntimeError):
         self.exit_code = exit_code
 
 
+class TokenRefused(ConnectionError):
+    """The server closed the connection in reply to PING: what a server that checks auth
+    tokens does with a wrong one, or none (docs/RLLINK.md, "Authentication")."""
+
+
 def check_sample(batch, env_id: str) -> None:
     """Raise SimulatorError where a message's chunks hold a value that is not finite: the
     env's (an observation, a reward) or else the policy's (its distribution inputs)."""
@@ -117,7 +122,15 @@ def handshake(client, auth_token: str | None = None) -> tuple[dict, dict]:
     ping = {"type": T.PING.value}
     if auth_token is not None:
         ping["auth_token"] = auth_token
-    pong = client.request(ping)
+    try:
+        pong = client.request(ping)
+    except ConnectionError as e:
+        if getattr(e, "mid_reply", True):
+            raise
+        # A server that checks tokens closes the connection in reply to a PING with a wrong
+        # one (or none), and says nothing (docs/RLLINK.md, "Authentication"): name the cause.
+        raise TokenRefused(f"{e} in reply to PING: the server refused the connection: "
+                           f"{'wrong' if auth_token is not None else 'missing'} auth token?") from e
     if pong["type"] != T.PONG.value:
         raise ConnectionError(f"expected PONG, got {pong['type']}")
     config = client.request({"type": T.GET_CONFIG.value})

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shmrl.presets import PRESETS_FILE, preset_tables
+from shmrl.presets import PRESETS_FILE, preset_origins, preset_tables
 
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # A simulator that stops because nothing it could send is trainable says why by its exit status.
@@ -94,17 +95,19 @@ def flag_of(f: dataclasses.Field) -> str:
 @dataclass(kw_only=True)
 class RunSettings:
     sims: int | None = setting(
-        8, "simulator processes, each with its own shared-memory ring (default: %(default)s)",
+        8, "simulator processes, each with its own shared-memory ring; 0: none, only the external "
+        "clients of --tcp-port train (default: %(default)s)",
         preset=True, check=at_least(0))
     env: str | Callable = setting(
         "CartPole-v1", "environment: a built-in id (CartPole-v1, Pendulum-v1), gym:ID for any gymnasium env "
-        "(pip install 'shmrl[gym]'), or package.module:make_env, a function that makes one; "
+        "(pip install -e '.[gym]' in shmrl's clone), or package.module:make_env, a function that makes one; "
         "the defaults below are this env's (default: %(default)s)")
     seed: int = setting(0, "seed of the learner and, offset per simulator, of the environments and action "
                            "sampling (default: %(default)s)")
     stop_return: float | None = setting(
-        None, "stop when the mean return of the last --return-window complete episodes reaches R "
-        "(default: %(default)s; None: the env's reward threshold, or none: train to the budget)",
+        None, "stop when the mean return of the last --return-window complete episodes reaches R; "
+        "none (or inf): never, train to the --max-env-steps budget (default: %(default)s; None: the "
+        "env's reward threshold, or none where it has none)",
         kind=float, preset=True, metavar="R", allow_inf=True)
     max_env_steps: int | None = setting(
         1_000_000, "give up (exit 1) after N env steps accepted (received, less the chunks refused as they "
@@ -135,10 +138,17 @@ class LogSettings:
         None, "print a progress line at most every S seconds (0: every update); default: every "
         "update on a terminal, every 10 s when stdout is a file or a pipe", kind=float, check=at_least(0),
         metavar="S")
+    verbose: bool = setting(
+        False, "put the detail line (losses, policy lag, each client's env steps) under every progress "
+        "line, not only under every 10th (default: %(default)s)")
     tensorboard: bool | None = setting(
         None, "also write the metrics as TensorBoard scalars into the log folder (tensorboard "
-        "--logdir runs); default: when the tensorboard package is installed (pip install 'shmrl[tensorboard]')",
+        "--logdir runs); default: when the tensorboard package is installed (pip install -e "
+        "'.[tensorboard]' in shmrl's clone)",
         kind=bool)
+    plot: bool | None = setting(
+        None, "draw the run's learning curve into the log folder when it ends (learning_curves.png, as "
+        "python -m shmrl.plot does); default: when matplotlib is installed (pip install matplotlib)", kind=bool)
     resume: str | None = setting(
         None, "go on from the last checkpoint in DIR (weights, optimizer, env-step counts, "
         "weights_seq_no, return window), with its configuration except for the flags given "
@@ -152,11 +162,15 @@ class LogSettings:
 @dataclass(kw_only=True)
 class TransportSettings:
     transport: str = setting(
-        "shm", "how the local simulators talk to the learner: shared-memory rings, or "
-        "RLlink JSON over TCP loopback like an external client (default: %(default)s)", choices=("shm", "tcp"))
+        "shm", "how the local simulators talk to the learner: shared-memory rings, or RLlink over "
+        "TCP loopback like an external client (shmrl's binary codec, which its PING offers and the "
+        "server takes; RLlib's JSON for clients that offer nothing) (default: %(default)s)",
+        choices=("shm", "tcp"))
     tcp_port: int | None = setting(
-        None, "also accept external RLlink clients (RLlib's JSON variant) on this port; "
-        "they train the same policy as the local simulators", kind=int, metavar="PORT",
+        None, "also accept external RLlink clients on this port (RLlib's JSON, or shmrl's binary codec "
+        "for clients that offer it); they train the same policy as the local simulators. 0: any free "
+        "port, which the log names ('listening for RLlink clients on HOST:PORT'); with --sims 0, "
+        "only external clients train (default: none, no TCP port)", kind=int, metavar="PORT",
         check=Rule("a port number from 0 to 65535 (0: any free port)", lambda v: 0 <= v <= 65535))
     tcp_host: str = setting(
         "127.0.0.1", "address to listen on (default: %(default)s, loopback only; 0.0.0.0 exposes "
@@ -190,7 +204,7 @@ class TransportSettings:
         "(auto: the one this machine belongs to; HOST:6379); those on this node use shared "
         "memory, the others connect back over TCP on this node's cluster address (or "
         "--tcp-host) with the binary codec and an auth token (one is generated unless "
-        "--auth-token gives it). pip install 'shmrl[ray]'", kind=str, metavar="ADDRESS")
+        "--auth-token gives it). pip install -e '.[ray]' in shmrl's clone", kind=str, metavar="ADDRESS")
     sim_cpus: float = setting(1.0, "with --ray, CPUs reserved for each simulator actor (default: %(default)s)",
                               check=above(0), metavar="C")
 
@@ -259,7 +273,8 @@ class SamplingSettings:
     async_sampling: bool | None = setting(
         False, "simulators keep sampling while the learner trains: each EPISODES_AND_GET_STATE "
         "is answered at once with the latest weights, not after the next update; PPO's "
-        "ratio is taken against the behaviour log-probabilities the clients report", preset=True, flag="--async")
+        "ratio is taken against the behaviour log-probabilities the clients report (default: %(default)s)",
+        preset=True, flag="--async")
     max_policy_lag: int = setting(
         2, "with --async, drop (and count) chunks sampled with weights more than V "
         "versions old (default: %(default)s)", check=at_least(0), metavar="V")
@@ -328,7 +343,8 @@ class NetworkSettings:
         "none", "a recurrent core (LSTM or GRU) between the hidden layers and the heads, shared by "
         "actor and critic: the policy keeps a state across the steps of an episode, for envs "
         "whose observation does not show everything (the ONNX policy takes state_in.<i> and "
-        "gives state_out.<i>; README, 'Memory') (default: %(default)s)", preset=True, choices=("none", "lstm", "gru"))
+        "gives state_out.<i>; docs/ENVIRONMENTS.md, 'Memory') (default: %(default)s)", preset=True,
+        choices=("none", "lstm", "gru"))
     memory_size: int | None = setting(64, "units of the recurrent core (default: %(default)s)", preset=True,
                                       check=at_least(1), metavar="N")
     torch_threads: int | None = setting(
@@ -353,6 +369,29 @@ class Config(NetworkSettings, PPOSettings, SamplingSettings, MultiAgentSettings,
     """Everything a run takes, one field per flag of ``python -m shmrl.run`` (its --help
     says what each does). Fields left None take the env's preset (``resolve_config``);
     ``env`` may also be a callable that makes a gymnasium-style env."""
+
+
+class UnknownSetting(ConfigError, TypeError):
+    """A keyword that is no setting of shmrl.Config (a TypeError too, as for any class)."""
+
+
+def _check_names(init):
+    @functools.wraps(init)
+    def checked(self, **fields):
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Config)})
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], [f.name for f in dataclasses.fields(Config)], n=3)
+            if not near and unknown[0].startswith("asyn"):   # the one field not named after its flag
+                near = ["async_sampling"]
+            raise UnknownSetting(f"shmrl.Config has no setting {unknown[0]!r}"
+                                 + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+        init(self, **fields)
+    return checked
+
+
+# An unknown keyword names shmrl.Config and the settings it may have meant, not the
+# dataclass's generated __init__.
+Config.__init__ = _check_names(Config.__init__)
 
 
 def house_defaults(cls=Config) -> dict:
@@ -436,29 +475,51 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
 
 # ---------------------------------------------------------------- the command line, from the fields
 
-def add_arguments(parser: argparse.ArgumentParser, defaults: Config) -> None:
+def add_arguments(parser: argparse.ArgumentParser, defaults: Config, origins: dict | None = None) -> None:
     """One flag per field of Config, under the headings of HELP_SECTIONS, with ``defaults``
-    as the defaults shown and taken."""
+    as the defaults shown and taken; ``origins``: where a default came from, by field
+    name (``setting_origins``), said after it in --help."""
     groups = {None: parser}
     for cls, title in HELP_SECTIONS:
         if title not in groups:
             groups[title] = parser.add_argument_group(title)
         for f in dataclasses.fields(cls):
-            add_flag(groups[title], f, defaults)
+            add_flag(groups[title], f, defaults, (origins or {}).get(f.name))
 
 
-def add_flag(group, f: dataclasses.Field, defaults: Config) -> None:
+def setting_origins(env, spec=None) -> dict[str, str]:
+    """Where each preset setting of ``env`` that is not the house default comes from, as
+    --help says it: ``env."CartPole-v1" in presets.toml``, ``family.continuous in ...``."""
+    return {name: f"{origin} in presets.toml" for name, origin in preset_origins(env, spec).items()}
+
+
+def add_flag(group, f: dataclasses.Field, defaults: Config, origin: str | None = None) -> None:
     m = f.metadata
     default = None if m["flag_default_none"] else getattr(defaults, f.name)
     if m["env_var"]:
         default = os.environ.get(m["env_var"])
     help = m["help"].format_map(vars(defaults)) if m["flag_default_none"] else m["help"]
+    if origin == "the command line":
+        help = help.replace("(default: %(default)s", "(given on the command line: %(default)s", 1)
+    elif origin:
+        help = help.replace("(default: %(default)s", f"(default: %(default)s, from {origin}", 1)
     kwargs = {"dest": f.name, "default": default, "help": help}
     if m["kind"] is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
-        kwargs.update(type=m["kind"], choices=m["choices"], metavar=m["metavar"])
+        kind = number_or_none if m["allow_inf"] else m["kind"]
+        kwargs.update(type=kind, choices=m["choices"], metavar=m["metavar"])
     group.add_argument(flag_of(f), **kwargs)
+
+
+def number_or_none(text: str) -> float:
+    """A float flag that may be infinite: ``none`` means never (infinity)."""
+    if text.strip().lower() == "none":
+        return math.inf
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or none, not {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -480,17 +541,15 @@ def saved_config(config: Config) -> dict:
 def config_from_saved(saved: dict) -> Config:
     """The Config a run wrote down (``saved_config``), the secret left out; settings it
     does not know (from an older shmrl) take their defaults."""
-    names = {f.name for f in dataclasses.fields(Config)}
-    return Config(**{k: v for k, v in saved.items() if k in names and k != "auth_token"})
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    kept = {k: v for k, v in saved.items() if k in fields and k != "auth_token"}
+    # JSON has no infinity: a saved stop return of none (inf) reads back as null, and a
+    # saved configuration is resolved, so null there can only have been inf.
+    kept.update({k: math.inf for k, v in kept.items() if v is None and fields[k].metadata["allow_inf"]})
+    return Config(**kept)
 
 
 def config_with(config: Config | None = None, **fields) -> Config:
     """``config`` (default: a fresh Config) with ``fields`` set; an unknown name is a
     ConfigError that lists the nearest known ones."""
-    names = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(fields) - names)
-    if unknown:
-        near = difflib.get_close_matches(unknown[0], names, n=3)
-        raise ConfigError(f"shmrl.Config has no setting {unknown[0]!r}"
-                          + (f" (did you mean {' or '.join(near)}?)" if near else ""))
     return dataclasses.replace(config, **fields) if config is not None else Config(**fields)

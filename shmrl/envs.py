@@ -247,7 +247,7 @@ def _gym_make(env_id: str):
     try:
         import gymnasium
     except ImportError:
-        raise ValueError(f"--env gym:{env_id} needs gymnasium: pip install 'shmrl[gym]'") from None
+        raise ValueError(f"--env gym:{env_id} needs gymnasium: pip install -e '.[gym]' in shmrl's clone") from None
     namespace = env_id.split("/", 1)[0] if "/" in env_id else env_id.split("-", 1)[0]
     package = GYM_PACKAGES.get(namespace)
     if package is not None:

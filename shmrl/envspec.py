@@ -65,14 +65,22 @@ def space_spec(env_id: str, observation_space, action_space, threshold: float | 
     if mask is not None and mask.shape != (len(actions.mask_columns),):
         raise ValueError(f"{env_id}: the observation's action_mask has shape {mask.shape}; it must have one "
                          f"entry per value of every Discrete action part ({len(actions.mask_columns)})")
-    for path, why in layout.skipped:
-        if (env_id, path) not in _SKIPPED_SAID:
-            _SKIPPED_SAID.add((env_id, path))
-            logging.getLogger("shmrl.envs").info("%s: observation %r is left out: %s", env_id, path, why)
     return spec
 
 
-_SKIPPED_SAID: set = set()   # (env, leaf) already said to be left out: said once per process
+def say_left_out(spec) -> None:
+    """Warn, once per env and observation leaf in this process, of what the env observes
+    that shmrl leaves out (MiniGrid's ``mission``). The learner says it: a WARNING, which
+    Python prints even where logging is not set up; simulators say nothing."""
+    for agent_spec in spec.agent_specs.values() if getattr(spec, "multiagent", False) else [spec]:
+        for path, why in agent_spec.obs.skipped:
+            if (agent_spec.env_id, path) not in _SKIPPED_SAID:
+                _SKIPPED_SAID.add((agent_spec.env_id, path))
+                logging.getLogger("shmrl.envs").warning("%s: observation %r is left out: %s",
+                                                        agent_spec.env_id, path, why)
+
+
+_SKIPPED_SAID: set = set()   # (env, leaf) already said to be left out
 
 
 @dataclass(frozen=True)

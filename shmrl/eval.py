@@ -19,7 +19,8 @@ and onnxruntime only.
 Exit status: 0 with the returns printed, 2 for a bad command line (one line ``error: ...``):
 a policy file that is missing or not an ONNX model, an unknown env, a policy that does
 not fit the env, or one whose outputs are NaN or infinite (a NaN in its weights): no
-return is reported from such a policy.
+return is reported from such a policy; an ``--opponent`` that is not random, self, a
+policy file or a run's log folder (the error names --opponent, not the policy).
 """
 from __future__ import annotations
 
@@ -105,17 +106,35 @@ def main(argv=None) -> int:
     return 0
 
 
+class OpponentError(ValueError):
+    """--opponent names nothing that can play."""
+
+
+def opponent_model(opponent: str) -> bytes | str:
+    """``random``, ``self``, or the bytes of the ONNX policy ``opponent`` names: a file, or
+    a run's log folder (its policy-shared.onnx, or its only policy-*.onnx)."""
+    if opponent in ("random", "self"):
+        return opponent
+    path = Path(opponent)
+    if path.is_dir():
+        found = sorted(path.glob("policy-*.onnx"))
+        shared = path / "policy-shared.onnx"
+        if not shared.exists() and len(found) != 1:
+            raise OpponentError("no policy-shared.onnx and not exactly one policy-*.onnx in this folder")
+        path = shared if shared.exists() else found[0]
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise OpponentError(f"{e.strerror or e}: not random, self, an ONNX policy file or a run's log folder") \
+            from None
+
+
 def _multiagent(a, model: bytes) -> int:
-    opponent = a.opponent
-    if opponent not in ("random", "self"):
-        path = Path(opponent)
-        if path.is_dir():   # a run's log folder: its shared policy, or its only one
-            found = sorted(path.glob("policy-*.onnx"))
-            shared = path / "policy-shared.onnx"
-            if not shared.exists() and len(found) != 1:
-                raise ValueError(f"--opponent {opponent}: no policy-shared.onnx and not exactly one policy-*.onnx")
-            path = shared if shared.exists() else found[0]
-        opponent = path.read_bytes()
+    try:
+        opponent = opponent_model(a.opponent)
+    except OpponentError as e:
+        print(f"error: --opponent {a.opponent}: {e}", file=sys.stderr)
+        return 2
     result = play(a.env, model, opponent, a.episodes, a.seed, greedy=not a.stochastic)
     result["stochastic"] = a.stochastic
     if a.opponent not in ("random", "self"):

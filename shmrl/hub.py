@@ -79,7 +79,7 @@ def chunks_by_policy(batch, policy_specs: dict, multiagent: bool, state_size: in
 
 @dataclass(frozen=True)
 class Bounds:
-    """What a client's chunk may hold (README, "What shmrl guarantees"): finite but absurd
+    """What a client's chunk may hold (docs/OPERATIONS.md, "What shmrl guarantees"): finite but absurd
     values would make the loss, then every weight, NaN."""
     max_obs_abs: float = 1e6       # float observation leaves (images, uint8, are exempt)
     max_reward_abs: float = 1e6

@@ -1,6 +1,6 @@
 """The run's metrics: one JSON object per update in ``metrics.jsonl``, and the same numbers
 as TensorBoard scalars in the log folder when the ``tensorboard`` package is installed
-(``pip install 'shmrl[tensorboard]'``; then ``tensorboard --logdir runs``).
+(``pip install -e '.[tensorboard]' in shmrl's clone``; then ``tensorboard --logdir runs``).
 
 The scalars go through TensorBoard's own event-file writer. Each update becomes one event
 holding every scalar (one protobuf, about 0.1 ms), not one event per scalar as
@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from shmrl.logdir import append_line, dumps, open_lines
+from shmrl.logdir import append_line, dumps, open_lines, write_error
 
 log = logging.getLogger("shmrl.metrics")
 
@@ -70,9 +70,19 @@ class MetricsLog:
             self._thread.start()
 
     def write(self, row: dict) -> None:
+        self._last_line_at = os.fstat(self._fd).st_size
         append_line(self._fd, dumps(row), self.path)
         if self._queue is not None:
             self._queue.put(row)
+
+    def rewrite_last(self, row: dict) -> None:
+        """Replace the line ``write`` wrote last with ``row`` (the same update, as the run
+        ended: metrics.jsonl keeps one row per update); TensorBoard gets it as a new point."""
+        try:
+            os.ftruncate(self._fd, self._last_line_at)
+        except OSError as e:
+            raise write_error(self.path, e) from None
+        self.write(row)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._queue is not None:

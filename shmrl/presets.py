@@ -16,6 +16,11 @@ def _presets() -> dict:
         return tomllib.load(f)
 
 
+def all_tables() -> dict:
+    """presets.toml as read: {"family": {name: table}, "env": {id: table}}."""
+    return _presets()
+
+
 def family_of(spec, env=None) -> str | None:
     """The family whose defaults an env takes (unless its own table names another): Atari
     games (gym:ALE/*), MiniGrid (gym:MiniGrid-*, gym:BabyAI-*), MinAtar (gym:MinAtar/*),
@@ -31,21 +36,41 @@ def family_of(spec, env=None) -> str | None:
     return None
 
 
+def own_table(env) -> tuple[str | None, dict]:
+    """(the name of ``env``'s own table in presets.toml, its settings); ``gym:ID`` of an env
+    that shmrl also has built in (gym:CartPole-v1, gym:Pendulum-v1) takes the built-in's
+    table unless it has its own: the same env gets the same settings."""
+    tables = _presets().get("env", {})
+    if not isinstance(env, str):
+        return None, {}
+    for name in (env, env.removeprefix("gym:")):
+        if name in tables:
+            return name, dict(tables[name])
+    return None, {}
+
+
+def preset_origins(env, spec=None) -> dict[str, str]:
+    """Where each setting the presets give ``env`` comes from: ``family.NAME`` or
+    ``env."ID"`` (the table of presets.toml), by setting name."""
+    presets = _presets()
+    name, own = own_table(env)
+    family = own.pop("family", None)
+    if family is None:
+        family = family_of(spec, env)
+    origins = {key: f"family.{family}" for key in presets["family"][family]} if family else {}
+    origins.update({key: f'env."{name}"' for key in own})
+    return origins
+
+
 def preset_tables(env, spec=None) -> tuple[dict, list[str]]:
     """(the settings the presets give ``env``, the tables they came from) for ``env`` (an
     id string or a callable) whose spec is ``spec`` (needed only to find its family). An
     env's own table builds on its family's unless it names another (``family = ""``:
     none). Settings they leave out take config.py's house defaults."""
     presets = _presets()
-    out, sources = {}, []
-    own = dict(presets.get("env", {}).get(env, {})) if isinstance(env, str) else {}
-    family = own.pop("family", None)
-    if family is None:
-        family = family_of(spec, env)
-    if family:
-        out.update(presets["family"][family])
-        sources.append(f"family.{family}")
-    if own:
-        out.update(own)
-        sources.append(f'env."{env}"')
-    return out, sources
+    origins = preset_origins(env, spec)
+    out = {}
+    for key, origin in origins.items():
+        kind, _, table = origin.partition(".")
+        out[key] = presets[kind][table.strip('"')][key]
+    return out, list(dict.fromkeys(origins.values()))

@@ -47,7 +47,7 @@ def pz_make(name: str):
                 module = importlib.import_module(f"{package}.{name}")
         except ImportError as e:
             if getattr(e, "name", "") not in (f"{package}.{name}", package, package.split(".")[0]):
-                raise ValueError(f"--env pz:{name}: {e} (pip install 'shmrl[pettingzoo]')") from None
+                raise ValueError(f"--env pz:{name}: {e} (pip install -e '.[pettingzoo]' in shmrl's clone)") from None
             continue
         raw = getattr(module, "raw_env", None)
         if raw is not None:

@@ -30,7 +30,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("--ray needs Ray: pip install 'shmrl[ray]'") from None
+        raise ImportError("--ray needs Ray: pip install -e '.[ray]' in shmrl's clone") from None
     return ray
 
 

@@ -2,6 +2,7 @@
 line) and, built from the same parts, the summary when it ends (summary.json)."""
 from __future__ import annotations
 
+import math
 import time
 
 
@@ -87,22 +88,58 @@ def metrics_row(stats: dict, serving, supervisor, clock: Clock) -> dict:
     return row
 
 
-def progress_line(row: dict, n_returns: int) -> str:
-    clients = " ".join(f"{c}={_k(n)}" for c, n in sorted(row["env_steps_by_client"].items(),
-                                                        key=lambda kv: (len(kv[0]), kv[0])))
-    return (f"update {row['update']:4d} | steps {row['env_steps']:8d} | {row['env_steps_per_s']:8.0f} steps/s | "
-            f"learner {100 * row['learner_share']:3.0f}% | "
-            f"return {row['return_mean']:7.1f} (n={n_returns}) | pi {row['pi_loss']:+.3f} "
-            f"v {row['v_loss']:.3f} ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} | "
-            f"lag {row['policy_lag']:.1f} | {row['elapsed_s']:.1f}s | {clients}"
-            + ("" if "return_by_agent" not in row else " | " + " ".join(
-                f"{a}={r:.2f}" for a, r in sorted(row["return_by_agent"].items())))
-            + ("" if len(row.get("return_by_policy", {})) < 2 else " | policies " + " ".join(
-                f"{p}={r:.2f}" for p, r in sorted(row["return_by_policy"].items()))))
+DETAIL_EVERY = 10   # without --verbose, every 10th progress line has its detail line under it
+WIDTH = 100         # the progress line's most columns (the detail line's too)
+
+
+def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, detail: bool = False) -> str:
+    """One update's line, at most WIDTH columns: the update, env steps of the budget, steps
+    per second, the mean return of ``returns`` (the window) against the stop return (once
+    an episode has ended), in a multi-agent run the share of agent episodes won, the
+    learner's share of the time where the row has it, and the time. ``detail``: a second
+    line with the losses, the policy lag and each client's env steps."""
+    parts = [f"update {row['update']:4d}", f"steps {_k(row['env_steps'])} of {_k(max_env_steps)}",
+             f"{_k(round(row['env_steps_per_s']))}/s"]
+    if returns:
+        target = f" -> {stop_return:g}" if math.isfinite(stop_return) else ""
+        window = "" if len(returns) == returns.maxlen else f" (n={len(returns)})"
+        parts.append(f"return {row['return_mean']:.1f}{target}{window}")
+        if "return_by_agent" in row:   # zero-sum self-play returns average 0: say who wins
+            parts.append(f"won {100 * sum(r > 0 for r in returns) / len(returns):.0f}%")
+    else:
+        parts.append("no episode ended yet")
+    if row.get("learner_share") is not None:
+        parts.append(f"learner {100 * row['learner_share']:.0f}%")
+    parts.append(f"{row['elapsed_s']:.1f}s")
+    line = " | ".join(parts)
+    if detail:
+        line += "\n" + detail_line(row)
+    return line
+
+
+def detail_line(row: dict) -> str:
+    """The losses, the policy lag, and each client's env steps (and each agent's and
+    policy's return in a multi-agent run), indented, on lines of at most WIDTH columns."""
+    items = [f"pi {row['pi_loss']:+.3f} v {row['v_loss']:.3f} ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} "
+             f"lag {row['policy_lag']:.1f} |"]
+    items += [f"{c}={_k(n)}" for c, n in sorted(row["env_steps_by_client"].items(),
+                                                 key=lambda kv: (len(kv[0]), kv[0]))]
+    items += [f"{a}={r:.2f}" for a, r in sorted(row.get("return_by_agent", {}).items())]
+    if len(row.get("return_by_policy", {})) >= 2:
+        items += [f"policy {p}={r:.2f}" for p, r in sorted(row["return_by_policy"].items())]
+    lines, line = [], "      "
+    for item in items:
+        if len(line) + 1 + len(item) > WIDTH:
+            lines.append(line)
+            line = "      "
+        line += " " + item
+    return "\n".join([*lines, line])
 
 
 def _k(n: int) -> str:
-    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
+    if n >= 1_000_000:
+        return f"{n / 1_000_000:.2f}M".replace(".00M", "M")
+    return f"{n / 1000:.1f}k".replace(".0k", "k") if n >= 1000 else str(n)
 
 
 def run_summary(serving, supervisor, clock: Clock, status: int, error: str | None, resumed_from) -> dict:

@@ -4,6 +4,7 @@
     python -m shmrl.run --sims 8 --logdir runs/a  # metrics.jsonl, summary.json, policy.onnx, checkpoints
     python -m shmrl.run --resume runs/a           # go on from the last checkpoint in runs/a
     python -m shmrl.run --ray auto --sims 24      # the simulators as Ray actors across a cluster
+    python -m shmrl.run --env ID --help           # every flag, with its value for ID and where it came from
 
 Simulators that die or hang are restarted (and the env steps they lose are counted); a
 simulator that keeps failing fails the run. Ctrl-C and SIGTERM stop everything within
@@ -30,7 +31,7 @@ from pathlib import Path
 from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, EXIT_USAGE,  # noqa: F401
                           Config, ConfigError, OneLineErrorParser, add_arguments, config_from_args,
                           config_from_saved, env_name, preset_values, resolve_config,
-                          validate)
+                          setting_origins, validate)
 
 log = logging.getLogger("shmrl.run")
 
@@ -79,21 +80,50 @@ def train(config: Config, t_start: float | None = None) -> tuple[int, dict]:
     from shmrl.trainer import train_run
 
     try:
-        return train_run(config, t_start, launcher)
+        status, summary = train_run(config, t_start, launcher)
     finally:
         if launcher is not None and launcher.owns_ray:
             launcher.ray.shutdown()
+    saved = summary.get("config", {})
+    if saved.get("plot") and status in (EXIT_SOLVED, EXIT_BUDGET):   # not after Ctrl-C, SIGTERM or a failure
+        from shmrl.plot import plot_run
 
-def build_parser(d: Config, spec=None) -> argparse.ArgumentParser:
+        plot_run(saved["logdir"])
+    return status, summary
+
+
+def build_parser(d: Config, spec=None, given: dict | None = None) -> argparse.ArgumentParser:
     """The command line, with ``d`` as the defaults (a resumed run's are its saved
-    configuration): one flag per setting of shmrl/config.py."""
+    configuration): one flag per setting of shmrl/config.py. ``given``: flags of the
+    command line, whose values --help shows as such."""
     sources = " + ".join(preset_values(d.env, spec)[1])
+    origins = {} if d.resume else setting_origins(d.env, spec)
+    if given:
+        d = dataclasses.replace(d, **given)
+        origins.update({name: "the command line" for name in given})
     p = OneLineErrorParser(prog="python -m shmrl.run", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            epilog=f"The defaults shown are those of --env {env_name(d.env)}: {sources}"
-                                  + (f", saved by the run in {d.logdir}" if d.resume else ""))
-    add_arguments(p, d)
+                                  + (f", saved by the run in {d.logdir}" if d.resume else "")
+                                  + "; each says where it came from unless it is config.py's own. "
+                                    "docs/FLAGS.md lists every flag, with each env's defaults.")
+    add_arguments(p, d, origins)
     return p
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
+    """The settings ``argv`` gives (what parses of it, --help left out): --help shows them."""
+    def refuse(message):
+        raise ValueError(message)
+
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    parser.error = refuse   # said once, by parse_args: not here too
+    try:
+        known, _ = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])
+    except ValueError:   # a bad value: --help shows the defaults, parse_args says what is wrong
+        return {}
+    return {name: value for name, value in vars(known).items() if name != "help"}
 
 
 def parse_args(argv=None) -> Config:
@@ -120,7 +150,10 @@ def parse_args(argv=None) -> Config:
         except checkpoint.CheckpointError as e:
             build_parser(defaults, spec).error(f"--resume {known.resume}: {e}")
         defaults = dataclasses.replace(config_from_saved(state.get("config", {})), logdir=known.resume)
-    p = build_parser(defaults, spec)
+    given = None
+    if "-h" in argv or "--help" in argv:
+        given = given_flags(build_parser(defaults, spec), argv)
+    p = build_parser(defaults, spec, given)
     config = resolve_config(config_from_args(p.parse_args(argv)), spec)
     try:
         validate(config, spec)
@@ -136,7 +169,53 @@ def parse_args(argv=None) -> Config:
     return config
 
 
+def flags_markdown() -> str:
+    """docs/FLAGS.md: every flag of ``python -m shmrl.run`` with its default (config.py's,
+    then each table of presets.toml that changes it) and its --help text, by section.
+    ``python -m shmrl.run --flags-markdown > docs/FLAGS.md`` writes it; tests/test_docs.py
+    fails when the file is not what this gives."""
+    import re
+
+    from shmrl.config import HELP_SECTIONS, flag_of
+    from shmrl.presets import all_tables
+
+    tables = [(f"family {name}", table) for name, table in all_tables()["family"].items()]
+    tables += [(f"`{name}`", table) for name, table in all_tables()["env"].items()]
+    shown = resolve_config(Config())
+    out = ["# Flags of `python -m shmrl.run`", "",
+           "Generated from shmrl/config.py and shmrl/presets.toml by `python -m shmrl.run --flags-markdown` "
+           "(tests/test_docs.py fails when it drifts). A preset setting's default is config.py's, then "
+           "the env's family's, then the env's own table (presets.toml, where each value's reason is "
+           "written); a flag given always wins. `python -m shmrl.run --env ID --help` shows the values "
+           "for one env and where each came from. Families: `continuous` (any env whose action is a 1-D "
+           "Box, unless its own table says otherwise), `minigrid` (gym:MiniGrid-*, gym:BabyAI-*), `minatar` "
+           "(gym:MinAtar/*), `atari` (gym:ALE/*); `gym:ID` of a built-in env takes the built-in's table.", ""]
+    seen = set()
+    for cls, title in HELP_SECTIONS:
+        if title not in seen:
+            seen.add(title)
+            out += ["", f"## {title or 'the run'}", "", "| flag | default | what it does |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            flag = flag_of(f) + (f", --no-{flag_of(f)[2:]}" if m["kind"] is bool else "")
+            house = m["house"]
+            default = f"`{house}`" if house is not None else "-"
+            if m["env_var"]:
+                default = f"`${m['env_var']}`, else none"
+            if m["preset"]:
+                changes = [f"{where}: `{table[f.name]}`" for where, table in tables if f.name in table]
+                default += "".join(f"; {c}" for c in changes)
+            text = m["help"].format_map(vars(shown)) if m["flag_default_none"] else m["help"]
+            text = re.sub(r" ?\(default: %\(default\)s\)", "", text).replace("(default: %(default)s; ", "(")
+            text = text.replace("(default: %(default)s, ", "(default: ").replace("%(default)s", str(house))
+            out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in (f"`{flag}`", default, text)) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv)) == ["--flags-markdown"]:
+        print(flags_markdown(), end="")
+        return 0
     t_start = process_start_time()
     try:
         config = parse_args(argv)

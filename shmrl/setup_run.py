@@ -43,8 +43,10 @@ class Setup:
 def set_up(config, servers_given: bool = False) -> Setup:
     """Everything that can refuse the run (ConfigError) short of opening its transports."""
     from shmrl.envs import env_spec
+    from shmrl.envspec import say_left_out
 
     spec = env_spec(config.env)
+    say_left_out(spec)
     config = resolve_config(config, spec)
     validate(config, spec, servers_given)
     multiagent = getattr(spec, "multiagent", False)
@@ -85,7 +87,15 @@ def set_up(config, servers_given: bool = False) -> Setup:
     if config.tensorboard is None:
         config.tensorboard = tensorboard_available()
     elif config.tensorboard and not tensorboard_available():
-        raise ConfigError("--tensorboard needs the tensorboard package: pip install 'shmrl[tensorboard]'")
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' in "
+                          "shmrl's clone")
+    if config.plot is None or config.plot:
+        import importlib.util
+
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        if config.plot and not has_matplotlib:
+            raise ConfigError("--plot needs matplotlib: pip install matplotlib")
+        config.plot = has_matplotlib
     return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained)
 
 

@@ -9,9 +9,13 @@ external client in a game engine would.
     python -m shmrl.sim --attach shmrl_1234_s0c0   # a slot of a running learner's shared memory
     python -m shmrl.sim --connect localhost:5556 --server-inference   # the server runs the policy: no onnxruntime
 
-Exit status: 0 when the server ends the session, 1 when the connection fails or is lost,
-2 for a bad command line (one line ``error: ...``), including an env whose spaces do not
-fit the server's policy; 130 after Ctrl-C.
+Exit status: 0 when the server ends the session (it closes the connection between
+replies, as a learner does when its run ends); 1 when no connection could be made, or one
+was lost mid-reply, --max-retries times in a row (default 5, --retry-s 2 s apart), when
+the server refuses the auth token (it closes the connection in reply to PING), or when it
+breaks the protocol; 2 for a bad command line (one line ``error: ...``), including an env
+whose spaces do not fit the server's policy; 10-12 when the env or the policy gives what
+cannot be trained on (NaN, every action masked); 130 after Ctrl-C.
 """
 from __future__ import annotations
 
@@ -26,13 +30,17 @@ import time
 import numpy as np
 
 from shmrl import multiagent, rllink
-from shmrl.actor import Actor, SimulatorError, check_sample, handshake
+from shmrl.actor import Actor, SimulatorError, TokenRefused, check_sample, handshake
 from shmrl.envs import make_vec_env
 from shmrl.rollout import Rollout
 from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
 from shmrl.sampler import Sampler
+from shmrl.transport.base import ConnectionClosed
 
 log = logging.getLogger("shmrl.sim")
+# How long a client keeps trying a server that is not there (yet, or any more): 5 more
+# attempts 2 s apart, about 10 s, then exit 1 (examples/external_client.py does the same).
+MAX_RETRIES, RETRY_S = 5, 2.0
 T = rllink.MessageType
 
 
@@ -57,9 +65,25 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
     where an episode starts; every chunk carries the state before its first step.
     """
     config, state = handshake(client, auth_token)
-    if "policies" in state:
-        return multiagent.run_simulator(client, env_id, seed, envs_per_sim, max_messages, log_every_s,
-                                        handshake=(config, state))
+    try:
+        if "policies" in state:
+            return multiagent.run_simulator(client, env_id, seed, envs_per_sim, max_messages, log_every_s,
+                                            handshake=(config, state))
+        return _sample(client, config, state, env_id, seed, envs_per_sim, max_messages, log_every_s)
+    except ConnectionClosed as e:
+        if e.mid_reply:
+            raise
+        raise SessionEnded(f"the server ended the session ({e})") from e
+
+
+class SessionEnded(ConnectionClosed):
+    """The server closed the connection between replies after the session had started:
+    the end of its run (``python -m shmrl.sim`` exits 0)."""
+
+
+def _sample(client, config: dict, state: dict, env_id: str, seed: int, envs_per_sim: int,
+            max_messages: int | None, log_every_s: float | None) -> int:
+    """``run_simulator``'s loop, after the handshake: sample, send, load new weights."""
     steps_per_env = -(-int(config["env_steps_per_sample"]) // envs_per_sim)
     seq = state["weights_seq_no"]
     envs = make_vec_env(env_id, envs_per_sim, seed * 1_000_003)
@@ -212,7 +236,8 @@ def main(argv=None) -> int:
     p = OneLineErrorParser(prog="python -m shmrl.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--connect", metavar="HOST:PORT", help="RLlink JSON server to train against over TCP")
+    where.add_argument("--connect", metavar="HOST:PORT",
+                       help="an RLlink server to train against over TCP (shmrl's --tcp-port, or RLlib's)")
     where.add_argument("--attach", metavar="SEGMENT", help="shared-memory slot of a running shmrl learner")
     p.add_argument("--env", default="CartPole-v1", help="environment id (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
@@ -231,11 +256,17 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for any one reply; RLlib's server answers only after its "
                         "training step (default: %(default)s)")
+    p.add_argument("--max-retries", type=int, default=MAX_RETRIES, metavar="N",
+                   help="when the server cannot be reached or the connection is lost mid-reply, try again "
+                        "up to N times in a row, then exit 1 (default: %(default)s)")
+    p.add_argument("--retry-s", type=float, default=RETRY_S, metavar="S",
+                   help="seconds between attempts (default: %(default)s)")
     args = p.parse_args(argv)
     if args.envs_per_sim < 1 or args.timeout <= 0:
         p.error("--envs-per-sim must be >= 1 and --timeout > 0")
+    if args.max_retries < 0 or args.retry_s < 0:
+        p.error("--max-retries and --retry-s must be >= 0")
     from shmrl.envs import env_spec
-    from shmrl.transport import connect
 
     try:
         env_spec(args.env)
@@ -250,28 +281,54 @@ def main(argv=None) -> int:
             p.error(f"--connect: {e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     address = f"tcp:{args.connect}" if args.connect else f"shm:{args.attach}"
+    failures = 0
+    while True:
+        status, error = session(address, args)
+        if status is not None:
+            return status
+        failures += 1
+        if failures > args.max_retries:
+            print(f"error: {error} (gave up after {failures} failed attempts in a row; --max-retries "
+                  f"{args.max_retries})", file=sys.stderr)
+            return 1
+        log.warning("%s; trying again in %g s (%d of %d)", error, args.retry_s, failures, args.max_retries)
+        try:
+            time.sleep(args.retry_s)
+        except KeyboardInterrupt:
+            return 130
+
+
+def session(address: str, args) -> tuple[int | None, str | None]:
+    """One connection's life: (the exit status, None) when the command is done, or (None,
+    why) for a failure worth another attempt (no connection, or one lost mid-reply)."""
+    from shmrl.transport import connect
+
     try:
         client = connect(address, timeout=args.timeout, codec=args.codec, name=args.name)
     except (OSError, ValueError) as e:
-        print(f"error: cannot connect to {address}: {e}", file=sys.stderr)
-        return 1
+        return None, f"cannot connect to {address}: {e}"
     try:
         loop = run_server_inference if args.server_inference else run_simulator
         loop(client, args.env, args.seed, args.envs_per_sim, log_every_s=10.0, auth_token=args.auth_token)
+        return 0, None
+    except SessionEnded as e:
+        log.info("%s: %s; done", address, e)
+        return 0, None
     except KeyboardInterrupt:
-        return 130
+        return 130, None
     except SimulatorError as e:
         print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except (ConnectionError, TimeoutError, rllink.ProtocolError) as e:
+        return e.exit_code, None
+    except (TokenRefused, rllink.ProtocolError) as e:   # another attempt would end the same way
         print(f"error: {address}: {e}", file=sys.stderr)
-        return 1
+        return 1, None
+    except (ConnectionError, TimeoutError) as e:
+        return None, f"{address}: {e}"
     except ValueError as e:  # the server's policy does not fit --env
         print(f"error: {address}: {e}", file=sys.stderr)
-        return 2
+        return 2, None
     finally:
         client.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ as MiniGrid's ``mission``) is left out, and said so once.
 | MultiBinary(n) | uint8, (n,) | as 0/1 floats |
 
 Images are channels-last (H, W, C) unless their first dimension is the smallest
-(C, H, W: gymnasium's frame stack), documented in the README.
+(C, H, W: gymnasium's frame stack), documented in docs/ENVIRONMENTS.md.
 
 An action space becomes **parts**: a categorical per Discrete (and per MultiDiscrete
 dimension, and per MultiBinary bit, with 2 values), a diagonal Gaussian per Box. The

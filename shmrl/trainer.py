@@ -21,7 +21,7 @@ from shmrl.checkpoint import CheckpointError
 from shmrl.config import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, saved_config
 from shmrl.episode import EpisodeBatch
 from shmrl.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
-from shmrl.report import Clock, metrics_row, progress_line, run_summary
+from shmrl.report import DETAIL_EVERY, Clock, metrics_row, progress_line, run_summary
 from shmrl.resume import policy_file, save_checkpoint, spent_budget
 from shmrl.serving import Serving, open_transports
 from shmrl.setup_run import Setup, make_ppos, make_serving, set_up
@@ -99,13 +99,13 @@ def check_health(serving: Serving, supervisor) -> None:
         raise RunFailed(f"the learner's serving thread failed: {serving.failure!r}")
 
 
-def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock: Clock) -> int:
+def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock: Clock, last: dict) -> int:
     """Take a batch -> update -> publish -> log -> checkpoint, until the stop return (exit 0)
-    or the step budget (exit 1)."""
+    or the step budget (exit 1). ``last``: the last update's stats and row, kept there."""
     config, store = setup.config, serving.store
     # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
     log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
-    last_line = -math.inf
+    last_line, lines = -math.inf, 0
     learning = LearnPerStep(config.learn_per_step, config.epochs, config.minibatch_size, config.train_batch_size,
                             config.target_kl, config.async_sampling)
     clock.start_loop()
@@ -130,10 +130,12 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
         stats.update(learner_share=clock.period_share(), learn_level=learning.level)
         learning.observe(stats["learner_share"], stats["epochs_run"])
         row = metrics_row(stats, serving, supervisor, clock)
+        last.update(stats=stats, row=row)
         now = time.time()
         if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
-            print(progress_line(row, len(store.returns)), flush=True)
-            last_line = now
+            detail = config.verbose or lines % DETAIL_EVERY == 0
+            print(progress_line(row, store.returns, config.stop_return, config.max_env_steps, detail), flush=True)
+            last_line, lines = now, lines + 1
         metrics.write(row)
         if config.checkpoint_every and serving.updates % config.checkpoint_every == 0:
             checkpoint(setup, serving, ppos)
@@ -194,7 +196,7 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
         for server in servers:
             server.close()
         raise
-    status, error, unsaid, summary = EXIT_FAILED, None, [], {}
+    status, error, unsaid, summary, last = EXIT_FAILED, None, [], {}, {}
     serving = ppos = metrics = None
     clock = Clock(t_start, 0)
     try:
@@ -211,7 +213,7 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
         if launch_error is not None:
             raise RunFailed(f"could not start the simulators: {launch_error!r}")
         metrics = MetricsLog(logdir, append=bool(setup.resumed), tensorboard=setup.config.tensorboard)
-        status = loop(setup, serving, ppos, supervisor, metrics, clock)
+        status = loop(setup, serving, ppos, supervisor, metrics, clock, last)
     except RunFailed as e:
         error = str(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -229,6 +231,8 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
                 serving.store.recorder.close()
         if supervisor is not None:
             supervisor.stop()
+        if status in (EXIT_SOLVED, EXIT_BUDGET):
+            final_row(serving, supervisor, metrics, clock, last, unsaid)
         try:
             if serving is not None:
                 status, summary = finish(setup, serving, supervisor, ppos, clock, status, error, unsaid)
@@ -239,6 +243,20 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
                 server.close()
             lock.release()
     return status, summary
+
+
+def final_row(serving: Serving, supervisor, metrics, clock: Clock, last: dict, unsaid: list) -> None:
+    """The last update's row, written again with the counts and the return as the run
+    ended (what summary.json says) where episodes or steps came in after it: metrics.jsonl,
+    and a plot of it, ends where the run did (at the return that solved it)."""
+    row = last.get("row")
+    if row is None or (row["env_steps"], row["episodes"]) == (serving.store.steps_received,
+                                                              serving.store.episodes_completed):
+        return
+    try:
+        metrics.rewrite_last(metrics_row(last["stats"], serving, supervisor, clock))
+    except LogdirWriteError as e:
+        unsaid.append(str(e))
 
 
 def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, status: int, error,

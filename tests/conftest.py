@@ -158,7 +158,7 @@ def quick_cartpole(logdir, **fields) -> dict:
     import shmrl   # here, not at the top: simulator processes import this module, and shmrl.train pulls torch
 
     config = dict(env="CartPole-v1", sims=1, max_env_steps=4000, env_steps_per_sample=128, epochs=1,
-                  logdir=str(logdir))
+                  logdir=str(logdir), plot=False)
     return shmrl.train(**{**config, **fields})
 
 
@@ -298,6 +298,8 @@ class Run:
         # In the test's own folder: a run without --logdir writes runs/... where it starts.
         if "--log-every" not in args:
             args = [*args, "--log-every", "0"]  # the tests watch for every update's line
+        if "--plot" not in args:
+            args = [*args, "--no-plot"]         # about 1 s per run; tests/test_eval_plot.py draws one
         self.proc = subprocess.Popen([sys.executable, "-m", "shmrl.run", *args], stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
                                      preexec_fn=preexec_fn)

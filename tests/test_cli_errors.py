@@ -173,7 +173,7 @@ def test_ray_flags_without_ray_installed_or_without_simulators(tmp_path):
             "assert 'ray' not in [m.split('.')[0] for m in sys.modules if sys.modules[m] is not None]\n"
             "sys.exit(status)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
-    assert_one_line_error(proc, "--ray needs Ray: pip install 'shmrl[ray]'")
+    assert_one_line_error(proc, "--ray needs Ray: pip install -e '.[ray]'")
     assert not (tmp_path / "x").exists()
     assert_one_line_error(command("shmrl.run", "--ray", "auto", "--sims", 0, "--tcp-port", 0), "--ray places simulators")
     assert_one_line_error(command("shmrl.run", "--sim-cpus", 0), "--sim-cpus must be > 0")

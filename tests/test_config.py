@@ -14,8 +14,9 @@ import pytest
 import shmrl
 from conftest import descendants
 from shmrl.config import (Config, ConfigError, PPOSettings, config_from_saved, config_with, resolve_config,
-                          validate, with_defaults)
+                          saved_config, validate, with_defaults)
 from shmrl.envs import env_spec
+from shmrl.logdir import dumps
 from shmrl.presets import PRESETS_FILE
 from shmrl.run import build_parser, parse_args
 
@@ -74,6 +75,8 @@ FLAG_VALUES = [
     (["--max-message-chunks", "400"], "max_message_chunks", 400),
     (["--learn-per-step", "off"], "learn_per_step", "off"),
     (["--target-kl", "0.05"], "target_kl", 0.05),
+    # issue 26
+    (["--plot"], "plot", True), (["--verbose"], "verbose", True),
 ]
 
 
@@ -86,7 +89,8 @@ def test_every_flag_of_the_old_command_line_is_still_there():
                                             "--max-reward-abs", "--max-skipped-updates", "--max-json-frame-bytes",
                                             "--client-budget", "--max-message-steps", "--max-message-chunks",
                                             "--record", "--pretrain", "--pretrain-epochs",
-                                            "--learn-per-step", "--target-kl"}
+                                            "--learn-per-step", "--target-kl",
+                                            "--plot", "--no-plot", "--verbose", "--no-verbose"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):
@@ -105,6 +109,21 @@ def test_the_flags_cover_every_setting_once():
     names = {name for _, name, _ in FLAG_VALUES}
     assert names | {"resume"} == {f.name for f in dataclasses.fields(Config)}
     assert len(flagged) == len(FLAG_VALUES)
+
+
+def test_stop_return_none_trains_to_the_budget_and_survives_a_resume():
+    assert parse_args(["--stop-return", "none"]).stop_return == math.inf
+    assert parse_args(["--stop-return", "None"]).stop_return == math.inf
+    # JSON has no infinity: summary.json and checkpoints write null, which reads back as none.
+    saved = json.loads(dumps(saved_config(parse_args(["--stop-return", "none", "--restart-window", "inf"]))))
+    assert saved["stop_return"] is None
+    restored = config_from_saved(saved)
+    assert restored.stop_return == math.inf and restored.restart_window == math.inf
+
+
+def test_an_unknown_keyword_to_config_is_a_type_error_too():
+    with pytest.raises(TypeError, match="shmrl.Config has no setting 'lr_rate'"):
+        Config(lr_rate=1.0)
 
 
 def test_the_auth_token_defaults_to_its_environment_variable():
@@ -126,6 +145,8 @@ def test_the_auth_token_defaults_to_its_environment_variable():
     (lambda: shmrl.train(activation="relu"), "--activation must be one of ReLU, Tanh"),
     (lambda: shmrl.train(ray="auto", sims=0, tcp_port=0), "--ray places simulators"),
     (lambda: shmrl.train(learning_rate=1e-3), "shmrl.Config has no setting 'learning_rate'"),
+    (lambda: shmrl.Config(sim=2), "shmrl.Config has no setting 'sim' (did you mean sims?)"),
+    (lambda: shmrl.train(shmrl.Config(), asynch=True), "(did you mean async_sampling?)"),
 ])
 def test_the_api_refuses_a_bad_setting_at_once(call, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -183,10 +204,38 @@ def test_halfcheetah_help_shows_its_preset_values_and_where_they_came_from():
     def help_of(flag):   # the flag's own lines, not the usage's
         return " ".join(shown.split(f"\n  {flag}")[1].split("\n  -")[0].split())
 
-    assert "(default: 0.98)" in help_of("--gamma")          # its own table
-    assert "(default: True)" in help_of("--normalize-obs")  # the continuous family
+    assert '(default: 0.98, from env."gym:HalfCheetah-v5" in presets.toml)' in help_of("--gamma")  # its own table
+    assert "(default: True, from family.continuous in presets.toml)" in help_of("--normalize-obs")
+    assert "(default: True, from family.continuous" in help_of("--async")   # what a preset turned on
     assert "(default: 0.2)" in help_of("--clip")            # the house default
     assert 'family.continuous + env."gym:HalfCheetah-v5" in' in shown and "config.py" in shown
+
+
+def help_lines(*args) -> dict[str, str]:
+    """``python -m shmrl.run ARGS --help``'s text of each flag, on one line."""
+    shown = subprocess.run([sys.executable, "-m", "shmrl.run", *args, "--help"], capture_output=True, text=True,
+                           timeout=60).stdout
+    options = shown.split("\noptions:")[1]
+    return {part.split()[0].rstrip(","): " ".join(part.split()) for part in options.split("\n  -")[1:]}
+
+
+def test_help_says_where_each_value_came_from_for_the_env_chosen():
+    shown = help_lines("--env", "Pendulum-v1", "--lr", "0.002", "--sims", "3")
+    assert "(given on the command line: 0.002)" in shown["-lr"]
+    assert "(given on the command line: 3)" in shown["-sims"]
+    assert '(default: 0.95, from env."Pendulum-v1" in presets.toml)' in shown["-gamma"]
+    assert "(default: 2000000, from env." in shown["-max-env-steps"]
+    assert "(default: 0.95)" in shown["-gae-lambda"]          # config.py's own: said without a source
+    assert "0: none, only the external clients of --tcp-port" in shown["-sims"]
+    assert "0: any free port" in shown["-tcp-port"]
+    assert "binary codec" in shown["-transport"] and "JSON over TCP" not in shown["-transport"]
+
+
+def test_gym_ids_of_built_in_envs_take_the_built_in_preset():
+    """gym:Pendulum-v1 is the built-in Pendulum-v1: one env, one preset (--async and all)."""
+    from shmrl.config import preset_values
+    assert preset_values("gym:Pendulum-v1")[0] == preset_values("Pendulum-v1")[0]
+    assert preset_values("gym:CartPole-v1")[0]["lr"] == preset_values("CartPole-v1")[0]["lr"]
 
 
 def test_every_key_in_the_presets_file_is_a_preset_setting():

@@ -1,7 +1,8 @@
-"""The docs cannot drift from the code: docs/ARCHITECTURE.md (and README's short table)
-names every module in its layer, in tests/test_layers.py's order; the modules, classes and
-functions the docs name in code exist; every file path README.md and docs/*.md name
-exists; README's flag table and ``python -m shmrl.run --help`` list the same flags.
+"""The docs cannot drift from the code: docs/ARCHITECTURE.md names every module in its
+layer, in tests/test_layers.py's order; the modules, classes and functions the docs name in
+code exist; every file path README.md and docs/*.md name exists; docs/FLAGS.md is what
+``python -m shmrl.run --flags-markdown`` generates and lists the flags of ``--help``; the
+README stays short.
 
 (docs/RLLINK.md's byte-level examples are checked by tests/test_docs_rllink.py.)
 """
@@ -53,7 +54,7 @@ def module_files() -> dict[str, Path]:
 
 # ---------------------------------------------------------------- the layers and the modules
 
-@pytest.mark.parametrize("doc", [ARCHITECTURE, README], ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", [ARCHITECTURE], ids=lambda p: p.name)
 def test_the_layers_table_is_test_layers_in_its_order_with_every_module(doc):
     rows = table(doc.read_text(), "| layer")
     assert [row[0] for row in rows] == list(LAYERS), \
@@ -209,7 +210,10 @@ def test_the_checks_see_what_they_look_for():
     assert rows == [["`--a\\|b`", "c"]]
 
 
-# ---------------------------------------------------------------- README's flag table
+# ---------------------------------------------------------------- docs/FLAGS.md, generated
+
+FLAGS = ROOT / "docs" / "FLAGS.md"
+
 
 def help_flags() -> set[str]:
     """The flags of ``python -m shmrl.run --help``: those its option lines start with
@@ -222,16 +226,35 @@ def help_flags() -> set[str]:
     return {flag for option in options for flag in re.findall(r"--[a-z][a-z0-9-]*", option)} - {"--help"}
 
 
-def readme_flag_table() -> set[str]:
-    rows = table(README.read_text(), "| flag |")
-    return {flag for row in rows for flag in re.findall(r"--[a-z][a-z0-9-]*", row[0])}
+def test_the_flag_reference_is_generated_from_the_code():
+    from shmrl.run import flags_markdown
+
+    assert FLAGS.read_text() == flags_markdown(), \
+        "docs/FLAGS.md is stale: python -m shmrl.run --flags-markdown > docs/FLAGS.md"
 
 
-def test_the_readme_flag_table_and_help_list_the_same_flags():
-    in_help, in_table = help_flags(), readme_flag_table()
-    unknown = sorted(in_table - in_help)
-    assert not unknown, f"README's flag table names {unknown}, which python -m shmrl.run --help does not have"
-    # --no-X needs no row of its own where --X has one.
-    undocumented = sorted(f for f in in_help - in_table
-                          if not (f.startswith("--no-") and "--" + f[5:] in in_table))
-    assert not undocumented, f"python -m shmrl.run has {undocumented}, which README's flag table does not name"
+def test_the_flag_reference_and_help_list_the_same_flags():
+    listed = {flag for line in FLAGS.read_text().splitlines() if line.startswith("| `--")
+              for flag in re.findall(r"--[a-z][a-z0-9-]*", line.split(" | ")[0])}
+    assert listed == help_flags(), sorted(listed ^ help_flags())
+    assert "`CartPole-v1`: `0.005`" in FLAGS.read_text()       # each env's own default is there too
+    assert "family continuous: `True`" in FLAGS.read_text()    # and each family's (--async)
+
+
+def test_the_readme_is_short_and_links_every_docs_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    unlinked = [page for page in pages if f"(docs/{page})" not in text]
+    assert not unlinked, f"README.md does not link {unlinked}"
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    """A page moved into docs/ keeps links that work from where it now is."""
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            path = target.split("#")[0]
+            if path and not target.startswith(("http://", "https://")) and not (doc.parent / path).exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, "\n".join(broken)

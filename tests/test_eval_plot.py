@@ -1,4 +1,4 @@
-"""python -m shmrl.eval with policies whose behaviour is known, and tools/plot.py."""
+"""python -m shmrl.eval with policies whose behaviour is known, and python -m shmrl.plot."""
 import json
 import statistics
 import subprocess
@@ -90,7 +90,7 @@ def test_eval_of_a_missing_file_is_a_clear_error(tmp_path, capsys):
 
 
 def plot(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "tools" / "plot.py"), *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "shmrl.plot", *map(str, args)],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -98,7 +98,7 @@ def test_plot_draws_the_learning_curves_of_runs_into_a_png(tmp_path, no_shm_left
     need("matplotlib", "plot")
     runs = [tmp_path / "seed-1", tmp_path / "seed-2"]
     for seed, logdir in enumerate(runs, 1):
-        quick_cartpole(logdir, seed=seed, max_env_steps=2000)
+        quick_cartpole(logdir, seed=seed, max_env_steps=2000, plot=True)
     out = tmp_path / "curves.png"
     proc = plot(*runs, "-o", out, "--title", "CartPole-v1, 2 seeds")
     assert proc.returncode == 0, proc.stderr
@@ -106,6 +106,8 @@ def test_plot_draws_the_learning_curves_of_runs_into_a_png(tmp_path, no_shm_left
     assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     pixels = need("matplotlib.image", "plot").imread(out)
     assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 20   # something drawn, not blank
+    for logdir in runs:   # each run drew its own curve as it ended
+        assert (logdir / "learning_curves.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_plot_of_a_run_dir_without_metrics_is_a_clear_error(tmp_path):

@@ -30,7 +30,7 @@ LAYERS = {
     "hub": ["store", "inference", "recorder", "hub", "serving"],
     "launchers": ["supervisor", "ray_launcher"],
     "trainer": ["report", "resume", "pretrain", "setup_run", "adapt", "trainer"],
-    "faces": ["run", "record", "__init__", "conformance_rules", "conformance"],
+    "faces": ["run", "plot", "record", "__init__", "conformance_rules", "conformance"],
 }
 # The client side: what simulators and eval run, without torch (numpy and onnxruntime only).
 CLIENT_MODULES = ["shmrl.actor", "shmrl.sim", "shmrl.multiagent", "shmrl.eval"]

@@ -117,9 +117,8 @@ def test_a_full_disk_leaves_whole_lines_and_the_old_summary(small_disk):
 def test_plot_takes_null_returns(tmp_path):
     """Rows before the first episode have a null return_mean (NaN in runs of older shmrl),
     a run without a stop return a null one in summary.json's config."""
-    from conftest import load_tool
+    from shmrl import plot
 
-    plot = load_tool("plot")
     run = tmp_path / "run"
     run.mkdir()
     rows = [{"update": 1, "return_mean": None, "env_steps": 100, "elapsed_s": 1.0},

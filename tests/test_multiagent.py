@@ -296,9 +296,16 @@ def test_the_league_keeps_the_last_snapshots_frozen():
 
 # ---------------------------------------------------------------- training
 
-def test_a_parallel_env_trains_per_agent_policies_and_resumes(tmp_path, no_shm_leftovers, no_sim_leftovers):
+def test_a_parallel_env_trains_per_agent_policies_and_resumes(tmp_path, capsys, no_shm_leftovers,
+                                                              no_sim_leftovers):
     summary = shmrl.train(env=Relay, policy_map="per-agent", sims=1, envs_per_sim=2, max_env_steps=6000,
-                          train_batch_size=1000, minibatch_size=250, hidden=16, lr=3e-3, logdir=str(tmp_path))
+                          train_batch_size=1000, minibatch_size=250, hidden=16, lr=3e-3, logdir=str(tmp_path),
+                          log_every=0, verbose=True)
+    # The progress lines fit 100 columns: each agent's and policy's return go on the detail lines.
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("update ", "   "))]
+    assert lines and max(map(len, lines)) <= 100, "\n".join(lines)
+    assert all(" | won " in line for line in lines if line.startswith("update ") and "no episode" not in line)
+    assert any("policy a=" in line for line in lines) and any(" d=" in line for line in lines)
     assert summary["exit_status"] == 1 and summary["error"] is None
     n = summary["env_steps"]
     assert n == summary["env_steps_trained"] + summary["env_steps_pending"] + sum(

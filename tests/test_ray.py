@@ -55,8 +55,13 @@ def cluster(env_dir):
 
 
 def last_update_clients(output: str) -> list[str]:
-    lines = [line for line in output.splitlines() if line.startswith("update ")]
-    return re.findall(r"((?:shm|tcp):\S+)=", lines[-1]) if lines else []
+    """The clients the last progress line's detail lines name (--verbose: under every one)."""
+    lines = output.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("update ")]
+    if not starts:
+        return []
+    details = [line for line in lines[starts[-1] + 1:] if line.startswith("   ")]
+    return re.findall(r"((?:shm|tcp):\S+)=", " ".join(details))
 
 
 def log_time(line: str) -> float:
@@ -106,6 +111,7 @@ def test_a_hung_remote_simulator_is_named_closed_and_its_actor_restarted(
     armed, hung = tmp_path / "armed", tmp_path / "hung"
     (env_dir / "hanging_env.py").write_text(HANGING_ENV.format(armed=str(armed), hung=str(hung)))
     run = start_run("--ray", cluster.address, "--sims", 2, "--transport", "tcp", "--env", "hanging_env:make_env",
+                    "--verbose",
                     "--hang-timeout", 4, "--logdir", tmp_path / "run", "--stop-return", 1e9,
                     "--max-env-steps", 10_000_000)
     run.wait_until(lambda out: len(last_update_clients(out)) >= 2, 60, "both simulators sampling")
@@ -133,7 +139,7 @@ def test_a_hung_remote_simulator_is_named_closed_and_its_actor_restarted(
 
 def test_a_node_that_dies_takes_its_simulators_and_they_come_back_on_the_other(
         cluster, start_run, tmp_path, no_shm_leftovers):
-    run = start_run("--ray", cluster.address, "--sims", 4, "--seed", 1, "--logdir", tmp_path / "run",
+    run = start_run("--ray", cluster.address, "--sims", 4, "--seed", 1, "--logdir", tmp_path / "run", "--verbose",
                     "--stop-return", 1e9, "--max-env-steps", 10_000_000)
     run.wait_until(lambda out: len(last_update_clients(out)) >= 4, 60, "all four simulators sampling")
     remote = [c for c in last_update_clients(run.output()) if c.startswith("tcp:")]

@@ -15,12 +15,16 @@ from conftest import all_gone, descendants, metrics_rows, process_name, shm_entr
 
 def test_run_learns_and_writes_its_logdir(start_run, tmp_path):
     logdir = tmp_path / "logs"
-    run = start_run("--sims", 4, "--stop-return", 150, "--max-env-steps", 150_000, "--seed", 1,
-                    "--logdir", logdir)
+    run = start_run("--sims", 8, "--stop-return", 150, "--max-env-steps", 150_000, "--seed", 1,
+                    "--logdir", logdir, "--verbose")
     run.proc.wait(timeout=120)
     out = run.output()
     assert run.proc.returncode == 0, out
-    assert "update    1 |" in out
+    assert "update    1 | steps " in out and " of 150k | " in out and " -> 150" in out
+    # The progress lines fit 100 columns with 8 simulators; each client's steps on the detail lines.
+    lines = [line for line in out.splitlines() if line.startswith(("update ", "   "))]
+    assert max(map(len, lines)) <= 100, "\n".join(line for line in lines if len(line) > 100)
+    assert all(f"shm:{i}=" in out for i in range(8)) and "return nan" not in out
     summary = summary_of(logdir)
     assert summary["solved"] and summary["return_mean"] >= 150   # random play averages ~22
     assert summary["env_steps"] > 0 and summary["wall_s"] > 0 and summary["env_steps_per_s"] > 0
@@ -28,6 +32,8 @@ def test_run_learns_and_writes_its_logdir(start_run, tmp_path):
     assert len(rows) == summary["updates"] >= 1
     assert [r["update"] for r in rows] == list(range(1, len(rows) + 1))
     assert {"env_steps", "env_steps_per_s", "return_mean", "pi_loss", "v_loss", "elapsed_s"} <= set(rows[0])
+    # The last row is the run's end: a plot of metrics.jsonl ends at the summary's return.
+    assert (rows[-1]["return_mean"], rows[-1]["env_steps"]) == (summary["return_mean"], summary["env_steps"])
     session = ort.InferenceSession(str(logdir / "policy.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].name == "onnx::Gemm_0"
     logits = session.run(None, {"onnx::Gemm_0": np.zeros((3, 4), np.float32)})[0]

@@ -1,6 +1,8 @@
 """The space layer: every observation and action space shmrl trains, through both codecs,
 validation, the ONNX graph, the sampler, PPO's log-probabilities and action masks."""
 import os
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -325,3 +327,17 @@ def test_an_atari_game_is_preprocessed_and_trains_end_to_end(tmp_path, no_shm_le
     policy = OnnxPolicy((tmp_path / "policy.onnx").read_bytes())
     (obs_input,) = policy.session.get_inputs()
     assert obs_input.name == "obs" and obs_input.type == "tensor(uint8)" and obs_input.shape[1:] == [4, 84, 84]
+
+
+def test_what_is_left_out_is_said_once_without_setting_logging_up():
+    """The learner warns (Python prints a WARNING with no logging set up); making the env's
+    spec, as every simulator does, says nothing."""
+    pytest.importorskip("minigrid", reason="the minigrid extra is not installed")
+    code = ("from shmrl.envs import env_spec; from shmrl.envspec import say_left_out\n"
+            "spec = env_spec('gym:MiniGrid-DoorKey-5x5-v0'); env_spec('gym:MiniGrid-DoorKey-5x5-v0')\n"
+            "print('made', flush=True); say_left_out(spec); say_left_out(spec)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "made\n", out.stderr
+    said = [line for line in out.stderr.splitlines() if "left out" in line]
+    assert said == ["gym:MiniGrid-DoorKey-5x5-v0: observation 'mission' is left out: a MissionSpace space, "
+                    "which shmrl cannot encode"], out.stderr

@@ -434,3 +434,20 @@ def test_inference_bench_quick(tool):
     assert len(r["loadavg_before"]) == 3 and "server-inference" in r["client_cmd"]
     last = r["server_side"][-1]
     assert 0 < last["client_steps_min"] <= last["client_steps_max"] and positive(last["server_rss_mb"]), last
+
+
+def test_the_readme_commands_tool_runs_each_command_quickly():
+    """tools/readme_commands.py --quick: every command of the README parses (its --help), and
+    its Python block compiles, in a copy of the repository."""
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "readme_commands.py"), "--quick"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "$ python -m shmrl.run --sims 8 --max-env-steps 4000 --help" in proc.stdout
+    assert "all README commands ran" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_readme_commands_run_as_written_with_short_budgets():
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "readme_commands.py")], capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -13,7 +13,7 @@ the evaluation. Target: a win rate >= 0.9 within 300 s.
 simple_spread: ``python -m shmrl.run --env pz:simple_spread_v3`` for --spread-steps agent
 steps; reports the mean per-agent return of the last 100 agent episodes at the end and
 the time (from command start, metrics.jsonl) at which it first reached --spread-target.
-See the README ("Multi-agent training") for where the target comes from and its reward
+See docs/MULTIAGENT.md ("Targets") for where the target comes from and its reward
 conventions. Target: reached within 600 s.
 
 Each run has its own process group, stopped with everything it started (and its
@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
 C4_TARGET_WIN_RATE, C4_TARGET_S = 0.9, 300.0
 SPREAD_TARGET_S = 600.0
-# The reference return in PettingZoo's per-agent convention (README, "Multi-agent training").
+# The reference return in PettingZoo's per-agent convention (docs/MULTIAGENT.md, "Targets").
 SPREAD_REFERENCE = -22.3
 FULL = {"c4_steps": 500_000, "spread_steps": 2_000_000, "games": 1000, "timeout": 900.0}
 QUICK = {"c4_steps": 4096, "spread_steps": 13000, "games": 50, "timeout": 120.0, "seeds": [0]}

@@ -21,7 +21,7 @@ log; shmrl's from metrics.jsonl; returns as the mean of the last 100 episodes. E
 is timed from its launch and stopped with SIGINT after --seconds. The machine drifts: the
 two run in turns, seed by seed.
 
-The comparison the README quotes: SB3's return after --seconds of its own training, and
+The comparison docs/FIGURES.md quotes: SB3's return after --seconds of its own training, and
 how long shmrl takes to reach it ("speedup" = SB3's seconds / shmrl's).
 """
 from __future__ import annotations

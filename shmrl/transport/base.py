@@ -22,7 +22,14 @@ from shmrl import rllink
 
 class ConnectionClosed(ConnectionError):
     """The connection is closed: by the server (the message says why), because the peer
-    is gone, or because an earlier error left it out of step. Every later call raises it."""
+    is gone, or because an earlier error left it out of step. Every later call raises it.
+    ``mid_reply``: it closed in the middle of a reply (a server that died writing it), not
+    between replies (where a server that ends its run closes its connections)."""
+    mid_reply = False
+
+    def __init__(self, message: str = "", *, mid_reply: bool = False):
+        super().__init__(message)
+        self.mid_reply = mid_reply
 
 
 @runtime_checkable

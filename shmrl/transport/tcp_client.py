@@ -112,6 +112,7 @@ class TcpClient(Closeable):
         view, got = memoryview(buf), 0
         while got < n:
             left = deadline - time.monotonic()
+            mid_reply = bool(got) or what == "body"
             try:
                 if left <= 0:
                     raise TimeoutError
@@ -120,10 +121,11 @@ class TcpClient(Closeable):
             except TimeoutError:
                 raise self._fail(TimeoutError(f"{self.address}: no reply within {self.timeout:g} s")) from None
             except OSError as e:
-                raise self._fail(ConnectionClosed(f"{self.address}: {e.strerror or e}")) from e
+                raise self._fail(ConnectionClosed(f"{self.address}: {e.strerror or e}", mid_reply=mid_reply)) from e
             if k == 0:
-                where = f" in a reply's {what} after {got} of {n} bytes" if got or what == "body" else ""
-                raise self._fail(ConnectionClosed(f"{self.address}: the server closed the connection{where}"))
+                where = f" in a reply's {what} after {got} of {n} bytes" if mid_reply else ""
+                raise self._fail(ConnectionClosed(f"{self.address}: the server closed the connection{where}",
+                                                  mid_reply=mid_reply))
             got += k
         return buf
 

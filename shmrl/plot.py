@@ -1,12 +1,16 @@
 """Learning curves of shmrl runs: the mean return against env steps and against wall time.
 
-    python tools/plot.py runs/a runs/b runs/c -o curves.png
-    python tools/plot.py runs/cartpole-* --title "CartPole-v1, 5 seeds"
+    python -m shmrl.plot runs/a runs/b runs/c -o curves.png
+    python -m shmrl.plot runs/cartpole-* --title "CartPole-v1, 5 seeds"
 
 Each RUN_DIR is a log folder of ``python -m shmrl.run`` (its metrics.jsonl: one line per
 update). Several runs are overlaid, one colour each, labelled with their folder's name;
 a dashed line marks the stop return when all runs share one. Needs matplotlib
-(``pip install 'shmrl[plot]'``).
+(``pip install -e '.[plot]'``); where it is installed, every run also draws its own curve
+into its log folder when it ends (``learning_curves.png``, ``plot_run``).
+
+Exit status: 0 with the PNG written, 1 when a folder has no metrics yet or matplotlib is
+missing (one line ``error: ...``).
 """
 from __future__ import annotations
 
@@ -66,8 +70,30 @@ def plot(runs: list[dict], out: Path, title: str | None = None) -> None:
     plt.close(fig)
 
 
+RUN_PLOT = "learning_curves.png"   # what a run draws into its log folder when it ends
+
+
+def plot_run(logdir) -> Path | None:
+    """Draw a finished run's curve into its log folder (``RUN_PLOT``) where matplotlib is
+    installed; returns the file, or None (no matplotlib, no update yet). Never raises: a
+    plot is not worth failing a run for."""
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    try:
+        out = Path(logdir) / RUN_PLOT
+        plot([load(Path(logdir))], out)
+        return out
+    except Exception as e:   # no metrics yet, a full disk, a matplotlib that fails to load
+        logging.getLogger("shmrl.plot").warning("no %s written: %s", RUN_PLOT, e)
+        return None
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m shmrl.plot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="log folders of shmrl.run")
     p.add_argument("-o", "--output", type=Path, default=Path("learning_curves.png"),
                    help="PNG to write (default: %(default)s)")
@@ -81,7 +107,8 @@ def main(argv=None) -> int:
     try:
         plot(runs, a.output, a.title)
     except ImportError:
-        print("error: tools/plot.py needs matplotlib: pip install 'shmrl[plot]'", file=sys.stderr)
+        print("error: shmrl.plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]' in a "
+              "clone)", file=sys.stderr)
         return 1
     print(f"wrote {a.output} ({len(runs)} run{'s' if len(runs) > 1 else ''})")
     return 0
