@@ -1,5 +1,7 @@
 """Run the README's commands as a newcomer would, in a copy of the repository, with short
-budgets: every command of its ```bash blocks, and its ```python block as a script.
+budgets: every command of its ```bash blocks, and its ```python block as a script. Its ```sh
+block (building the C and JavaScript clients) is left to tests/test_c_client.py and
+tests/test_js_client.py, which build and run them.
 
     python tools/readme_commands.py            # each command for real (about 2 min on 2 cores)
     python tools/readme_commands.py --quick    # each command's --help, the Python block compiled (seconds)
