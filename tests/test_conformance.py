@@ -50,7 +50,8 @@ def test_shmrl_sim_with_server_inference_conforms():
 
 def test_the_js_client_conforms_in_both_codecs_and_with_server_inference():
     js = need_js_client()
-    for flags in (["--codec", "binary"], ["--codec", "json"], ["--server-inference"]):
+    for flags in (["--codec", "binary"], ["--codec", "json"], ["--server-inference"],
+                  ["--server-inference", "--codec", "json"]):
         violations, out = check(["node", js / "cartpole.js", "--port", "{port}", "--give-up-s", "1", *flags],
                                 steps=2000)
         assert not violations, out
