@@ -50,6 +50,7 @@ from shmrl.conformance_rules import (S_ACT, S_CONVERSATION, S_HEARTBEAT, S_INFER
 HEARTBEAT_S = 0.02          # asked of a binary client: short, so that sampling a message needs several
 SILENCE_S = 2.0             # the longest silence allowed while it samples (100 heartbeats: a loaded machine)
 HOLD_S = 2.0                # how long the reply to message 1 is held (the client must wait)
+EXIT_GRACE_S = 3.0          # how long a client may take to end once the checker stopped listening
 
 
 class Closed(Exception):
@@ -110,6 +111,7 @@ class Checker:
         self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models), ActRules(spec)
         self.onnx_files, self.reconnect, self.timeout, self.out = onnx_files, reconnect, timeout, out
         self.hold_s = hold_s
+        self.client: subprocess.Popen | None = None   # the client under test, to notice its exit
         self.spaces = space_config(spec)    # SET_CONFIG describes them to every client, as shmrl's does
         self.sampler = Sampler(spec.actions, np.random.default_rng(0))
         self.violations: list[tuple[str, str]] = []
@@ -283,14 +285,32 @@ class Checker:
         self.note(f"{where}: waited {seconds:g} s for a held reply")
         return True
 
+    def accept(self, listener: socket.socket, label: str) -> socket.socket | None:
+        """The client's next connection; None (a violation) if it exits or does not connect
+        within the timeout."""
+        again = " (after a closed connection it must reconnect with PING)" if label != "connection 1" else ""
+        deadline = time.monotonic() + self.timeout
+        listener.settimeout(0.2)
+        while True:
+            try:
+                sock, _ = listener.accept()
+                sock.settimeout(self.timeout)   # for sending replies; reading goes through select
+                return sock
+            except socket.timeout:
+                pass
+            status = self.client.poll() if self.client is not None else None
+            if status is not None:
+                self.violate(S_CONVERSATION, f"{label}: the client exited (status {status}) instead of "
+                                             f"connecting{again}")
+                return None
+            if time.monotonic() > deadline:
+                self.violate(S_CONVERSATION, f"{label}: the client did not connect within {self.timeout:g} s{again}")
+                return None
+
     def session(self, listener: socket.socket, label: str, steps_per_sample: int, script) -> Connection | None:
         """Accept a connection and run ``script(conn)`` on it after the handshake."""
-        listener.settimeout(self.timeout)
-        try:
-            sock, _ = listener.accept()
-        except socket.timeout:
-            again = " (after a closed connection it must reconnect with PING)" if label != "connection 1" else ""
-            self.violate(S_CONVERSATION, f"{label}: the client did not connect within {self.timeout:g} s{again}")
+        sock = self.accept(listener, label)
+        if sock is None:
             return None
         conn = Connection(sock)
         conn.version = max(self.onnx_files) if label != "connection 1" else 0
@@ -382,13 +402,16 @@ def check_client(command: list[str], env: str = "CartPole-v1", reconnect: bool =
         argv = [part.replace("{port}", str(port)) for part in command]
         print(f"checking: {shlex.join(argv)}", file=out, flush=True)
         proc = subprocess.Popen(argv, stdout=client_log, stderr=subprocess.STDOUT, start_new_session=True)
+        checker.client = proc
         try:
             checker.run(listener, steps)
             listener.close()                  # the session is over: a reconnecting client finds no server
-            try:
-                proc.wait(timeout=15)
+            try:   # a grace period to end on its own (no rule: RLlib's client never does)
+                print(f"the client exited with status {proc.wait(timeout=EXIT_GRACE_S)} after the session",
+                      file=out, flush=True)
             except subprocess.TimeoutExpired:
-                pass
+                print(f"the client was still running {EXIT_GRACE_S:g} s after the session: stopped", file=out,
+                      flush=True)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
