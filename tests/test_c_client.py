@@ -599,3 +599,16 @@ def test_box_actions_from_shmrl(start_run, tmp_path):
     assert actions.shape == (50, 2) and np.all(np.abs(actions) <= 2.0)
     assert np.any(np.abs(actions) == 2.0) and len(np.unique(actions)) > 10   # clipped, yet sampled
 
+
+
+@pytest.mark.slow
+def test_256_c_clients_all_served():
+    """256 C clients at once on one port of a training run: every one steps, none starved
+    (each within 2x of the median's steps); the figures are printed."""
+    done = subprocess.run([sys.executable, str(C_DIR / "bench.py"), "--clients", "256", "--envs", "1", "--seconds", "15"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\n256 C clients: {result}")
+    assert result["clients_reporting"] == 256
+    assert result["steps_min_over_median"] >= 0.5 and result["steps_max_over_median"] <= 2

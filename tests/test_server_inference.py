@@ -453,3 +453,11 @@ def test_a_bad_act_counts_its_open_steps_as_lost_not_dropped():
     c.actions()
     c.send(act(obs_of(2, k=3), [1.0] * 3))   # K changed
     assert c.dropped() and store.steps_lost == 2 and not store.steps_dropped
+
+
+def test_a_binary_bool_array_holds_only_0_and_1():
+    body = bytearray(rllink.encode_binary(act(obs_of(0, k=1), [1.0], [False], [False])))
+    rllink.decode_request(bytes(body))
+    body[-8] = 2   # the last block: truncateds, one byte, then padding
+    with pytest.raises(ProtocolError, match="other than 0 and 1"):
+        rllink.decode_request(bytes(body))
