@@ -97,3 +97,15 @@ def test_rllib_248s_client_conforms(tmp_path):
     violations, out = check(command, reconnect=False, timeout=90.0, steps=2000)
     assert not violations, out
     assert "connection 1, message 3" in out, out
+
+
+def test_the_c_client_conforms_in_both_codecs(tmp_path):
+    """clients/c (server-side inference) through the checker, built as tests/test_c_client.py builds it."""
+    from test_c_client import C_DIR, WARN, gcc
+
+    binary = str(tmp_path / "cartpole")
+    gcc(*WARN, "-O2", "-o", binary, str(C_DIR / "cartpole.c"), "-lm")
+    for codec in ("binary", "json"):
+        violations, out = check([binary, "--port", "{port}", "--envs", "2", "--codec", codec, "--max-retries", "2"])
+        assert not violations, out
+        assert "ACTs of 2 envs checked" in out, out
