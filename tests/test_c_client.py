@@ -406,7 +406,7 @@ SPACES = [{"type": "Discrete", "n": 2}, {"type": "Discrete", "n": 3, "start": 1}
 
 def valid_actions(space: dict, rng, codec: str) -> dict:
     if space["type"] == "Discrete":
-        acts = rng.integers(space.get("start", 0), space.get("start", 0) + space["n"], size=2)
+        acts = rng.integers(0, space["n"], size=2)   # 0..n-1 on the wire; the client adds start
     elif space["type"] == "MultiDiscrete":
         acts = np.stack([rng.integers(0, n, size=2) for n in space["nvec"]], axis=1)
     else:   # unclipped samples, some beyond the bounds

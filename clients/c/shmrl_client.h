@@ -110,7 +110,7 @@ typedef struct shmrl_config {
     long obs_size;                          /* floats per observation: the shape's product */
     shmrl_action_type action_type;
     long action_n;                          /* Discrete: n ... */
-    long action_start;                      /* ... actions start .. start + n - 1 (gymnasium's start) */
+    long action_start;                      /* ... the env's actions start .. start + n - 1 (gymnasium's start; the wire carries 0 .. n - 1) */
     int action_dim;                         /* values per action: 1 for a Discrete */
     long nvec[SHMRL_MAX_ACTION_DIM];        /* MultiDiscrete */
     float low[SHMRL_MAX_ACTION_DIM], high[SHMRL_MAX_ACTION_DIM];  /* Box */
@@ -1086,11 +1086,12 @@ static shmrl_status shmrl__read_actions(shmrl_client *c, const shmrl__msg *m, sh
                 s->box_actions[i] = (float)x;
         } else {
             long n = cfg->action_type == SHMRL_DISCRETE ? cfg->action_n : cfg->nvec[d];
-            double lo = cfg->action_type == SHMRL_DISCRETE ? (double)cfg->action_start : 0;
-            if (vals[i] != floor(vals[i]) || vals[i] < lo || (n > 0 && vals[i] >= lo + (double)n))
+            /* ACTIONS carries 0..n-1; a Discrete's env values begin at its start (gymnasium's). */
+            long start = cfg->action_type == SHMRL_DISCRETE ? cfg->action_start : 0;
+            if (vals[i] != floor(vals[i]) || vals[i] < 0 || (n > 0 && vals[i] >= (double)n))
                 st = shmrl__lost(c, SHMRL_ERR_PROTOCOL, "ACTIONS: action %g is out of range", vals[i]);
             else
-                s->actions[i] = (int64_t)vals[i];
+                s->actions[i] = (int64_t)vals[i] + start;
         }
     }
     free(vals);
