@@ -27,11 +27,13 @@ The loop, which is all an integration has to reproduce:
 3. send EPISODES_AND_GET_STATE with the chunks (an episode still running is sent as a
    chunk with both flags false and continues in the next message from its last obs),
    install the model from the SET_STATE reply, go to 2.
-4. when the server closes the connection between replies, its run is over: exit 0. When it
-   cannot be reached (not started yet) or the connection is lost mid-reply, try again at 1,
-   up to --max-retries times in a row (default 5, --retry-s 2 s apart), then exit 1.
-   A server that checks an auth token closes the connection in reply to a PING without the
-   right one: exit 1 ("wrong or missing auth token?").
+4. when the server closes the connection between replies, its run is over, or it wants
+   the client back (a restarted server, a conformance checker): go to 1 at once, and if
+   that attempt fails, exit 0. When it cannot be reached (not started yet) or the
+   connection is lost mid-reply, try again at 1, up to --max-retries times in a row
+   (default 5, --retry-s 2 s apart), then exit 1. A server that checks an auth token
+   closes the connection in reply to a PING without the right one: exit 1 ("wrong or
+   missing auth token?").
 
 A recurrent policy (the learner runs with --memory lstm|gru) has inputs `state_in.<i>` and
 outputs `state_out.<i>`, float32 [1, memory_size] each: feed zeros at an episode's first
@@ -414,22 +416,26 @@ def main(argv=None) -> int:
     failures = 0
 
     def connected():
-        nonlocal failures
-        failures = 0
+        nonlocal failures, ended
+        failures, ended = 0, False
 
+    ended = False   # the last session ended with the server closing between replies
     while True:
         try:
             run_session(args.host, args.port, connected, args.game, args.auth_token)
-        except Refused as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
         except ServerClosed as e:
-            if e.between_replies:   # the learner's run ended: so does this client's
-                print("the server ended the session", flush=True)
-                return 0
+            if e.between_replies:   # the learner's run ended, or it wants us back: one attempt tells
+                ended = True
+                continue
             failures += 1
             error = e
-        except (ConnectionError, OSError) as e:   # refused, reset, timed out
+        except (Refused, ConnectionError, OSError) as e:   # refused, reset, timed out
+            if ended:   # right after a session: the server that ended it is gone (or closing)
+                print("the server ended the session", flush=True)
+                return 0
+            if isinstance(e, Refused):
+                print(f"error: {e}", file=sys.stderr)
+                return 1
             failures += 1
             error = e
         if failures > args.max_retries:

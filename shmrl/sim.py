@@ -144,6 +144,17 @@ def run_server_inference(client, env_id: str = "CartPole-v1", seed: int = 0, env
     if pong["type"] != T.PONG.value or pong.get("inference") != "server":
         raise ConnectionError("the server does not serve actions (its PONG did not grant 'inference': 'server'); "
                               "run without --server-inference")
+    try:
+        return _act_loop(client, env_id, seed, envs_per_sim, max_messages, log_every_s)
+    except ConnectionClosed as e:
+        if e.mid_reply:
+            raise
+        raise SessionEnded(f"the server ended the session ({e})") from e
+
+
+def _act_loop(client, env_id: str, seed: int, envs_per_sim: int, max_messages: int | None,
+              log_every_s: float | None) -> int:
+    """``run_server_inference``'s loop, after PING: ACT, step the envs with the ACTIONS, repeat."""
     config = client.request({"type": T.GET_CONFIG.value})
     envs = make_vec_env(env_id, envs_per_sim, seed * 1_000_003)
     check_spaces(config, envs.spec)
@@ -281,9 +292,15 @@ def main(argv=None) -> int:
             p.error(f"--connect: {e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     address = f"tcp:{args.connect}" if args.connect else f"shm:{args.attach}"
-    failures = 0
+    failures, ended = 0, False
     while True:
-        status, error = session(address, args)
+        status, error = session(address, args, after_a_session=ended)
+        if status == SESSION_ENDED:
+            # The server closed the connection between replies: its run ended, or (a server
+            # restarted, a conformance checker) it wants us back. One immediate attempt tells.
+            ended, failures = True, 0
+            continue
+        ended = False
         if status is not None:
             return status
         failures += 1
@@ -298,28 +315,43 @@ def main(argv=None) -> int:
             return 130
 
 
-def session(address: str, args) -> tuple[int | None, str | None]:
-    """One connection's life: (the exit status, None) when the command is done, or (None,
-    why) for a failure worth another attempt (no connection, or one lost mid-reply)."""
+SESSION_ENDED = -1   # session()'s status when the server closed the connection between replies
+
+
+def session(address: str, args, after_a_session: bool = False) -> tuple[int | None, str | None]:
+    """One connection's life: (the exit status, None) when the command is done,
+    (SESSION_ENDED, None) when the server ended the session, or (None, why) for a failure
+    worth another attempt (no connection, or one lost mid-reply). ``after_a_session``: the
+    attempt right after the server ended a session, where no connection (or one closed at
+    its PING, by a server shutting down) means the server is done, and so is this client."""
     from shmrl.transport import connect
 
     try:
         client = connect(address, timeout=args.timeout, codec=args.codec, name=args.name)
     except (OSError, ValueError) as e:
+        if after_a_session:   # the server that ended the session is gone: done
+            log.info("%s: the server ended the session; done", address)
+            return 0, None
         return None, f"cannot connect to {address}: {e}"
     try:
         loop = run_server_inference if args.server_inference else run_simulator
         loop(client, args.env, args.seed, args.envs_per_sim, log_every_s=10.0, auth_token=args.auth_token)
         return 0, None
     except SessionEnded as e:
-        log.info("%s: %s; done", address, e)
-        return 0, None
+        log.info("%s: %s", address, e)
+        return SESSION_ENDED, None
     except KeyboardInterrupt:
         return 130, None
     except SimulatorError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code, None
-    except (TokenRefused, rllink.ProtocolError) as e:   # another attempt would end the same way
+    except TokenRefused as e:
+        if after_a_session:   # it accepted the token before: a server shutting down
+            log.info("%s: the server ended the session; done", address)
+            return 0, None
+        print(f"error: {address}: {e}", file=sys.stderr)
+        return 1, None
+    except rllink.ProtocolError as e:   # another attempt would end the same way
         print(f"error: {address}: {e}", file=sys.stderr)
         return 1, None
     except (ConnectionError, TimeoutError) as e:
