@@ -29,19 +29,20 @@ class Clock:
         self.busy_s += seconds
         self.period_busy_s += seconds
 
-    def period_share(self) -> float:
-        """The learner's busy share since the last call (or the loop's start); starts the next period."""
+    def period(self) -> tuple[float, float]:
+        """(seconds busy, wall seconds) since the last call (or the loop's start); starts the
+        next period. Their ratio is the period's busy share (``share``)."""
         now = time.perf_counter()
-        share = _share(self.period_busy_s, now - self.t_period)
+        busy, wall = self.period_busy_s, now - self.t_period
         self.t_period, self.period_busy_s = now, 0.0
-        return share
+        return busy, wall
 
     def learner_share(self) -> float:
         """The learner's busy share since the training loop began."""
-        return _share(self.busy_s, time.perf_counter() - self.t_loop)
+        return share(self.busy_s, time.perf_counter() - self.t_loop)
 
 
-def _share(busy: float, wall: float) -> float:
+def share(busy: float, wall: float) -> float:
     return min(busy / wall, 1.0) if wall > 0 else 0.0
 
 

@@ -21,7 +21,7 @@ from shmrl.checkpoint import CheckpointError
 from shmrl.config import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, saved_config
 from shmrl.episode import EpisodeBatch
 from shmrl.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
-from shmrl.report import DETAIL_EVERY, Clock, metrics_row, progress_line, run_summary
+from shmrl.report import DETAIL_EVERY, Clock, metrics_row, progress_line, run_summary, share
 from shmrl.resume import policy_file, save_checkpoint, spent_budget
 from shmrl.serving import Serving, open_transports
 from shmrl.setup_run import Setup, make_ppos, make_serving, set_up
@@ -127,8 +127,9 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
         clock.trained(time.perf_counter() - t0)
         if not stats:
             continue
-        stats.update(learner_share=clock.period_share(), learn_level=learning.level)
-        learning.observe(stats["learner_share"], stats["epochs_run"])
+        busy, wall = clock.period()
+        stats.update(learner_share=share(busy, wall), learn_level=learning.level)
+        learning.observe(busy, wall, stats["epochs_run"])
         row = metrics_row(stats, serving, supervisor, clock)
         last.update(stats=stats, row=row)
         now = time.time()

@@ -21,7 +21,8 @@ def test_a_run_writes_every_metrics_row_as_tensorboard_scalars(tmp_path, no_shm_
     clients = rows[-1]["env_steps_by_client"]
     assert clients and set(clients) <= {"shm:0", "shm:1"}, clients
     for tag in ("rollout/return_mean", "train/pi_loss", "train/v_loss", "train/entropy", "train/approx_kl",
-                "throughput/env_steps_per_s", "throughput/policy_lag", "counters/env_steps",
+                "throughput/env_steps_per_s", "throughput/policy_lag", "throughput/learner_share",
+                "train/learn_level", "train/epochs_run", "counters/env_steps",
                 *(f"counters/env_steps_by_client/{c}" for c in clients)):
         assert tag in tags, sorted(tags)
     loss = acc.Scalars("train/pi_loss")
@@ -31,6 +32,8 @@ def test_a_run_writes_every_metrics_row_as_tensorboard_scalars(tmp_path, no_shm_
     assert [e.value for e in loss] == pytest.approx([r["pi_loss"] for r in rows], rel=1e-6, abs=1e-7)
     for c in clients:
         assert acc.Scalars(f"counters/env_steps_by_client/{c}")[-1].value == clients[c]
+    # the learner's busy share: a fraction in every row, and the run's mean in the summary
+    assert all(0 < r["learner_share"] <= 1 for r in rows) and 0 < summary["learner_share"] <= 1
 
 
 def test_no_tensorboard_writes_no_event_file(tmp_path, no_shm_leftovers, no_sim_leftovers):

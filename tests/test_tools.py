@@ -451,3 +451,18 @@ def test_the_readme_commands_run_as_written_with_short_budgets():
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "readme_commands.py")], capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_slow_sims_quick(tool):
+    """tools/slow_sims.py --quick without SB3: shmrl on a throttled MuJoCo env, its curve
+    and how busy its learner was (SB3 beside it: tests/test_adapt.py, slow)."""
+    pytest.importorskip("mujoco", reason="the mujoco extra is not installed (the test extra has it)")
+    rc, out, err = tool("slow_sims.py", "--quick", "--no-sb3", "--json", timeout=180)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    (run,) = r["envs"]["InvertedPendulum-v5"]["runs"]
+    shmrl = run["shmrl"]
+    assert shmrl["env_steps"] >= 5000 and shmrl["curve"]
+    assert shmrl["env_steps_per_s"] <= r["rate"] * 1.2   # throttled: at most the rate, with a little slack
+    learner = shmrl["learner"]
+    assert 0 < learner["learner_share_median"] < 1 and learner["approx_kl_max"] < 1 and learner["learn_levels"]

@@ -128,9 +128,14 @@ def one_seed(env: str, seed: int, a, py, folder: Path) -> dict:
         pythonpath = os.pathsep.join([str(HERE), str(zoo.REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         extra = ["--max-env-steps", str(a.steps), *base_preset_flags(env), *a.extra]
         env_vars = {"PYTHONPATH": pythonpath, slow_sim.RATE_VAR: str(a.rate / a.sims)}
-        if a.clients:
-            entry["shmrl"] = run_shmrl_clients(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl", extra,
-                                               env_vars, a.sims)
+        if a.clients:   # each client's messages its share of a batch, as the local simulators' are
+            # (with --sims 0 a message would be a whole batch: 4 clients sending together with --async
+            # bring 4 batches at once, and half their steps were dropped as stale)
+            from shmrl.config import env_defaults
+
+            per_client = -(-env_defaults(f"gym:{env}")["train_batch_size"] // a.sims)
+            entry["shmrl"] = run_shmrl_clients(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl",
+                                               ["--env-steps-per-sample", str(per_client), *extra], env_vars, a.sims)
         else:
             entry["shmrl"] = zoo.run_shmrl(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl",
                                            ["--sims", str(a.sims), *extra], env_vars=env_vars)
