@@ -17,6 +17,7 @@ machine others load too, the CPU time per step is the steadier of the two.
 training), then for each seed runs PPO from scratch and ``--pretrain`` on that dataset
 to ``--target`` (default: the env's threshold), and prints the env steps and wall time
 of each (wall time from process start: the cloning counts) and their medians' ratios.
+``--keep DIR`` keeps the expert and its dataset there, and a later call uses them again.
 Every run has its own process group and is stopped if it outlives ``--timeout``.
 """
 from __future__ import annotations
