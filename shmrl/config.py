@@ -116,8 +116,9 @@ class RunSettings:
         None, "before PPO starts, clone the policy from the episodes of the dataset DIR (--record, "
         "python -m shmrl.record) and fit the value function to their returns (a --resume goes on from "
         "its checkpoint instead)", kind=str, metavar="DIR")
-    pretrain_epochs: int = setting(
-        50, "passes of --pretrain over the dataset (default: %(default)s)", check=at_least(1), metavar="N")
+    pretrain_steps: int = setting(
+        1000, "gradient steps of --pretrain's clone, minibatches of 512 env steps: about 50 passes over 20 "
+        "CartPole episodes, 10 over 50 HalfCheetah ones (default: %(default)s)", check=at_least(1), metavar="N")
 
 
 @dataclass(kw_only=True)

@@ -234,7 +234,7 @@ def test_a_dataset_recorded_by_one_run_pretrains_another(tmp_path):
     assert done.returncode == 1, done.stderr
     assert "recorded" in done.stdout
     done = subprocess.run([*common, "--max-env-steps", "600", "--pretrain", str(tmp_path / "ds"),
-                           "--pretrain-epochs", "5", "--logdir", str(tmp_path / "b")],
+                           "--pretrain-steps", "20", "--logdir", str(tmp_path / "b")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("pretrain: policy 'default'"))
