@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--expert-return", type=float, default=490.0, help="pretrain: the expert's stop return")
     p.add_argument("--episodes", type=int, default=20, help="pretrain: expert episodes recorded")
     p.add_argument("--target", type=float, default=None, help="pretrain: the return to reach (default: the env's)")
-    p.add_argument("--pretrain-steps", type=int, default=1000)
+    p.add_argument("--pretrain-steps", type=int, default=5000)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--keep", metavar="DIR", help="pretrain: keep the expert and its dataset in DIR, and use "
                    "those already there")
