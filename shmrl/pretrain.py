@@ -4,7 +4,7 @@ Before the first weights are published, each policy is cloned from its recorded 
 (``shmrl.dataset``): the actor by maximum likelihood of the recorded actions (behaviour
 cloning), the critic by regression on the returns of the recorded rewards (GAE returns
 with the critic of the round before, so that truncated episodes are bootstrapped, in a
-few rounds). The observation statistics and, with ``--normalize-reward``, the reward
+few rounds), for ``--pretrain-steps`` minibatches of 512 env steps. The observation statistics and, with ``--normalize-reward``, the reward
 scale start from the dataset's. A tenth of the episodes (at least one, when there are
 two or more) is held out, and the log says how well the clone fits them: the actions'
 mean log-likelihood, how often the most likely action is the recorded one (a single
@@ -86,22 +86,19 @@ def clone(ppo, episodes, config, seed: int) -> tuple[dict | None, str]:
     scale = config.reward_scale * rewards.reward_scale()
     ppo.update_obs_stats(train)
     opt = ppo.optimizer
-    epochs = max(1, config.pretrain_epochs // ROUNDS)
+    per_round = max(1, config.pretrain_steps // ROUNDS)
     for _ in range(ROUNDS):
         batch = ppo.make_batch(train, reward_scale=scale)
         obs = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.obs.items()}
         actions = torch.from_numpy(batch.actions.astype(ppo.layout.action_dtype, copy=False))
         returns = torch.from_numpy(batch.returns)
-        for _ in range(epochs):
-            perm = torch.from_numpy(rng.permutation(len(batch)))
-            for start in range(0, len(batch), MINIBATCH):
-                rows = perm[start:start + MINIBATCH]
-                out, values = ppo.forward({k: v[rows] for k, v in obs.items()})
-                logp, _ = ppo.log_prob(out, actions[rows], entropy=False)
-                loss = -logp.mean() + config.vf_coef * 0.5 * (values - returns[rows]).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step(config.max_grad_norm)
+        for rows in minibatches(rng, len(batch), per_round):
+            out, values = ppo.forward({k: v[rows] for k, v in obs.items()})
+            logp, _ = ppo.log_prob(out, actions[rows], entropy=False)
+            loss = -logp.mean() + config.vf_coef * 0.5 * (values - returns[rows]).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step(config.max_grad_norm)
     with torch.no_grad():   # PPO starts with fresh moments: the clone's would steer its first steps
         opt.exp_avg.zero_()
         opt.exp_avg_sq.zero_()
@@ -109,8 +106,23 @@ def clone(ppo, episodes, config, seed: int) -> tuple[dict | None, str]:
     fit = fit_report(ppo, test if test.num_chunks else train, scale)
     where = f"{test.num_chunks} held-out episodes" if test.num_chunks else "its training episodes (too few to hold any out)"
     return (rewards.reward_stats.get_state("reward_stats") if rewards.reward_stats is not None else None,
-            f"{train.num_chunks} episodes ({train.num_steps} steps), {ROUNDS * epochs} epochs in "
+            f"{train.num_chunks} episodes ({train.num_steps} steps), {ROUNDS * per_round} gradient steps "
+            f"({ROUNDS * per_round * MINIBATCH / max(train.num_steps, 1):.0f} epochs) in "
             f"{time.perf_counter() - t0:.1f} s; on {where}: {fit}")
+
+
+def minibatches(rng, rows: int, count: int):
+    """``count`` minibatches of row indices (tensors), epoch after epoch of shuffled rows."""
+    import torch
+
+    done = 0
+    while done < count:
+        perm = torch.from_numpy(rng.permutation(rows))
+        for start in range(0, rows, MINIBATCH):
+            if done == count:
+                return
+            yield perm[start:start + MINIBATCH]
+            done += 1
 
 
 def fit_report(ppo, episodes, reward_scale: float) -> str:

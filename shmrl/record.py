@@ -11,8 +11,9 @@ if it exists. Clients are served ``--policy`` (an ONNX file, e.g. a run's policy
 or without one a fresh policy of the house network, which a client that plays by itself
 (a human at the keyboard, a scripted bot) ignores: it only reports its episodes. The
 weights never change. ``--sims N`` also starts N local simulators of ``--env`` playing the
-policy. It runs until Ctrl-C (or SIGTERM, or ``--episodes`` complete episodes), then
-writes the episodes still open (marked ``stopped``) and exits 0.
+policy. It runs until Ctrl-C or SIGTERM, then writes the episodes still open (marked
+``stopped``) and exits 0; or until ``--episodes N`` episodes ended, and then writes those
+N whole episodes and nothing else.
 
 ``export`` writes a recording as a Minari dataset (pip install 'shmrl[minari]'), which
 ``minari.load_dataset(NAME)`` then loads, with the env's spaces; actions are written as
@@ -76,6 +77,7 @@ def serve(config: Config, policy: bytes | None, episodes: int | None, say_every:
     status = 0
     try:
         serving = make_serving(setup, servers, supervisor)
+        serving.store.recorder.episodes_left = episodes   # exactly that many whole episodes, nothing cut
         if policy is not None:
             serving.templates = {pid: FixedModel(policy) for pid in serving.templates}
             serving.publish({pid: {} for pid in serving.templates})

@@ -28,10 +28,14 @@ log = logging.getLogger("shmrl.recorder")
 
 class Recorder:
     def __init__(self, writer: DatasetWriter, flush_every: float = 2.0, max_queued_steps: int = 1_000_000,
-                 max_wait: float = 1.0, max_shard_steps: int = 200_000):
+                 max_wait: float = 1.0, max_shard_steps: int = 200_000, max_episodes: int | None = None):
+        """``max_episodes``: keep that many episodes that ended, and nothing after them
+        (``python -m shmrl.record --episodes``); by default every one, and those still open
+        at ``close``."""
         self.writer = writer
         self.flush_every, self.max_queued_steps, self.max_wait = flush_every, max_queued_steps, max_wait
         self.max_shard_steps = max_shard_steps
+        self.episodes_left = max_episodes
         self._queue: deque = deque()
         self._queued_steps = 0
         self._cond = threading.Condition()
@@ -143,15 +147,17 @@ class Recorder:
             _, pieces, _ = self._open.pop(start, (pid, [], conn_id))
             pieces.append((batch, i))
             if end is None:
-                if batch.lengths[i] or len(pieces) > 1:
+                if (batch.lengths[i] or len(pieces) > 1) and self.episodes_left != 0:
                     self._done.setdefault(pid, []).append((pieces, False, conn_id))
                     self._done_steps += int(sum(b.lengths[j] for b, j in pieces))
+                    if self.episodes_left is not None:
+                        self.episodes_left -= 1
             else:
                 self._open[end] = (pid, pieces, conn_id)
 
     def _end(self, key, stopped: bool) -> None:
         pid, pieces, source = self._open.pop(key)
-        if sum(b.lengths[j] for b, j in pieces):
+        if sum(b.lengths[j] for b, j in pieces) and self.episodes_left is None:
             self._done.setdefault(pid, []).append((pieces, stopped, source))
 
     def _flush(self) -> None:

@@ -39,7 +39,7 @@ FLAG_VALUES = [
     (["--checkpoint-every", "4"], "checkpoint_every", 4), (["--keep-checkpoints", "2"], "keep_checkpoints", 2),
     (["--log-every", "2.5"], "log_every", 2.5), (["--tensorboard"], "tensorboard", True),
     (["--record", "demos"], "record", "demos"), (["--pretrain", "demos"], "pretrain", "demos"),
-    (["--pretrain-epochs", "5"], "pretrain_epochs", 5),
+    (["--pretrain-steps", "5"], "pretrain_steps", 5),
     (["--no-tensorboard"], "tensorboard", False), (["--transport", "tcp"], "transport", "tcp"),
     (["--tcp-port", "0"], "tcp_port", 0), (["--tcp-host", "0.0.0.0"], "tcp_host", "0.0.0.0"),
     (["--auth-token", "s3cret"], "auth_token", "s3cret"), (["--max-frame-bytes", "4096"], "max_frame_bytes", 4096),
@@ -88,7 +88,7 @@ def test_every_flag_of_the_old_command_line_is_still_there():
     assert options - OLD_OPTION_STRINGS == {"--return-window", "--max-restarts", "--restart-window", "--max-obs-abs",
                                             "--max-reward-abs", "--max-skipped-updates", "--max-json-frame-bytes",
                                             "--client-budget", "--max-message-steps", "--max-message-chunks",
-                                            "--record", "--pretrain", "--pretrain-epochs",
+                                            "--record", "--pretrain", "--pretrain-steps",
                                             "--learn-per-step", "--target-kl",
                                             "--plot", "--no-plot", "--verbose", "--no-verbose"}
     titles = [group.title for group in parser._action_groups]

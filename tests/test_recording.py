@@ -234,7 +234,7 @@ def test_a_dataset_recorded_by_one_run_pretrains_another(tmp_path):
     assert done.returncode == 1, done.stderr
     assert "recorded" in done.stdout
     done = subprocess.run([*common, "--max-env-steps", "600", "--pretrain", str(tmp_path / "ds"),
-                           "--pretrain-epochs", "5", "--logdir", str(tmp_path / "b")],
+                           "--pretrain-steps", "20", "--logdir", str(tmp_path / "b")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("pretrain: policy 'default'"))
@@ -263,7 +263,7 @@ def test_recording_a_fixed_policy_of_local_simulators_stops_after_its_episodes(t
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     episodes = list(Dataset(tmp_path / "ds").episodes())
-    assert sum(not ep.stopped for ep in episodes) >= 5
+    assert len(episodes) == 5 and not any(ep.stopped for ep in episodes)   # exactly those, whole
     assert len({int(s) for ep in episodes for s in ep.weights_seq_no}) == 1
     done = subprocess.run([*record, "--policy", str(policy_file(tmp_path, "Pendulum-v1"))], capture_output=True,
                           text=True, timeout=120)

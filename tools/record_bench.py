@@ -17,6 +17,7 @@ machine others load too, the CPU time per step is the steadier of the two.
 training), then for each seed runs PPO from scratch and ``--pretrain`` on that dataset
 to ``--target`` (default: the env's threshold), and prints the env steps and wall time
 of each (wall time from process start: the cloning counts) and their medians' ratios.
+``--keep DIR`` keeps the expert and its dataset there, and a later call uses them again.
 Every run has its own process group and is stopped if it outlives ``--timeout``.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 from processes import popen_group, read_logdir, run_shmrl, stop_process  # tools/processes.py
 
 QUICK = {"pretrain": dict(seeds=[0], sims=1, expert_return=60.0, episodes=5, target=80.0, timeout=120.0,
-                          pretrain_epochs=5),
+                          pretrain_steps=50),
          "overhead": dict(steps=4000, repeats=1, sims=1)}
 
 
@@ -117,7 +118,7 @@ def pretrain(a) -> dict:
         target = [] if a.target is None else ["--stop-return", str(a.target)]
         for seed in a.seeds:
             for kind in ("scratch", "pretrain"):
-                extra = (["--pretrain", str(dataset), "--pretrain-epochs", str(a.pretrain_epochs)]
+                extra = (["--pretrain", str(dataset), "--pretrain-steps", str(a.pretrain_steps)]
                          if kind == "pretrain" else [])
                 r = timed_run(["--env", a.env, "--sims", str(a.sims), "--seed", str(seed), *target, *extra, *a.extra],
                               a.timeout)
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--expert-return", type=float, default=490.0, help="pretrain: the expert's stop return")
     p.add_argument("--episodes", type=int, default=20, help="pretrain: expert episodes recorded")
     p.add_argument("--target", type=float, default=None, help="pretrain: the return to reach (default: the env's)")
-    p.add_argument("--pretrain-epochs", type=int, default=50)
+    p.add_argument("--pretrain-steps", type=int, default=5000)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--keep", metavar="DIR", help="pretrain: keep the expert and its dataset in DIR, and use "
                    "those already there")
