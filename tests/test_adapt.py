@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import load_tool, metrics_rows, summary_of
@@ -107,17 +106,12 @@ def test_many_epochs_stop_at_the_kl_bound():
     without, it runs every epoch."""
     from shmrl.config import PPOSettings, with_defaults
     from shmrl.envs import env_spec
-    from shmrl.episode import Episode, EpisodeBatch
+    from shmrl.episode import EpisodeBatch
+    from test_ppo import bandit_chunks
     from shmrl.net import PolicyNet
     from shmrl.ppo import PPO
 
-    rng = np.random.default_rng(1)
-    chunks = []
-    for t in range(256):  # one-step episodes: action 1 is rewarded, action 0 is not
-        c = Episode(rng.normal(size=4).astype(np.float32))
-        c.add_step(t % 2, float(t % 2), np.zeros(4, np.float32), np.zeros(2, np.float32),
-                   float(np.log(0.5)), terminated=True)
-        chunks.append(c.finalize())
+    chunks = bandit_chunks()
     results = {}
     for target in (None, 0.005):
         ppo = PPO(PolicyNet(env_spec("CartPole-v1"), 64, "ReLU"), with_defaults(PPOSettings, lr=3e-3), seed=0)

@@ -59,15 +59,21 @@ def test_vectorized_gae_matches_textbook_gae():
     np.testing.assert_array_equal(batch.obs["obs"][:7], chunks[0].obs[:-1])
 
 
-def test_update_moves_policy_toward_advantaged_action():
-    rng = np.random.default_rng(1)
-    ppo = cartpole_ppo(with_defaults(PPOSettings, lr=3e-3, epochs=4, minibatch_size=64))
+def bandit_chunks(n: int = 256, seed: int = 1) -> list:
+    """One-step CartPole-shaped episodes in which action 1 is rewarded and action 0 is not."""
+    rng = np.random.default_rng(seed)
     chunks = []
-    for t in range(256):  # one-step episodes: action 1 is rewarded, action 0 is not
+    for t in range(n):
         c = Episode(rng.normal(size=4).astype(np.float32))
         c.add_step(t % 2, float(t % 2), np.zeros(4, np.float32), np.zeros(2, np.float32),
                    float(np.log(0.5)), terminated=True)
         chunks.append(c.finalize())
+    return chunks
+
+
+def test_update_moves_policy_toward_advantaged_action():
+    ppo = cartpole_ppo(with_defaults(PPOSettings, lr=3e-3, epochs=4, minibatch_size=64))
+    chunks = bandit_chunks()
     obs = np.stack([c.obs[0] for c in chunks])
     before = torch.softmax(actor_out(ppo, obs), -1)[:, 1].mean().item()
     for _ in range(5):
