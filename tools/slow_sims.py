@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
