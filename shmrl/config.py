@@ -149,7 +149,8 @@ class LogSettings:
         kind=bool)
     plot: bool | None = setting(
         None, "draw the run's learning curve into the log folder when it ends (learning_curves.png, as "
-        "python -m shmrl.plot does); default: when matplotlib is installed (pip install matplotlib)", kind=bool)
+        "python -m shmrl.plot does); default: when matplotlib is installed (pip install matplotlib) and the run "
+        "took 20 s or more (a shorter run's plot would add a sixth to it)", kind=bool)
     resume: str | None = setting(
         None, "go on from the last checkpoint in DIR (weights, optimizer, env-step counts, "
         "weights_seq_no, return window), with its configuration except for the flags given "

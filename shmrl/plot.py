@@ -37,13 +37,15 @@ def load(run_dir: Path) -> dict:
     return {"name": run_dir.name, "rows": rows, "stop_return": summary.get("config", {}).get("stop_return")}
 
 
+def _import_matplotlib():
+    from matplotlib.figure import Figure   # Figure alone draws to files: no pyplot, no display
+
+    return Figure
+
+
 def plot(runs: list[dict], out: Path, title: str | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    fig, (by_steps, by_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    fig = _import_matplotlib()(figsize=(11, 4.2))
+    by_steps, by_time = fig.subplots(1, 2, sharey=True)
     for run in runs:
         # No return yet (before the first episode): null in metrics.jsonl (NaN in older runs).
         rows = [r for r in run["rows"] if isinstance(r.get("return_mean"), (int, float)) and
@@ -67,7 +69,6 @@ def plot(runs: list[dict], out: Path, title: str | None = None) -> None:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
 
 
 RUN_PLOT = "learning_curves.png"   # what a run draws into its log folder when it ends

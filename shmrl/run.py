@@ -79,17 +79,24 @@ def train(config: Config, t_start: float | None = None) -> tuple[int, dict]:
                      "(or $SHMRL_AUTH_TOKEN) to let other clients in too")
     from shmrl.trainer import train_run
 
+    plot_forced = config.plot is True
     try:
         status, summary = train_run(config, t_start, launcher)
     finally:
         if launcher is not None and launcher.owns_ray:
             launcher.ray.shutdown()
     saved = summary.get("config", {})
-    if saved.get("plot") and status in (EXIT_SOLVED, EXIT_BUDGET):   # not after Ctrl-C, SIGTERM or a failure
+    # Not after Ctrl-C, SIGTERM or a failure; and unless --plot asks, not after a run of a few
+    # seconds, whose plot (matplotlib's import is most of its 0.5 s) would add a sixth to it.
+    if (saved.get("plot") and status in (EXIT_SOLVED, EXIT_BUDGET)
+            and (plot_forced or summary.get("wall_s", 0) >= PLOT_MIN_WALL_S)):
         from shmrl.plot import plot_run
 
         plot_run(saved["logdir"])
     return status, summary
+
+
+PLOT_MIN_WALL_S = 20.0   # the shortest run that draws its learning curves without --plot
 
 
 def build_parser(d: Config, spec=None, given: dict | None = None) -> argparse.ArgumentParser:
