@@ -119,24 +119,39 @@ def test_a_connection_is_not_read_while_its_requests_wait_for_poll(net):
 @pytest.mark.parametrize("factor", [1e6, 1e3])
 def test_a_costly_frame_makes_its_connection_wait_its_turn(net, monkeypatch, factor):
     """Fairness: after a frame that took the IO thread t s to decode, its connection is not
-    read again for REST_FACTOR * t while the others are served (a JSON flooder cannot keep
-    the thread, and the interpreter, to itself); then what it sent meanwhile is read."""
-    monkeypatch.setattr(TcpServer, "MIN_REST_S", 0.0)      # every frame rests, PINGs too
+    read again for REST_FACTOR * t while another client is connected (a JSON flooder
+    cannot keep the thread, and the interpreter, to itself); then what it sent meanwhile is
+    read."""
     monkeypatch.setattr(TcpServer, "REST_FACTOR", factor)  # 1e6: seconds at least; 1e3: ms
     server = net.server()
     greedy, other = net.raw(server), net.raw(server)
-    greedy.sendall(rllib_frame({"type": "PING"}) * 2)
+    other.sendall(rllib_frame({"type": "GET_STATE"}))      # its reply is owed while greedy sends
     got = []
-    wait_until(lambda: got.extend(server.poll(0.05)) or got, 5, "the first PING")
-    other.sendall(rllib_frame({"type": "GET_STATE"}))
-    wait_until(lambda: got.extend(server.poll(0.05)) or len(got) >= 2, 5, "the other client's request")
+    wait_until(lambda: got.extend(server.poll(0.05)) or got, 5, "the other client's request")
+    monkeypatch.setattr(TcpServer, "MIN_REST_S", 0.0)      # from now on every frame rests, PINGs too
+    greedy.sendall(rllib_frame({"type": "PING"}) * 2)
+    wait_until(lambda: got.extend(server.poll(0.05)) or len(got) >= 2, 5, "the first PING")
     ping, get_state = (conn_id_of(greedy), {"type": "PING"}), (conn_id_of(other), {"type": "GET_STATE"})
-    if factor == 1e6:   # resting: its second PING is not read while the other client is
+    if factor == 1e6:   # resting: its second PING is not read while the other client waits
         time.sleep(0.3)
-        assert got + server.poll() == [ping, get_state]
+        assert got + server.poll() == [get_state, ping]
     else:               # the rest ends: its second PING is read after all
         wait_until(lambda: got.extend(server.poll(0.05)) or len(got) >= 3, 5, "the second PING")
         assert sorted(got, key=str) == sorted([ping, ping, get_state], key=str)
+
+
+def test_a_costly_frame_rests_nobody_when_no_one_else_is_connected(net, monkeypatch):
+    """A rest only makes room for others: a lone client is read on at once, however costly
+    its frames (one JSON client sending flat out ran at half its speed when it rested
+    regardless)."""
+    monkeypatch.setattr(TcpServer, "MIN_REST_S", 0.0)
+    monkeypatch.setattr(TcpServer, "REST_FACTOR", 1e6)     # a rest would be seconds at least
+    server = net.server()
+    lone = net.raw(server)
+    lone.sendall(rllib_frame({"type": "PING"}) * 3)
+    got = []
+    wait_until(lambda: got.extend(server.poll(0.05)) or len(got) >= 3, 2, "all three PINGs")
+    assert got == [(conn_id_of(lone), {"type": "PING"})] * 3
 
 
 def test_32_clients_at_once_on_one_port(net):
@@ -544,3 +559,18 @@ def test_parse_address():
     for bad in ("localhost", ":5556", "host:", "host:http", "host:70000", "host:-1"):
         with pytest.raises(ValueError, match="HOST:PORT"):
             parse_address(bad)
+
+
+def test_a_client_that_waits_for_its_replies_never_rests(net, monkeypatch):
+    """Only a client sending without waiting (EPISODES, or frames pipelined) rests: one that
+    sends its next request after its reply is paced by the replies (a lone JSON client
+    beside an idle connection ran at half its speed when every costly frame rested)."""
+    monkeypatch.setattr(TcpServer, "REST_FACTOR", 1e6)     # a rest would be seconds at least
+    server = net.server()
+    idle, paced = net.raw(server), net.raw(server)
+    monkeypatch.setattr(TcpServer, "MIN_REST_S", 0.0)
+    got = []
+    for n in (1, 2):
+        paced.sendall(rllib_frame({"type": "PING"}))
+        wait_until(lambda: got.extend(server.poll(0.05)) or len(got) >= n, 2, f"PING {n}")
+    assert got == [(conn_id_of(paced), {"type": "PING"})] * 2

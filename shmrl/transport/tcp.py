@@ -318,7 +318,17 @@ class TcpServer(Closeable):
         timeout = self._tick
         if self._resting:
             timeout = max(0.0, min(timeout, min(c.rest_until for c in self._resting) - time.monotonic()))
-        for key, mask in self._selector.select(timeout):
+        ready = self._selector.select(0.0 if self._resting else timeout)
+        if self._resting and not ready and len(self._conns) <= 1:
+            # Nobody else to make room for: a rest would only slow the client that earned it
+            # (one JSON client sending flat out ran at half its speed). With others connected
+            # it holds, idle or not: a request may arrive any moment, and must not find the
+            # thread in a flooder's next decode (5x an honest PING's round trip, measured).
+            self._wake_rested(math.inf)
+            return
+        if self._resting and not ready:
+            ready = self._selector.select(timeout)
+        for key, mask in ready:
             if key.data is _LISTENER:
                 self._accept()
             elif key.data is not _WAKE:
@@ -435,7 +445,8 @@ class TcpServer(Closeable):
                 conn.frames += 1
                 started = time.perf_counter()
                 msg = rllink.decode_request(body, self.limits)
-                self._rest(conn, time.perf_counter() - started)
+                if msg["type"] == _EPISODES or buf:   # it sends without waiting for replies
+                    self._rest(conn, time.perf_counter() - started)
                 if not self._deliver(conn, msg):
                     return
                 if conn.stopped(now):
@@ -448,14 +459,18 @@ class TcpServer(Closeable):
                 self._set_events(conn)  # stop reading until poll() catches up or the rest ends
 
     def _rest(self, conn: _Conn, cost: float) -> None:
-        """Fairness: after a frame that cost ``cost`` s to decode, ``conn`` waits its turn."""
+        """Fairness: after a frame that cost ``cost`` s to decode, ``conn`` waits its turn. Only
+        a client that sends without waiting for replies (EPISODES, or frames pipelined behind
+        this one) rests: one that waits for each reply is paced by the replies already."""
         if cost >= self.MIN_REST_S:
             conn.rest_until = time.monotonic() + self.REST_FACTOR * cost
             self._resting.add(conn)
 
-    def _wake_rested(self, now: float) -> None:
-        """Read again the connections whose rest is over (and their frames already in)."""
-        for conn in [c for c in self._resting if c.rest_until <= now]:
+    def _wake_rested(self, until: float) -> None:
+        """Read again the connections whose rest is over by ``until`` (inf: all of them), and
+        their frames already in."""
+        now = time.monotonic()
+        for conn in [c for c in self._resting if c.rest_until <= until]:
             self._resting.discard(conn)
             conn.rest_until = 0.0
             if conn.sock is not None:
