@@ -17,8 +17,8 @@ background IO thread owns every socket: it accepts, reads without blocking, refu
 frame from its header when it is too large, decodes and validates requests, and writes
 queued replies as fast as each socket takes them, so a client that waits for SET_STATE,
 stalls mid-frame or stops reading never holds up another. Nor does one that floods: a
-connection whose frame was costly to decode (JSON) rests for a multiple of that cost
-before its next frame is read, and replies go out before a flooder's next frame is decoded. The learner's thread only
+connection that sends without waiting for replies, and whose frame was costly to
+decode (JSON), rests for a multiple of that cost before its next frame is read, and replies go out before a flooder's next frame is decoded. The learner's thread only
 trades queues with it under one lock: ``poll`` takes the validated requests
 (``fileno()`` is a ``WakePipe`` that is readable while some wait); ``reply`` and
 ``drop`` queue work and wake the IO thread through a second one.
