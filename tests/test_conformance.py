@@ -58,18 +58,26 @@ def test_the_js_client_conforms_in_both_codecs_and_with_server_inference():
         assert "connection 2, message 4" in out or "connection 2: the first ACT carried no outcome" in out, out
 
 
-@pytest.mark.parametrize("bug", sorted(BUGS))
-def test_a_client_with_a_bug_is_caught_under_its_rule(bug):
-    violations, out = check([sys.executable, BROKEN, "--port", "{port}", "--bug", bug])
-    rule = BUGS[bug]
-    if rule is None:
-        assert not violations, out
-        return
-    assert violations, f"the checker did not catch {bug}:\n{out}"
-    assert any(rule in r for r, _ in violations), f"{bug} should break {rule}; found {violations}"
-    assert f"VIOLATION [RLLINK.md {rule}" in out, out
-    if bug == "no-reconnect":   # noticed when it exits, not after the timeout
-        assert "connection 2: the client exited (status 1) instead of connecting" in out, out
+def test_a_client_with_each_bug_is_caught_under_its_rule():
+    """Each kind of bug tests/broken_client.py knows, checked at once in threads (each check
+    mostly waits on its client: one after the other they took a minute)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(bug):
+        return bug, check([sys.executable, BROKEN, "--port", "{port}", "--bug", bug])
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(run, sorted(BUGS)))
+    for bug, (violations, out) in results:
+        rule = BUGS[bug]
+        if rule is None:
+            assert not violations, f"{bug}:\n{out}"
+            continue
+        assert violations, f"the checker did not catch {bug}:\n{out}"
+        assert any(rule in r for r, _ in violations), f"{bug} should break {rule}; found {violations}"
+        assert f"VIOLATION [RLLINK.md {rule}" in out, f"{bug}:\n{out}"
+        if bug == "no-reconnect":   # noticed when it exits, not after the timeout
+            assert "connection 2: the client exited (status 1) instead of connecting" in out, out
 
 
 def test_the_command_line_exits_1_on_a_violation_and_2_when_misused(tmp_path):

@@ -270,6 +270,7 @@ def test_recording_a_fixed_policy_of_local_simulators_stops_after_its_episodes(t
     assert done.returncode == 2 and done.stderr.startswith("error: --policy")
 
 
+@pytest.mark.slow   # ~20 s: a recording server, 4 TCP clients, Minari export and load
 def test_tcp_clients_recorded_without_training_load_in_minari_and_shmrl(tmp_path):
     """python -m shmrl.record serves two TCP simulators; after Ctrl-C the dataset holds
     their episodes, and its Minari export loads with the env's spaces and the same data."""
