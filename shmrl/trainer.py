@@ -131,13 +131,14 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
         stats.update(learner_share=share(busy, wall), learn_level=learning.level)
         learning.observe(busy, wall, stats["epochs_run"])
         row = metrics_row(stats, serving, supervisor, clock)
-        last.update(stats=stats, row=row)
-        now = time.time()
+        last.update(stats=stats, row=row, written=False)
+        now = row["elapsed_s"]   # the row's own clock: a line is due by the time the row says
         if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
             detail = config.verbose or lines % DETAIL_EVERY == 0
             print(progress_line(row, store.returns, config.stop_return, config.max_env_steps, detail), flush=True)
             last_line, lines = now, lines + 1
         metrics.write(row)
+        last["written"] = True
         if config.checkpoint_every and serving.updates % config.checkpoint_every == 0:
             checkpoint(setup, serving, ppos)
 
@@ -249,13 +250,15 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
 def final_row(serving: Serving, supervisor, metrics, clock: Clock, last: dict, unsaid: list) -> None:
     """The last update's row, written again with the counts and the return as the run
     ended (what summary.json says) where episodes or steps came in after it: metrics.jsonl,
-    and a plot of it, ends where the run did (at the return that solved it)."""
+    and a plot of it, ends where the run did (at the return that solved it); written for
+    the first time where the run ended between the update and its row."""
     row = last.get("row")
-    if row is None or (row["env_steps"], row["episodes"]) == (serving.store.steps_received,
-                                                              serving.store.episodes_completed):
+    if row is None or (last["written"] and (row["env_steps"], row["episodes"]) ==
+                       (serving.store.steps_received, serving.store.episodes_completed)):
         return
-    try:
-        metrics.rewrite_last(metrics_row(last["stats"], serving, supervisor, clock))
+    try:   # not written at all where Ctrl-C came between the update and its row
+        write = metrics.rewrite_last if last["written"] else metrics.write
+        write(metrics_row(last["stats"], serving, supervisor, clock))
     except LogdirWriteError as e:
         unsaid.append(str(e))
 
