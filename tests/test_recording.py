@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import load_tool, need, wait_until
+from conftest import need, wait_until
 from shmrl import spaces
 from shmrl.dataset import Dataset, DatasetWriter, manifest_for, space_from_json, space_to_json
 from shmrl.envspec import EnvSpec
@@ -318,20 +318,3 @@ def test_tcp_clients_recorded_without_training_load_in_minari_and_shmrl(tmp_path
             assert (bool(theirs.terminations[-1]), bool(theirs.truncations[-1])) == (mine.terminated, mine.truncated)
     finally:
         del os.environ["MINARI_DATASETS_PATH"]
-
-
-def test_the_record_bench_overhead_quick_mode_runs(tmp_path, capsys):
-    assert load_tool("record_bench").main(["overhead", "--quick", "--json", "--workdir", str(tmp_path)]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert all(r["exit"] == 1 and r["env_steps"] >= 4000 for v in result["runs"].values() for r in v)
-    assert result["record_cost_pct"] is not None
-
-
-@pytest.mark.slow
-def test_the_record_bench_pretrain_quick_mode_runs(tmp_path, capsys):
-    """An expert, its recording and a run from scratch beside one from --pretrain (~30 s)."""
-    assert load_tool("record_bench").main(["pretrain", "--quick", "--json", "--workdir", str(tmp_path)]) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert result["dataset"]["whole_episodes"] >= 5 and result["expert_return"] >= 60
-    assert {r["exit"] for v in result["runs"].values() for r in v} <= {0, 1}
-    assert result["env_steps_ratio"] > 0 and result["wall_ratio"] > 0

@@ -466,3 +466,25 @@ def test_slow_sims_quick(tool):
     assert shmrl["env_steps_per_s"] <= r["rate"] * 1.2   # throttled: at most the rate, with a little slack
     learner = shmrl["learner"]
     assert 0 < learner["learner_share_median"] < 1 and learner["approx_kl_max"] < 1 and learner["learn_levels"]
+
+
+def test_record_bench_overhead_quick(tool, tmp_path):
+    """tools/record_bench.py overhead --quick, as a command: CartPole with and without
+    --record, each to its short budget, and the cost of recording."""
+    rc, out, err = tool("record_bench.py", "overhead", "--quick", "--json", "--workdir", tmp_path / "work", timeout=240)
+    assert rc == 0, err[-3000:]
+    result = last_json(out)
+    assert all(r["exit"] == 1 and r["env_steps"] >= 4000 for v in result["runs"].values() for r in v)
+    assert result["record_cost_pct"] is not None
+
+
+@pytest.mark.slow
+def test_record_bench_pretrain_quick(tool, tmp_path):
+    """tools/record_bench.py pretrain --quick: an expert, its recording, and a run from scratch
+    beside one from --pretrain (~30 s)."""
+    rc, out, err = tool("record_bench.py", "pretrain", "--quick", "--json", "--workdir", tmp_path / "work", timeout=300)
+    assert rc == 0, err[-3000:]
+    result = last_json(out)
+    assert result["dataset"]["whole_episodes"] >= 5 and result["expert_return"] >= 60
+    assert {r["exit"] for v in result["runs"].values() for r in v} <= {0, 1}
+    assert result["env_steps_ratio"] > 0 and result["wall_ratio"] > 0

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--keep", metavar="DIR", help="pretrain: keep the expert and its dataset in DIR, and use "
                    "those already there")
-    p.add_argument("--workdir", default=None, help="where the datasets go (default: the system's temp folder)")
+    p.add_argument("--workdir", default=None, help="where the datasets go, made if missing (default: the system's temp folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--quick", action="store_true", help="seconds: tiny runs (flags given still win)")
     p.epilog = "Arguments after -- go to every python -m shmrl.run."
@@ -162,6 +162,8 @@ def main(argv=None) -> int:
         p.set_defaults(**QUICK[mode])
     a = p.parse_args(argv)
     a.extra = extra
+    if a.workdir:   # a folder named that does not exist yet is made, not a traceback
+        Path(a.workdir).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     result = overhead(a) if a.mode == "overhead" else pretrain(a)
     result["bench_s"] = time.time() - t0
