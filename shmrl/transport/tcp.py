@@ -40,6 +40,7 @@ import time
 
 from shmrl import rllink
 from shmrl.transport.base import Closeable, ConnectionClosed, ReplyEncoder, WakePipe  # noqa: F401 (as before)
+from shmrl.transport.tcp_conn import Connection, conn_id_of
 from shmrl.transport.tcp_client import TcpClient, parse_address  # noqa: F401 (the client side, as before)
 
 log = logging.getLogger("shmrl.transport")
@@ -52,50 +53,6 @@ _EPISODES = _T.EPISODES.value
 _HEADER = rllink.HEADER_LEN
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 _LISTENER, _WAKE = object(), object()  # selector tags besides connections
-
-
-def _conn_id(peer) -> str:
-    host, port = peer[:2]
-    return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
-
-
-class _Conn:
-    """One client connection. The IO thread alone uses the socket and the fields up to
-    ``events``; the rest are shared with the learner's thread, under the server's lock."""
-
-    __slots__ = ("sock", "conn_id", "inbuf", "body_len", "frame_start", "last_traffic", "sendq", "frames",
-                 "rest_until", "events", "out", "out_bytes", "owed", "unpolled", "paused", "held", "closed",
-                 "reason", "offered", "codec", "heartbeat")
-
-    def __init__(self, sock: socket.socket, conn_id: str, now: float):
-        self.sock, self.conn_id = sock, conn_id
-        self.inbuf = bytearray()          # the incomplete frame being read
-        self.body_len: int | None = None  # its body length, once its header is in
-        self.frames = 0                   # complete frames received
-        self.frame_start = now            # when its first byte arrived
-        self.last_traffic = now
-        self.sendq: collections.deque = collections.deque()  # frames (or unsent tails) being written
-        self.rest_until = 0.0             # not read before this time.monotonic(): its decoding's share
-        self.events = 0                   # what the selector watches for
-        self.out: list[bytes] = []        # reply frames from reply(), not yet taken by the IO thread
-        self.out_bytes = 0                # reply bytes queued and not yet written
-        self.owed = 0                     # requests received whose reply has not been queued
-        self.unpolled = 0                 # requests waiting for poll()
-        self.paused = False               # not read until poll() takes its requests
-        self.held = False                 # not read until the learner lets it go (hold())
-        self.closed = False               # no more requests delivered, replies ignored
-        self.reason: str | None = None    # set when the learner's side closes it: why
-        self.offered = False              # its last PING offered the binary codec
-        self.codec = "json"               # of the replies it gets (set by reply(), learner's thread)
-        self.heartbeat = False            # it was told to send heartbeats: silence means hung
-
-    def stopped(self, now: float) -> bool:
-        """Not to be read now: the learner paused or held it, or it rests after a costly frame."""
-        return self.paused or self.held or self.rest_until > now
-
-    def frame_progress(self) -> str:
-        total = f"{_HEADER + self.body_len}" if self.body_len is not None else f"{_HEADER} header"
-        return f"{len(self.inbuf)} of {total} bytes"
 
 
 class TcpServer(Closeable):
@@ -153,9 +110,9 @@ class TcpServer(Closeable):
         self.frame_timeout, self.idle_timeout = frame_timeout, idle_timeout
         self.max_connections = max_connections
         self._lock = threading.Lock()
-        self._inbox: list[tuple[_Conn, dict | None]] = []  # for poll(); None: closed
-        self._conns: dict[str, _Conn] = {}   # the open connections
-        self._todo: set[_Conn] = set()       # replies to write, a close or a resume for the IO thread
+        self._inbox: list[tuple[Connection, dict | None]] = []  # for poll(); None: closed
+        self._conns: dict[str, Connection] = {}   # the open connections
+        self._todo: set[Connection] = set()       # replies to write, a close or a resume for the IO thread
         self._wake_pending = False           # a byte is in the wake pipe
         self._stopping = self._closed = False
         self._refused = 0                    # connections refused since the last one accepted
@@ -164,7 +121,7 @@ class TcpServer(Closeable):
         self._tick = max(0.01, min(1.0, frame_timeout / 4, hello_timeout / 4, (idle_timeout or math.inf) / 4,
                                    heartbeat_timeout / 8))
         self._next_check = 0.0
-        self._resting: set[_Conn] = set()   # connections with a rest_until (IO thread)
+        self._resting: set[Connection] = set()   # connections with a rest_until (IO thread)
         self._recv_buf = memoryview(bytearray(self.RECV_BYTES))
         self._listener = self._selector = self._thread = None
         self._ready = self._wake = None
@@ -291,7 +248,7 @@ class TcpServer(Closeable):
             if pipe is not None:
                 pipe.close()
 
-    def _close_later_locked(self, conn: _Conn, reason: str) -> None:
+    def _close_later_locked(self, conn: Connection, reason: str) -> None:
         conn.closed, conn.reason = True, reason
         self._todo.add(conn)
         self._wake_io_locked()
@@ -342,7 +299,7 @@ class TcpServer(Closeable):
             self._next_check = now + self._tick
             self._check_timers(now)
 
-    def _guarded(self, conn: _Conn, fn, *args) -> None:
+    def _guarded(self, conn: Connection, fn, *args) -> None:
         """Run ``fn(conn, *args)``; an unexpected exception closes this connection only."""
         if conn.sock is None:
             return
@@ -366,7 +323,7 @@ class TcpServer(Closeable):
                     self._accept_paused_until = time.monotonic() + self.ACCEPT_PAUSE_S
                     return
                 continue  # the client gave up before we accepted it (ECONNABORTED and the like)
-            conn_id = _conn_id(peer)
+            conn_id = conn_id_of(peer)
             if len(self._conns) >= self.max_connections:
                 if not self._refused:
                     log.warning("%s: refused: %d connections open (max_connections); refusing more "
@@ -383,19 +340,19 @@ class TcpServer(Closeable):
             except OSError:
                 sock.close()
                 continue
-            conn = _Conn(sock, conn_id, time.monotonic())
+            conn = Connection(sock, conn_id, time.monotonic())
             with self._lock:
                 self._conns[conn_id] = conn
             log.info("%s: connected", conn_id)
             self._guarded(conn, self._set_events)
 
-    def _serve(self, conn: _Conn, mask: int) -> None:
+    def _serve(self, conn: Connection, mask: int) -> None:
         if mask & _READ and not conn.stopped(time.monotonic()):
             self._read(conn)
         if mask & _WRITE and conn.sock is not None:
             self._write(conn)
 
-    def _read(self, conn: _Conn) -> None:
+    def _read(self, conn: Connection) -> None:
         try:
             n = conn.sock.recv_into(self._recv_buf)
         except (BlockingIOError, InterruptedError):
@@ -423,7 +380,7 @@ class TcpServer(Closeable):
         """Bytes of incomplete frames held for all connections (IO thread)."""
         return sum(len(c.inbuf) for c in self._conns.values())
 
-    def _parse(self, conn: _Conn, now: float) -> None:
+    def _parse(self, conn: Connection, now: float) -> None:
         """Deliver every complete frame in the buffer; the header is checked before the body
         is waited for, so an oversize or malformed frame is refused from its first 8 bytes."""
         buf = conn.inbuf
@@ -458,7 +415,7 @@ class TcpServer(Closeable):
             if conn.sock is not None and conn.stopped(now):
                 self._set_events(conn)  # stop reading until poll() catches up or the rest ends
 
-    def _rest(self, conn: _Conn, cost: float) -> None:
+    def _rest(self, conn: Connection, cost: float) -> None:
         """Fairness: after a frame that cost ``cost`` s to decode, ``conn`` waits its turn. Only
         a client that sends without waiting for replies (EPISODES, or frames pipelined behind
         this one) rests: one that waits for each reply is paced by the replies already."""
@@ -483,7 +440,7 @@ class TcpServer(Closeable):
         if n > limit:
             raise rllink.ProtocolError(f"{codec} frame of {n} bytes exceeds the maximum of {limit} for {codec}")
 
-    def _deliver(self, conn: _Conn, msg: dict) -> bool:
+    def _deliver(self, conn: Connection, msg: dict) -> bool:
         with self._lock:
             if conn.closed:  # dropped meanwhile
                 return False
@@ -500,7 +457,7 @@ class TcpServer(Closeable):
             self._queue_locked(conn, msg)
         return True
 
-    def _queue_locked(self, conn: _Conn, msg: dict | None) -> None:
+    def _queue_locked(self, conn: Connection, msg: dict | None) -> None:
         if not self._inbox:
             self._ready.wake()
         self._inbox.append((conn, msg))
@@ -527,7 +484,7 @@ class TcpServer(Closeable):
             if reason is None and conn.inbuf and conn.sock is not None and not conn.stopped(time.monotonic()):
                 self._guarded(conn, self._parse, time.monotonic())   # frames read before a pause
 
-    def _write(self, conn: _Conn) -> None:
+    def _write(self, conn: Connection) -> None:
         queue, sent = conn.sendq, 0
         try:
             while queue:
@@ -548,7 +505,7 @@ class TcpServer(Closeable):
                 conn.out_bytes -= sent
         self._set_events(conn)
 
-    def _set_events(self, conn: _Conn) -> None:
+    def _set_events(self, conn: Connection) -> None:
         want = (0 if conn.stopped(time.monotonic()) else _READ) | (_WRITE if conn.sendq else 0)
         if want == conn.events:
             return
@@ -571,7 +528,7 @@ class TcpServer(Closeable):
         for conn in conns:
             self._guarded(conn, self._check_conn, now)
 
-    def _check_conn(self, conn: _Conn, now: float) -> None:
+    def _check_conn(self, conn: Connection, now: float) -> None:
         if conn.closed:
             return
         if conn.inbuf and not conn.stopped(now):
@@ -592,14 +549,14 @@ class TcpServer(Closeable):
         elif self.idle_timeout is not None and now - conn.last_traffic > self.idle_timeout:
             self._close(conn, f"idle for {self.idle_timeout:g} s with no reply owed")
 
-    def _disconnected(self, conn: _Conn, error: OSError | None = None) -> None:
+    def _disconnected(self, conn: Connection, error: OSError | None = None) -> None:
         why = f" ({error.strerror or error})" if error is not None else ""
         if conn.inbuf:
             self._close(conn, f"disconnected mid-frame after {conn.frame_progress()}{why}")
         else:
             self._close(conn, f"the client disconnected{why}", logging.INFO)
 
-    def _close(self, conn: _Conn, reason: str, level: int = logging.WARNING) -> None:
+    def _close(self, conn: Connection, reason: str, level: int = logging.WARNING) -> None:
         """Close the socket and report the connection closed through poll(), once."""
         sock = conn.sock
         if sock is None:
