@@ -165,6 +165,72 @@ void shmrl_close(shmrl_client *c);   /* close the socket, free the buffers; reus
 const char *shmrl_error(const shmrl_client *c);
 const char *shmrl_status_name(shmrl_status s);
 
+/* ---------------------------------------------------------------- client-side inference
+   For a client that runs the policy itself (options.server_inference = 0): the protocol
+   side only, with no ONNX runtime in this header (clients/c/cartpole_onnx.c pairs it with
+   onnxruntime's C library). GET_STATE and EPISODES_AND_GET_STATE's SET_STATE give the ONNX
+   model's bytes (onnx_file: base64 of a gzip member of stored deflate blocks, as shmrl
+   sends it); a shmrl_rollout records K envs' steps as chunks (RLLINK.md section 4) and
+   shmrl_send_rollout sends them as one EPISODES_AND_GET_STATE (binary columns, or JSON). */
+
+typedef struct shmrl_model {
+    unsigned char *bytes;        /* the ONNX file (malloc'd; shmrl_model_free) */
+    size_t len, cap;
+    long long weights_seq_no;    /* its version; -1 before the first */
+} shmrl_model;
+
+/* Each env's open chunk and the chunks it finished since the last message, in one block
+   per env: rows of obs (a chunk's own rows in turn), its steps, and the chunks' ends. */
+typedef struct shmrl__env_chunks {
+    float *obs, *dist, *rewards, *logp;
+    int64_t *actions;            /* Discrete and MultiDiscrete */
+    float *box_actions;          /* Box */
+    long rows, steps;            /* recorded since the last message */
+    long nchunks;                /* chunks closed since the last message (the open one not counted) */
+    long *lengths;               /* [steps_per_env + 1]: steps of each closed chunk */
+    unsigned char *terminated, *truncated;
+    int64_t *ids;                /* [steps_per_env + 2]: each chunk's episode_id, the open one's last */
+    long open_steps;             /* steps of the open chunk */
+} shmrl__env_chunks;
+
+typedef struct shmrl_rollout {
+    int k, action_dim, box;      /* envs; values per action; 1: float actions (Box) */
+    long obs_size, dist_size;    /* floats per observation, per row of output 0 */
+    long steps_per_env;          /* steps each env may record per message */
+    int64_t next_id;             /* episode ids: unique in the process */
+    shmrl__env_chunks *env;
+} shmrl_rollout;
+
+/* GET_STATE -> SET_STATE: the model into m (its buffer reused). */
+shmrl_status shmrl_get_state(shmrl_client *c, shmrl_model *m);
+void shmrl_model_free(shmrl_model *m);
+/* onnx_file's text (base64 of a gzip of stored deflate blocks) -> the model's bytes into
+   m->bytes. Returns 0 with the reason in err (err_len bytes) on bad input. */
+int shmrl_decode_onnx_file(const char *text, size_t len, shmrl_model *m, char *err, size_t err_len);
+
+/* K envs, observations of obs_size floats, output 0 of dist_size, actions of action_dim
+   values (box: floats), up to steps_per_env steps per env per message; then every env's
+   first chunk with shmrl_rollout_start. SHMRL_ERR_NOMEM or _ARG. */
+shmrl_status shmrl_rollout_init(shmrl_rollout *r, int k, long obs_size, long dist_size, int action_dim, int box,
+                                long steps_per_env);
+void shmrl_rollout_free(shmrl_rollout *r);
+/* Env e's episode starts (at a reset) from obs. */
+void shmrl_rollout_start(shmrl_rollout *r, int e, const float *obs);
+/* Env e's step: the action taken (actions or box_actions: action_dim values, the other
+   NULL), output 0's row it was sampled from and its log-probability, then the outcome.
+   A terminated or truncated step ends the chunk (next_obs is the episode's last obs):
+   call shmrl_rollout_start with the reset's obs next. SHMRL_ERR_ARG when env e has
+   recorded steps_per_env steps since the last message. */
+shmrl_status shmrl_rollout_step(shmrl_rollout *r, int e, const int64_t *action, const float *box_action,
+                                const float *dist, double logp, float reward, const float *next_obs,
+                                int terminated, int truncated);
+long shmrl_rollout_steps(const shmrl_rollout *r);   /* recorded since the last message */
+/* EPISODES_AND_GET_STATE with every chunk (running episodes continue in the next message
+   from their last obs, under the same episode_id), tagged with m's version; then its
+   SET_STATE (held while the learner trains), whose model replaces m's when its
+   weights_seq_no differs. */
+shmrl_status shmrl_send_rollout(shmrl_client *c, shmrl_rollout *r, shmrl_model *m);
+
 #ifdef __cplusplus
 }
 #endif
@@ -1137,6 +1203,372 @@ const char *shmrl_status_name(shmrl_status s) {
     case SHMRL_ERR_NOMEM: return "out of memory";
     }
     return "unknown status";
+}
+
+/* ---------------------------------------------------------------- client-side inference */
+
+void shmrl_model_free(shmrl_model *m) {
+    free(m->bytes);
+    m->bytes = NULL;
+    m->len = m->cap = 0;
+}
+
+static int shmrl__b64(int ch) {
+    if (ch >= 'A' && ch <= 'Z') return ch - 'A';
+    if (ch >= 'a' && ch <= 'z') return ch - 'a' + 26;
+    if (ch >= '0' && ch <= '9') return ch - '0' + 52;
+    return ch == '+' ? 62 : ch == '/' ? 63 : -1;
+}
+
+static uint32_t shmrl__crc32(const unsigned char *p, size_t n) {
+    uint32_t table[256], crc = 0xFFFFFFFFu;
+    uint32_t i, j;
+    for (i = 0; i < 256; i++) {
+        uint32_t v = i;
+        for (j = 0; j < 8; j++) v = v & 1 ? 0xEDB88320u ^ (v >> 1) : v >> 1;
+        table[i] = v;
+    }
+    while (n--) crc = table[(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+    return crc ^ 0xFFFFFFFFu;
+}
+
+static int shmrl__decode_fail(char *err, size_t err_len, const char *why) {
+    if (err && err_len) snprintf(err, err_len, "onnx_file: %s", why);
+    return 0;
+}
+
+/* base64 (a JSON string's content: "\/" is "/") -> gzip member -> its stored deflate blocks.
+   shmrl sends the model stored (gzip level 0), so no inflater is needed; any other block
+   type is refused. */
+int shmrl_decode_onnx_file(const char *text, size_t len, shmrl_model *m, char *err, size_t err_len) {
+    unsigned char *gz = (unsigned char *)malloc(len / 4 * 3 + 3), *out;
+    size_t n = 0, i, pos, out_len = 0;
+    uint32_t acc = 0;
+    int bits = 0, flags, last = 0;
+    if (!gz) return shmrl__decode_fail(err, err_len, "out of memory");
+    for (i = 0; i < len; i++) {   /* base64, padded or not */
+        int v = text[i] == '\\' ? -2 : text[i] == '=' ? -3 : shmrl__b64((unsigned char)text[i]);
+        if (v == -2) continue;
+        if (v == -3) break;
+        if (v < 0) { free(gz); return shmrl__decode_fail(err, err_len, "not base64"); }
+        acc = acc << 6 | (uint32_t)v;
+        if ((bits += 6) >= 8) { bits -= 8; gz[n++] = (unsigned char)(acc >> bits); }
+    }
+    if (n < 18 || gz[0] != 0x1f || gz[1] != 0x8b || gz[2] != 8) { free(gz); return shmrl__decode_fail(err, err_len, "not a gzip member"); }
+    flags = gz[3];
+    pos = 10;
+    if (flags & 4) pos += 2 + (size_t)(gz[10] | gz[11] << 8);                       /* FEXTRA */
+    if (flags & 8) { while (pos < n && gz[pos]) pos++; pos++; }                      /* FNAME */
+    if (flags & 16) { while (pos < n && gz[pos]) pos++; pos++; }                     /* FCOMMENT */
+    if (flags & 2) pos += 2;                                                         /* FHCRC */
+    out = (unsigned char *)malloc(n);   /* stored blocks are never longer than their input */
+    if (!out) { free(gz); return shmrl__decode_fail(err, err_len, "out of memory"); }
+    while (!last) {   /* each stored block: BFINAL and BTYPE in a byte's low bits, LEN, NLEN, the bytes */
+        size_t block;
+        if (pos + 5 > n) { free(gz); free(out); return shmrl__decode_fail(err, err_len, "the gzip member is cut short"); }
+        last = gz[pos] & 1;
+        if ((gz[pos] >> 1 & 3) != 0) {
+            free(gz); free(out);
+            return shmrl__decode_fail(err, err_len, "a compressed deflate block (only stored blocks are read here: "
+                                      "shmrl sends the model at gzip level 0)");
+        }
+        block = (size_t)(gz[pos + 1] | gz[pos + 2] << 8);
+        if ((block ^ (size_t)(gz[pos + 3] | gz[pos + 4] << 8)) != 0xFFFF || pos + 5 + block > n) {
+            free(gz); free(out);
+            return shmrl__decode_fail(err, err_len, "a stored block with a bad length");
+        }
+        memcpy(out + out_len, gz + pos + 5, block);
+        out_len += block;
+        pos += 5 + block;
+    }
+    if (pos + 8 > n || shmrl__crc32(out, out_len) != (uint32_t)(gz[pos] | gz[pos + 1] << 8 | gz[pos + 2] << 16 | (uint32_t)gz[pos + 3] << 24)
+        || (uint32_t)out_len != (uint32_t)(gz[pos + 4] | gz[pos + 5] << 8 | gz[pos + 6] << 16 | (uint32_t)gz[pos + 7] << 24)) {
+        free(gz); free(out);
+        return shmrl__decode_fail(err, err_len, "the gzip trailer (CRC-32, size) does not match the data");
+    }
+    free(gz);
+    free(m->bytes);
+    m->bytes = out;
+    m->len = out_len;
+    m->cap = n;
+    return 1;
+}
+
+/* A SET_STATE's model into m when its version differs from m's. */
+static shmrl_status shmrl__read_state(shmrl_client *c, const shmrl__msg *m, shmrl_model *model) {
+    double seq;
+    const char *f = shmrl__get(m->head, m->end, "onnx_file"), *q;
+    char why[160];
+    if (!shmrl__get_number(m->head, m->end, "weights_seq_no", &seq) || !shmrl__int_in(seq, 0, 1e18))
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_STATE without a weights_seq_no of 0 or more");
+    if ((long long)seq == model->weights_seq_no && model->bytes) return SHMRL_OK;
+    if (!f && shmrl__get(m->head, m->end, "policies"))
+        return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "SET_STATE has policies (a multi-agent run): this client plays one policy");
+    if (!f || !(q = shmrl__skip_string(f, m->end)))
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_STATE without an onnx_file string");
+    if (!shmrl_decode_onnx_file(f + 1, (size_t)(q - f - 2), model, why, sizeof why))
+        return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_STATE: %s", why);
+    model->weights_seq_no = (long long)seq;
+    return SHMRL_OK;
+}
+
+shmrl_status shmrl_get_state(shmrl_client *c, shmrl_model *m) {
+    shmrl__msg msg;
+    shmrl_status st;
+    m->weights_seq_no = -1;
+    if ((st = shmrl_send_json(c, "{\"type\": \"GET_STATE\"}")) != SHMRL_OK || (st = shmrl__expect(c, &msg, "SET_STATE")) != SHMRL_OK)
+        return st;
+    return shmrl__read_state(c, &msg, m);
+}
+
+void shmrl_rollout_free(shmrl_rollout *r) {
+    int e;
+    for (e = 0; r->env && e < r->k; e++) {
+        shmrl__env_chunks *x = &r->env[e];
+        free(x->obs); free(x->dist); free(x->rewards); free(x->logp); free(x->actions); free(x->box_actions);
+        free(x->lengths); free(x->terminated); free(x->truncated); free(x->ids);
+    }
+    free(r->env);
+    r->env = NULL;
+}
+
+shmrl_status shmrl_rollout_init(shmrl_rollout *r, int k, long obs_size, long dist_size, int action_dim, int box,
+                                long steps_per_env) {
+    int e, ok = 1;
+    int64_t next_id = r->next_id;   /* kept across sessions: ids stay unique */
+    size_t s = (size_t)steps_per_env;
+    memset(r, 0, sizeof *r);
+    r->next_id = next_id;
+    if (k < 1 || obs_size < 1 || dist_size < 1 || action_dim < 1 || steps_per_env < 1) return SHMRL_ERR_ARG;
+    r->k = k; r->obs_size = obs_size; r->dist_size = dist_size; r->action_dim = action_dim; r->box = box;
+    r->steps_per_env = steps_per_env;
+    r->env = (shmrl__env_chunks *)calloc((size_t)k, sizeof *r->env);
+    if (!r->env) return SHMRL_ERR_NOMEM;
+    for (e = 0; e < k; e++) {   /* rows: the open chunk's first, then a step's and at most a reset's per step */
+        shmrl__env_chunks *x = &r->env[e];
+        x->obs = (float *)malloc((2 * s + 1) * (size_t)obs_size * sizeof *x->obs);
+        x->dist = (float *)malloc(s * (size_t)dist_size * sizeof *x->dist);
+        x->rewards = (float *)malloc(s * sizeof *x->rewards);
+        x->logp = (float *)malloc(s * sizeof *x->logp);
+        if (box) x->box_actions = (float *)malloc(s * (size_t)action_dim * sizeof *x->box_actions);
+        else x->actions = (int64_t *)malloc(s * (size_t)action_dim * sizeof *x->actions);
+        x->lengths = (long *)malloc((s + 1) * sizeof *x->lengths);
+        x->terminated = (unsigned char *)malloc(s + 1);
+        x->truncated = (unsigned char *)malloc(s + 1);
+        x->ids = (int64_t *)malloc((s + 2) * sizeof *x->ids);
+        ok = ok && x->obs && x->dist && x->rewards && x->logp && (box ? x->box_actions != NULL : x->actions != NULL)
+             && x->lengths && x->terminated && x->truncated && x->ids;
+    }
+    if (!ok) { shmrl_rollout_free(r); return SHMRL_ERR_NOMEM; }
+    return SHMRL_OK;
+}
+
+void shmrl_rollout_start(shmrl_rollout *r, int e, const float *obs) {
+    shmrl__env_chunks *x = &r->env[e];
+    memcpy(x->obs + (size_t)x->rows * (size_t)r->obs_size, obs, (size_t)r->obs_size * sizeof *obs);
+    x->rows++;
+    x->open_steps = 0;
+    x->ids[x->nchunks] = r->next_id++;
+}
+
+shmrl_status shmrl_rollout_step(shmrl_rollout *r, int e, const int64_t *action, const float *box_action,
+                                const float *dist, double logp, float reward, const float *next_obs,
+                                int terminated, int truncated) {
+    shmrl__env_chunks *x;
+    size_t t, d = (size_t)r->action_dim;
+    if (e < 0 || e >= r->k || (r->box ? !box_action : !action)) return SHMRL_ERR_ARG;
+    x = &r->env[e];
+    if (x->steps >= r->steps_per_env || x->rows == 0) return SHMRL_ERR_ARG;
+    t = (size_t)x->steps++;
+    if (r->box) memcpy(x->box_actions + t * d, box_action, d * sizeof *box_action);
+    else memcpy(x->actions + t * d, action, d * sizeof *action);
+    memcpy(x->dist + t * (size_t)r->dist_size, dist, (size_t)r->dist_size * sizeof *dist);
+    x->logp[t] = (float)logp;
+    x->rewards[t] = reward;
+    memcpy(x->obs + (size_t)x->rows * (size_t)r->obs_size, next_obs, (size_t)r->obs_size * sizeof *next_obs);
+    x->rows++;
+    x->open_steps++;
+    if (terminated || truncated) {   /* the chunk is complete; the next starts at shmrl_rollout_start */
+        x->lengths[x->nchunks] = x->open_steps;
+        x->terminated[x->nchunks] = (unsigned char)(terminated != 0);
+        x->truncated[x->nchunks] = (unsigned char)(truncated != 0);
+        x->nchunks++;
+        x->open_steps = 0;
+    }
+    return SHMRL_OK;
+}
+
+long shmrl_rollout_steps(const shmrl_rollout *r) {
+    long n = 0;
+    int e;
+    for (e = 0; e < r->k; e++) n += r->env[e].steps;
+    return n;
+}
+
+/* What env e sends: its closed chunks and a running one (if it stepped), and their rows. */
+static long shmrl__sent_chunks(const shmrl__env_chunks *x) { return x->nchunks + (x->open_steps > 0); }
+static long shmrl__sent_rows(const shmrl__env_chunks *x) { return x->rows - (x->open_steps == 0); }
+
+/* After a message: each env keeps its open chunk's last row (its next chunk's first), same id. */
+static void shmrl__rollout_sent(shmrl_rollout *r) {
+    int e;
+    for (e = 0; e < r->k; e++) {
+        shmrl__env_chunks *x = &r->env[e];
+        size_t size = (size_t)r->obs_size;
+        memmove(x->obs, x->obs + (size_t)(x->rows - 1) * size, size * sizeof *x->obs);
+        x->ids[0] = x->ids[x->nchunks];
+        x->rows = 1;
+        x->steps = x->nchunks = x->open_steps = 0;
+    }
+}
+
+static void shmrl__nd(shmrl__buf *b, const char *key, const char *dtype, long d0, long d1, const shmrl_config *cfg,
+                      size_t *offset, size_t nbytes) {
+    int d;
+    shmrl__putf(b, "%s\"%s\":{\"__nd__\":[\"%s\",[%ld", strcmp(key, "lengths") ? "," : "", key, dtype, d0);   /* lengths: the first */
+    if (cfg) for (d = 0; d < cfg->obs_ndim; d++) shmrl__putf(b, ",%ld", cfg->obs_shape[d]);
+    else if (d1 > 0) shmrl__putf(b, ",%ld", d1);
+    shmrl__putf(b, "],%lu,%lu]}", (unsigned long)*offset, (unsigned long)nbytes);
+    *offset += (nbytes + 7) / 8 * 8;
+}
+
+/* One column over every env's block, then the padding to 8. */
+#define SHMRL__COLUMN(b, r, field, per, sent)                                                   \
+    do {                                                                                         \
+        int e_;                                                                                  \
+        for (e_ = 0; e_ < (r)->k; e_++)                                                          \
+            shmrl__put((b), (r)->env[e_].field, (size_t)(sent) * (per) * sizeof *(r)->env[e_].field); \
+        shmrl__pad8(b);                                                                          \
+    } while (0)
+
+static void shmrl__binary_episodes(shmrl__buf *b, const shmrl_client *c, const shmrl_rollout *r, long long seq) {
+    const shmrl_config *cfg = c->config.obs_ndim > 0 && c->config.obs_size == r->obs_size ? &c->config : NULL;
+    long n = 0, rows = 0, steps = 0, i;
+    size_t off = 0, head_at, d = (size_t)r->action_dim;
+    int e, single = !r->box && r->action_dim == 1;
+    for (e = 0; e < r->k; e++) { n += shmrl__sent_chunks(&r->env[e]); rows += shmrl__sent_rows(&r->env[e]); steps += r->env[e].steps; }
+    shmrl__put(b, SHMRL__MAGIC "\0\0\0\0", 8);
+    head_at = b->len;
+    shmrl__puts(b, "{\"type\":\"EPISODES_AND_GET_STATE\",\"episodes\":{\"__cols__\":{");
+    shmrl__nd(b, "lengths", "<i8", n, 0, NULL, &off, (size_t)n * 8);
+    shmrl__nd(b, "obs", "<f4", rows, cfg ? 0 : r->obs_size, cfg, &off, (size_t)rows * (size_t)r->obs_size * 4);
+    shmrl__nd(b, "actions", r->box ? "<f4" : "<i8", steps, single ? 0 : r->action_dim, NULL, &off, (size_t)steps * d * (r->box ? 4 : 8));
+    shmrl__nd(b, "rewards", "<f4", steps, 0, NULL, &off, (size_t)steps * 4);
+    shmrl__nd(b, "action_dist_inputs", "<f4", steps, r->dist_size, NULL, &off, (size_t)steps * (size_t)r->dist_size * 4);
+    shmrl__nd(b, "action_logp", "<f4", steps, 0, NULL, &off, (size_t)steps * 4);
+    shmrl__nd(b, "is_terminated", "|b1", n, 0, NULL, &off, (size_t)n);
+    shmrl__nd(b, "is_truncated", "|b1", n, 0, NULL, &off, (size_t)n);
+    shmrl__nd(b, "weights_seq_no", "<i8", n, 0, NULL, &off, (size_t)n * 8);
+    shmrl__puts(b, ",\"episode_id\":[");
+    for (e = 0, i = 0; e < r->k; e++) {
+        long j;
+        for (j = 0; j < shmrl__sent_chunks(&r->env[e]); j++, i++) shmrl__putf(b, i ? ",%lld" : "%lld", (long long)r->env[e].ids[j]);
+    }
+    shmrl__putf(b, "]}},\"timesteps\":%ld}", steps);
+    if (b->oom) return;
+    shmrl__put_u32le(b->p + head_at - 4, (uint32_t)(b->len - head_at));
+    shmrl__pad8(b);
+    for (e = 0; e < r->k; e++) {   /* lengths: the closed chunks', then the running one's */
+        const shmrl__env_chunks *x = &r->env[e];
+        long j;
+        for (j = 0; j < shmrl__sent_chunks(x); j++) {
+            int64_t v = j < x->nchunks ? x->lengths[j] : x->open_steps;
+            unsigned char le[8];
+            int q;
+            for (q = 0; q < 8; q++) le[q] = (unsigned char)((uint64_t)v >> (8 * q));
+            shmrl__put(b, le, 8);
+        }
+    }
+    shmrl__pad8(b);
+    for (e = 0; e < r->k; e++)
+        shmrl__put_f32s(b, r->env[e].obs, (size_t)shmrl__sent_rows(&r->env[e]) * (size_t)r->obs_size);
+    shmrl__pad8(b);
+    if (r->box) SHMRL__COLUMN(b, r, box_actions, d, r->env[e_].steps);
+    else SHMRL__COLUMN(b, r, actions, d, r->env[e_].steps);
+    SHMRL__COLUMN(b, r, rewards, 1, r->env[e_].steps);
+    SHMRL__COLUMN(b, r, dist, (size_t)r->dist_size, r->env[e_].steps);
+    SHMRL__COLUMN(b, r, logp, 1, r->env[e_].steps);
+    for (i = 0; i < 2; i++) {   /* is_terminated, is_truncated: a running chunk's are 0 */
+        static const unsigned char zero = 0;
+        for (e = 0; e < r->k; e++) {
+            const shmrl__env_chunks *x = &r->env[e];
+            shmrl__put(b, i ? x->truncated : x->terminated, (size_t)x->nchunks);
+            if (x->open_steps > 0) shmrl__put(b, &zero, 1);
+        }
+        shmrl__pad8(b);
+    }
+    for (i = 0; i < n; i++) {
+        unsigned char le[8];
+        int q;
+        for (q = 0; q < 8; q++) le[q] = (unsigned char)((uint64_t)seq >> (8 * q));
+        shmrl__put(b, le, 8);
+    }
+}
+#undef SHMRL__COLUMN
+
+static void shmrl__json_floats(shmrl__buf *b, const float *v, size_t n) {
+    size_t i;
+    shmrl__put(b, "[", 1);
+    for (i = 0; i < n; i++) { if (i) shmrl__puts(b, ", "); shmrl__put_float(b, v[i]); }
+    shmrl__put(b, "]", 1);
+}
+
+/* The list form (RLLINK.md section 4): one object per chunk. */
+static void shmrl__json_episodes(shmrl__buf *b, const shmrl_rollout *r, long long seq) {
+    long steps = 0, i = 0;
+    size_t size = (size_t)r->obs_size, w = (size_t)r->dist_size, d = (size_t)r->action_dim;
+    int e;
+    shmrl__puts(b, "{\"type\": \"EPISODES_AND_GET_STATE\", \"episodes\": [");
+    for (e = 0; e < r->k; e++) {
+        const shmrl__env_chunks *x = &r->env[e];
+        long j, row = 0, t0 = 0;
+        for (j = 0; j < shmrl__sent_chunks(x); j++, i++) {
+            long len = j < x->nchunks ? x->lengths[j] : x->open_steps, t, q;
+            shmrl__puts(b, i ? ", {\"obs\": [" : "{\"obs\": [");
+            for (t = 0; t <= len; t++) { if (t) shmrl__puts(b, ", "); shmrl__json_floats(b, x->obs + (size_t)(row + t) * size, size); }
+            shmrl__puts(b, "], \"actions\": [");
+            for (t = t0; t < t0 + len; t++) {
+                if (t > t0) shmrl__puts(b, ", ");
+                if (r->box) shmrl__json_floats(b, x->box_actions + (size_t)t * d, d);
+                else if (d == 1) shmrl__putf(b, "%lld", (long long)x->actions[t]);
+                else for (q = 0; q < (long)d; q++) shmrl__putf(b, q ? ", %lld" : "[%lld", (long long)x->actions[(size_t)t * d + (size_t)q]);
+                if (!r->box && d > 1) shmrl__puts(b, "]");
+            }
+            shmrl__puts(b, "], \"rewards\": ");
+            shmrl__json_floats(b, x->rewards + t0, (size_t)len);
+            shmrl__puts(b, ", \"action_dist_inputs\": [");
+            for (t = t0; t < t0 + len; t++) { if (t > t0) shmrl__puts(b, ", "); shmrl__json_floats(b, x->dist + (size_t)t * w, w); }
+            shmrl__puts(b, "], \"action_logp\": ");
+            shmrl__json_floats(b, x->logp + t0, (size_t)len);
+            shmrl__puts(b, j < x->nchunks && x->terminated[j] ? ", \"is_terminated\": true" : ", \"is_terminated\": false");
+            shmrl__puts(b, j < x->nchunks && x->truncated[j] ? ", \"is_truncated\": true" : ", \"is_truncated\": false");
+            shmrl__putf(b, ", \"episode_id\": %lld", (long long)x->ids[j]);
+            shmrl__putf(b, ", \"weights_seq_no\": %lld}", seq);
+            row += len + 1;
+            t0 += len;
+        }
+        steps += x->steps;
+    }
+    shmrl__putf(b, "], \"timesteps\": %ld}", steps);
+}
+
+shmrl_status shmrl_send_rollout(shmrl_client *c, shmrl_rollout *r, shmrl_model *m) {
+    shmrl__buf b;
+    shmrl__msg msg;
+    shmrl_status st;
+    if (c->fd < 0) return shmrl__fail(c, SHMRL_ERR_CLOSED, "not connected (shmrl_reconnect)");
+    if (c->inference) return shmrl__fail(c, SHMRL_ERR_ARG, "this connection asked for server-side inference (shmrl_act)");
+    if (!c->binary && c->config.obs_ndim > 1)
+        return shmrl__fail(c, SHMRL_ERR_UNSUPPORTED, "observations of more than one dimension need the binary codec here");
+    b = shmrl__start(c);
+    if (c->binary) shmrl__binary_episodes(&b, c, r, m->weights_seq_no);
+    else shmrl__json_episodes(&b, r, m->weights_seq_no);
+    st = shmrl__send_body(c, &b);
+    shmrl__keep(c, &b);
+    if (st != SHMRL_OK) return st;
+    shmrl__rollout_sent(r);
+    if ((st = shmrl__expect(c, &msg, "SET_STATE")) != SHMRL_OK) return st;
+    return shmrl__read_state(c, &msg, m);
 }
 
 #endif /* SHMRL_CLIENT_IMPLEMENTED */
