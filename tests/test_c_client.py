@@ -2,8 +2,10 @@
 CartPole physics are gymnasium's, and against a fake server played here the client sends
 the exact handshake bytes, ACTs that shmrl's own codec decodes (binary and JSON), the
 right rewards, flags and final observations across episode ends, reconnects with backoff
-and exits with the documented statuses. The slow test trains CartPole through 8 C client
-processes with server-side inference."""
+and exits with the documented statuses. The slow tests train CartPole through 8 C client
+processes with server-side inference, and through 8 of the ONNX build (cartpole_onnx,
+client-side inference with onnxruntime's C library), which also passes the conformance
+checker in either codec."""
 import json
 import math
 import os
@@ -170,6 +172,93 @@ def test_makefile_builds_the_example(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "-Wall -Wextra -pedantic" in done.stdout and (tmp_path / "b" / "cartpole").exists()
+
+
+@pytest.fixture(scope="module")
+def cartpole_onnx(tmp_path_factory) -> str:
+    """clients/c/cartpole_onnx.c built by `make onnx` against this python's onnxruntime wheel."""
+    build = tmp_path_factory.mktemp("c_onnx")
+    done = subprocess.run(["make", "-C", str(C_DIR), "onnx", f"BUILD={build}", f"PYTHON={sys.executable}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stdout + done.stderr
+    assert "-Wall -Wextra -pedantic -Werror" in done.stdout and "-Wl,-rpath,$ORIGIN" in done.stdout
+    return str(build / "cartpole_onnx")
+
+
+def test_onnx_build_runs_without_a_library_path(cartpole_onnx):
+    """The ONNX build finds the wheel's libonnxruntime by its rpath (no LD_LIBRARY_PATH) and
+    exits with the documented statuses: 0 for --help, 2 for a bad option, 1 with no server."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    done = subprocess.run([cartpole_onnx, "--help"], capture_output=True, text=True, timeout=30, env=env)
+    assert done.returncode == 0 and "usage: cartpole_onnx" in done.stderr, done.stderr
+    done = subprocess.run([cartpole_onnx, "--probe"], capture_output=True, text=True, timeout=30, env=env)
+    assert done.returncode == 2 and "--probe is cartpole's" in done.stderr, done.stderr
+    with socket.socket() as s:   # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([cartpole_onnx, "--port", str(port), "--max-retries", "0"], capture_output=True, text=True,
+                          timeout=30, env=env)
+    assert done.returncode == 1 and "no session" in done.stderr and "Connection refused" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("codec", ["binary", "json"])
+def test_onnx_build_conforms(cartpole_onnx, codec):
+    """The conformance checker in client-side mode: the handshake with GET_STATE, chunks
+    whose action_dist_inputs are output 0 of the model sent (so onnxruntime ran it through
+    ort_api.h's table) and whose log-probs are the actions', continuity across messages,
+    the new version loaded, a held reply waited for, heartbeats, the reconnect with a
+    changed SET_CONFIG, and exit 0 when the checker is gone."""
+    cmd = [cartpole_onnx, "--port", "{port}", "--envs", "4", "--seed", "7", "--codec", codec]
+    done = subprocess.run([sys.executable, "-m", "shmrl.conformance", "--", *cmd], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "the client conforms: no violation" in done.stdout, done.stdout + done.stderr
+    assert "the new SET_CONFIG" in done.stdout and "waited 2 s for a held reply" in done.stdout, done.stdout
+
+
+DECODE_PROGRAM = r"""
+#define SHMRL_CLIENT_IMPLEMENTATION
+#include "shmrl_client.h"
+#include <stdio.h>
+/* onnx_file's text on stdin -> the model's bytes on stdout, or the reason on stderr (exit 1). */
+int main(void) {
+    static char text[1 << 20];
+    size_t n = fread(text, 1, sizeof text, stdin);
+    shmrl_model m = {NULL, 0, 0, -1};
+    char err[200];
+    if (!shmrl_decode_onnx_file(text, n, &m, err, sizeof err)) { fputs(err, stderr); return 1; }
+    fwrite(m.bytes, 1, m.len, stdout);
+    shmrl_model_free(&m);
+    return 0;
+}
+"""
+
+
+def test_onnx_file_decoding(tmp_path):
+    """shmrl_decode_onnx_file: shmrl's onnx_file (stored gzip blocks, several for a model
+    over 64 KiB, base64 with JSON's escaped slashes) gives the model's bytes back; a
+    compressed gzip, a damaged trailer or text that is not base64 is refused, saying why."""
+    import base64
+    import gzip
+
+    from shmrl.onnx_policy import encode_onnx_file
+
+    (tmp_path / "decode.c").write_text(DECODE_PROGRAM)
+    gcc(*WARN, "-I", str(C_DIR), "-o", str(tmp_path / "decode"), str(tmp_path / "decode.c"), "-lm")
+
+    def decode(text: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(tmp_path / "decode")], input=text.encode(), capture_output=True, timeout=30)
+
+    model = np.random.default_rng(0).bytes(150_000)
+    for text in (encode_onnx_file(model), encode_onnx_file(model).replace("/", "\\/"), encode_onnx_file(b"")):
+        done = decode(text)
+        assert done.returncode == 0 and done.stdout == (b"" if len(text) < 100 else model), done.stderr
+    compressed = base64.b64encode(gzip.compress(bytes(1000), compresslevel=6)).decode()
+    damaged = bytearray(base64.b64decode(encode_onnx_file(model)))
+    damaged[-5] ^= 1   # the CRC-32
+    for text, why in ((compressed, "a compressed deflate block"),
+                      (base64.b64encode(bytes(damaged)).decode(), "CRC-32"), ("not base64!", "not base64")):
+        done = decode(text)
+        assert done.returncode == 1 and why in done.stderr.decode(), done.stderr
 
 
 def test_physics_are_gymnasiums(cartpole):
@@ -527,13 +616,16 @@ def test_probe_and_steps_against_shmrl(start_run, cartpole):
 
 
 def test_bench_quick():
-    """clients/c/bench.py's quick mode: a run, 2 C clients for 2 s, one JSON line of figures."""
-    done = subprocess.run([sys.executable, str(C_DIR / "bench.py"), "--quick"], capture_output=True, text=True,
-                          timeout=120)
+    """clients/c/bench.py's quick mode, each inference in turn: a run, 2 C clients for 2 s,
+    one JSON line of figures each."""
+    done = subprocess.run([sys.executable, str(C_DIR / "bench.py"), "--quick", "--inference", "both"],
+                          capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["clients_reporting"] == 2 and result["env_steps"] > 0 and result["env_steps_per_s"] > 0
-    assert 0 < result["p50_ms"] <= result["p99_ms"] and result["server_rss_mb"] > 0
+    results = [json.loads(line) for line in done.stdout.strip().splitlines()[-2:]]
+    assert [r["inference"] for r in results] == ["server", "client"]
+    for result in results:
+        assert result["clients_reporting"] == 2 and result["env_steps"] > 0 and result["env_steps_per_s"] > 0
+        assert 0 < result["p50_ms"] <= result["p99_ms"] and result["server_rss_mb"] > 0
 
 
 @pytest.mark.slow
@@ -550,6 +642,28 @@ def test_trains_cartpole_through_8_c_clients(start_run, procs, cartpole, tmp_pat
     took = time.monotonic() - t0
     summary = summary_of(tmp_path / "run")
     print(f"\nCartPole through 8 C clients: solved in {took:.1f} s from the server's start "
+          f"(the run's wall_s {summary['wall_s']:.1f}), load {os.getloadavg()[0]:.2f}")
+    assert summary["solved"]
+    for c in clients:
+        out, err = c.communicate(timeout=60)
+        assert c.returncode == 0 and "the server ended the session" in out, out + err
+
+
+@pytest.mark.slow
+def test_trains_cartpole_through_8_onnx_c_clients(start_run, procs, cartpole_onnx, tmp_path):
+    """CartPole-v1 to a 100-episode mean of 475 through 8 processes of the ONNX build, 4 envs
+    each, running the policy themselves (--env-steps-per-sample 256: the train batch of 2048
+    spread over the 8); the time from the server's start is printed. When the run ends,
+    every client exits 0."""
+    t0 = time.monotonic()
+    run = start_run("--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 256, "--logdir", tmp_path / "run")
+    port = run.tcp_port()
+    clients = [start(procs, cartpole_onnx, "--port", port, "--envs", 4, "--name", f"c{i}", "--seed", i, "--quiet")
+               for i in range(8)]
+    assert run.proc.wait(timeout=300) == 0, run.output()[-3000:]
+    took = time.monotonic() - t0
+    summary = summary_of(tmp_path / "run")
+    print(f"\nCartPole through 8 ONNX C clients: solved in {took:.1f} s from the server's start "
           f"(the run's wall_s {summary['wall_s']:.1f}), load {os.getloadavg()[0]:.2f}")
     assert summary["solved"]
     for c in clients:

@@ -1,13 +1,19 @@
-"""Server-side inference with C clients: env steps/s, ACT round trips, fairness, server memory.
+"""C clients against shmrl: env steps/s, round trips, fairness, server memory; with
+server-side inference (clients/c/build/cartpole) or client-side (build/cartpole_onnx).
 
 Starts `python -m shmrl.run --sims 0 --tcp-port 0` (CartPole-v1, never stopping on its
-own: the learner keeps training on what arrives) and N clients/c/build/cartpole processes
-of K envs each for S seconds, then prints one JSON object per setting:
+own: the learner keeps training on what arrives) and N client processes of K envs each
+for S seconds, then prints one JSON object per setting:
 
     python clients/c/bench.py --clients 16 --envs 16 --seconds 20     # throughput
     python clients/c/bench.py --clients 1 16 64 --envs 1              # round trips
     python clients/c/bench.py --clients 256 --envs 1 --seconds 30     # many at once
+    python clients/c/bench.py --clients 16 --inference both           # server- then client-side
     python clients/c/bench.py --quick                                 # 2 clients, 2 s
+
+With `--inference client` the round trips are EPISODES_AND_GET_STATE's (one message per
+env_steps_per_sample steps, the learner's update included when it holds the reply), not
+ACT's.
 
 `env_steps_per_s` is the sum of the clients' own rates (steps over the seconds since their
 first ACTIONS); `p50_ms`/`p99_ms` are over every ACT round trip of every client, replies
@@ -36,12 +42,16 @@ import psutil
 
 C_DIR = Path(__file__).resolve().parent
 ROOT = C_DIR.parents[1]
-SUMMARY = re.compile(r"cartpole (\S+): .*?: (\d+) env steps, .* act round trips (\d+), .* in ([\d.]+) s")
+SUMMARY = re.compile(r"cartpole(?:_onnx)? (\S+): .*?: (\d+) env steps, .* (?:act|message) round trips (\d+), .* in ([\d.]+) s")
 
 
-def build() -> Path:
-    subprocess.run(["make", "-s", "-C", str(C_DIR)], check=True)
-    return C_DIR / "build" / "cartpole"
+def build(inference: str) -> Path:
+    """build/cartpole (server-side inference), or build/cartpole_onnx with this python's onnxruntime."""
+    if inference == "server":
+        subprocess.run(["make", "-s", "-C", str(C_DIR)], check=True)
+        return C_DIR / "build" / "cartpole"
+    subprocess.run(["make", "-s", "-C", str(C_DIR), "onnx", f"PYTHON={sys.executable}"], check=True)
+    return C_DIR / "build" / "cartpole_onnx"
 
 
 def start_run(tmp: Path, run_args: list[str]) -> tuple[subprocess.Popen, int]:
@@ -143,13 +153,18 @@ def main(argv=None) -> None:
     p.add_argument("--envs", type=int, default=16, help="envs per client")
     p.add_argument("--seconds", type=float, default=20, help="each client steps this long")
     p.add_argument("--run-args", default="", help="more arguments for python -m shmrl.run (one string)")
+    p.add_argument("--inference", choices=["server", "client", "both"], default="server",
+                   help="who runs the policy: the server (cartpole), the client (cartpole_onnx), or each in turn")
     p.add_argument("--quick", action="store_true", help="2 clients of 2 envs for 2 s: does it work")
     args = p.parse_args(argv)
     if args.quick:
         args.clients, args.envs, args.seconds = [2], 2, 2.0
-    exe = build()
+    kinds = ["server", "client"] if args.inference == "both" else [args.inference]
+    exes = {kind: build(kind) for kind in kinds}
     for n in args.clients:
-        print(json.dumps(measure(exe, n, args.envs, args.seconds, shlex.split(args.run_args))), flush=True)
+        for kind in kinds:
+            result = {"inference": kind, **measure(exes[kind], n, args.envs, args.seconds, shlex.split(args.run_args))}
+            print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
