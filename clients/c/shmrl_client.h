@@ -1,9 +1,12 @@
-/* shmrl_client.h: an RLlink client for shmrl in one C99 header (server-side inference).
+/* shmrl_client.h: an RLlink client for shmrl in one C99 header.
 
    A simulator written in C or C++ (a game engine, a robot simulator) steps its envs and
    sends their observations; the shmrl server runs the policy for all clients in one
-   batched forward pass, answers with actions, and trains on the steps. No dependency
-   beyond libc, libm and POSIX sockets (Linux, macOS, the BSDs). Windows is not supported
+   batched forward pass, answers with actions, and trains on the steps (server-side
+   inference, below). A client that runs the policy itself (client-side inference, with
+   an ONNX runtime of its own) finds the protocol's side of it at "client-side inference"
+   further down: the model's bytes, chunks, EPISODES_AND_GET_STATE. No dependency beyond
+   libc, libm and POSIX sockets (Linux, macOS, the BSDs). Windows is not supported
    (winsock differs in socket types, errors and timeouts; port shmrl__* socket calls).
 
    Use: in ONE .c file, before any other #include (the implementation needs POSIX):
