@@ -8,9 +8,9 @@
    declared up to the last member used, with unused members as void* slots, matches the
    library of any version since: we ask for version ORT_API_VERSION below (onnxruntime
    1.13), and the library answers for every version up to its own (1.32 in the wheel). The
-   indices are those of onnxruntime's include/onnxruntime/core/session/onnxruntime_c_api.h;
-   tests/test_c_client.py checks each function here against the library (the model's
-   output equals Python onnxruntime's, which the conformance checker recomputes).
+   indices were counted in onnxruntime's include/onnxruntime/core/session/onnxruntime_c_api.h
+   (API version 13); tests/test_c_client.py runs every function here against the wheel's
+   library, and the conformance checker there recomputes output 0 with Python's onnxruntime.
 
    Using another onnxruntime? Compile with its real header instead:
        make -C clients/c onnx ORT_INCLUDE_DIR=/path/to/onnxruntime/include
