@@ -213,7 +213,9 @@ int shmrl_decode_onnx_file(const char *text, size_t len, shmrl_model *m, char *e
 
 /* K envs, observations of obs_size floats, output 0 of dist_size, actions of action_dim
    values (box: floats), up to steps_per_env steps per env per message; then every env's
-   first chunk with shmrl_rollout_start. SHMRL_ERR_NOMEM or _ARG. */
+   first chunk with shmrl_rollout_start. r is zeroed the first time (= {0}), and freed with
+   shmrl_rollout_free before it is set up again (a new session: env_steps_per_sample may
+   have changed); episode ids go on counting. SHMRL_ERR_NOMEM or _ARG. */
 shmrl_status shmrl_rollout_init(shmrl_rollout *r, int k, long obs_size, long dist_size, int action_dim, int box,
                                 long steps_per_env);
 void shmrl_rollout_free(shmrl_rollout *r);
