@@ -235,28 +235,43 @@ int main(void) {
 
 def test_onnx_file_decoding(tmp_path):
     """shmrl_decode_onnx_file: shmrl's onnx_file (stored gzip blocks, several for a model
-    over 64 KiB, base64 with JSON's escaped slashes) gives the model's bytes back; a
-    compressed gzip, a damaged trailer or text that is not base64 is refused, saying why."""
+    over 64 KiB, base64 with JSON's escaped slashes; a member with a file name) gives the
+    model's bytes back; a compressed gzip, a damaged trailer, a member cut short or text
+    that is not base64 is refused, saying why. Built with the address and undefined-
+    behaviour sanitizers where gcc has them, so a read out of bounds fails the test."""
     import base64
     import gzip
+    import io
 
     from shmrl.onnx_policy import encode_onnx_file
 
     (tmp_path / "decode.c").write_text(DECODE_PROGRAM)
-    gcc(*WARN, "-I", str(C_DIR), "-o", str(tmp_path / "decode"), str(tmp_path / "decode.c"), "-lm")
+    exe, sanitize = str(tmp_path / "decode"), ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g"]
+    probe = subprocess.run(["gcc", *sanitize, "-x", "c", "-o", exe, "-"], input="int main(void){return 0;}",
+                           capture_output=True, text=True, timeout=60)
+    gcc(*WARN, *(sanitize if probe.returncode == 0 else []), "-I", str(C_DIR), "-o", exe, str(tmp_path / "decode.c"),
+        "-lm")
 
     def decode(text: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(tmp_path / "decode")], input=text.encode(), capture_output=True, timeout=30)
+        return subprocess.run([exe], input=text.encode(), capture_output=True, timeout=30,
+                              env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1"})
 
     model = np.random.default_rng(0).bytes(150_000)
-    for text in (encode_onnx_file(model), encode_onnx_file(model).replace("/", "\\/"), encode_onnx_file(b"")):
+    named = io.BytesIO()
+    with gzip.GzipFile("model.onnx", "wb", compresslevel=0, fileobj=named, mtime=0) as f:
+        f.write(model)
+    for text, expected in ((encode_onnx_file(model), model), (encode_onnx_file(model).replace("/", "\\/"), model),
+                           (base64.b64encode(named.getvalue()).decode(), model), (encode_onnx_file(b""), b"")):
         done = decode(text)
-        assert done.returncode == 0 and done.stdout == (b"" if len(text) < 100 else model), done.stderr
+        assert done.returncode == 0 and done.stdout == expected, done.stderr
     compressed = base64.b64encode(gzip.compress(bytes(1000), compresslevel=6)).decode()
-    damaged = bytearray(base64.b64decode(encode_onnx_file(model)))
+    stored = base64.b64decode(encode_onnx_file(model))
+    damaged = bytearray(stored)
     damaged[-5] ^= 1   # the CRC-32
     for text, why in ((compressed, "a compressed deflate block"),
-                      (base64.b64encode(bytes(damaged)).decode(), "CRC-32"), ("not base64!", "not base64")):
+                      (base64.b64encode(bytes(damaged)).decode(), "CRC-32"),
+                      (base64.b64encode(stored[:70_000]).decode(), "cut short"),
+                      (base64.b64encode(stored[:-4]).decode(), "trailer"), ("not base64!", "not base64")):
         done = decode(text)
         assert done.returncode == 1 and why in done.stderr.decode(), done.stderr
 

@@ -1280,7 +1280,8 @@ int shmrl_decode_onnx_file(const char *text, size_t len, shmrl_model *m, char *e
         block = (size_t)(gz[pos + 1] | gz[pos + 2] << 8);
         if ((block ^ (size_t)(gz[pos + 3] | gz[pos + 4] << 8)) != 0xFFFF || pos + 5 + block > n) {
             free(gz); free(out);
-            return shmrl__decode_fail(err, err_len, "a stored block with a bad length");
+            return shmrl__decode_fail(err, err_len, pos + 5 + block > n ? "the gzip member is cut short"
+                                                                        : "a stored block whose LEN and NLEN disagree");
         }
         memcpy(out + out_len, gz + pos + 5, block);
         out_len += block;
