@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 static const char *prog = "cartpole";   /* the program's name in messages (main may change it) */
+static int client_side = 0;              /* 1: the client runs the policy (cartpole_onnx's main sets it) */
 
 /* ---------------------------------------------------------------- the physics (gymnasium's) */
 
@@ -150,20 +151,24 @@ typedef struct args {
 } args;
 
 static void usage(void) {
+    int pad = (int)strlen(prog) + 8;   /* the continuation lines under the first option */
+    const char *round_trip = client_side ? "EPISODES_AND_GET_STATE" : "ACT";
+    fprintf(stderr, "usage: %s [--host H] [--port P] [--envs K] [--name NAME] [--token SECRET]\n", prog);
+    fprintf(stderr, "%*s[--max-retries N] [--codec binary|json] [--seed S] [--steps N]\n", pad, "");
+    fprintf(stderr, "%*s[--seconds S] [--reply-timeout S] [--latency-file F] [--quiet]%s\n", pad, "",
+            client_side ? "" : " [--probe]");
+    fprintf(stderr, "%*s[--physics-check]\n", pad, "");
+    fprintf(stderr, "  --envs K          CartPole envs stepped together, one %s for all (default 1)\n",
+            client_side ? "run of the policy" : "ACT");
     fprintf(stderr,
-            "usage: %s [--host H] [--port P] [--envs K] [--name NAME] [--token SECRET]\n"
-            "                [--max-retries N] [--codec binary|json] [--seed S] [--steps N]\n"
-            "                [--seconds S] [--reply-timeout S] [--latency-file F] [--quiet] [--probe]\n"
-            "                [--physics-check]\n"
-            "  --envs K          CartPole envs stepped together, one policy run for all (default 1)\n"
             "  --max-retries N   failed connection attempts in a row before giving up (default 5;\n"
             "                    -1: forever); waits 0.1 s doubling to 5 s between them\n"
-            "  --steps N         stop after N env steps (default: until the server ends)\n"
-            "  --seconds S       stop S seconds after the first actions came\n"
-            "  --latency-file F  write the round trips (ACT, or EPISODES_AND_GET_STATE) there at the end\n"
-            "                    (\"microseconds count\" lines)\n"
-            "  --probe           handshake only (no inference asked), print the config, exit\n"
-            "  --physics-check   step states read from stdin (a test of the physics)\n", prog);
+            "  --steps N         stop after N env steps (default: until the server ends)\n");
+    fprintf(stderr, "  --seconds S       stop S seconds after the first %s came\n", client_side ? "model" : "actions");
+    fprintf(stderr, "  --latency-file F  write the %s round trips there at the end\n"
+                    "                    (\"microseconds count\" lines)\n", round_trip);
+    if (!client_side) fprintf(stderr, "  --probe           handshake only (no inference asked), print the config, exit\n");
+    fprintf(stderr, "  --physics-check   step states read from stdin (a test of the physics)\n");
 }
 
 static int parse_args(int argc, char **argv, args *a) {
@@ -177,6 +182,7 @@ static int parse_args(int argc, char **argv, args *a) {
     a->seed = (uint64_t)getpid() * 1000003u ^ (uint64_t)time(NULL);
     for (i = 1; i < argc; i++) {
         const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(k, "--probe") && client_side) { fprintf(stderr, "%s: --probe is cartpole's\n", prog); return 0; }
         if (!strcmp(k, "--probe")) { a->probe = 1; continue; }
         if (!strcmp(k, "--quiet")) { a->quiet = 1; continue; }
         if (!strcmp(k, "--physics-check")) { exit(physics_check()); }

@@ -9,7 +9,7 @@
    two logits per env) and an action sampled per env with its log-probability; the steps
    go out as one EPISODES_AND_GET_STATE (shmrl_send_rollout: chunks, running episodes
    continued in the next message), and its SET_STATE's model is loaded when its version
-   is new. The envs and the command line are cartpole_env.h's; --probe is not offered.
+   is new. The envs and the command line are cartpole_env.h's (without --probe).
    Exit status: 0 when the server ended the session or after --steps/--seconds; 1 when no
    session was ever made, or the model cannot be run (the reason on stderr); 2 for bad
    arguments. */
@@ -244,11 +244,8 @@ int main(int argc, char **argv) {
     const char *name;
     int status;
     prog = "cartpole_onnx";
-    if (!parse_args(argc, argv, &a) || a.probe) {
-        if (a.probe) fprintf(stderr, "%s: --probe is cartpole's (build/cartpole --probe)\n", prog);
-        usage();
-        return 2;
-    }
+    client_side = 1;
+    if (!parse_args(argc, argv, &a)) { usage(); return 2; }
     a.opt.server_inference = 0;   /* this client runs the policy */
     name = a.opt.client_name ? a.opt.client_name : "client";
     s = shmrl_open(&c, &a.opt);
