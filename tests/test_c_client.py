@@ -730,6 +730,62 @@ def test_box_actions_from_shmrl(start_run, tmp_path):
 
 
 
+BOX_ROLLOUT_PROGRAM = r"""
+#define SHMRL_CLIENT_IMPLEMENTATION
+#include "shmrl_client.h"
+#include <stdio.h>
+/* Client-side inference of a Box action, the policy faked: 3 messages of 2 envs whose
+   episodes are truncated every 5 steps; argv: port, codec. Prints each reply's version. */
+int main(int argc, char **argv) {
+    shmrl_options opt; shmrl_client c; shmrl_model m = {NULL, 0, 0, -1}; shmrl_rollout r;
+    float obs[3] = {1, 0, 0.5f}, dist[2] = {0.25f, -0.5f}, a;
+    long per_env, t, steps[2] = {0, 0};
+    int i, e;
+    if (argc < 3) return 4;
+    memset(&r, 0, sizeof r);
+    shmrl_options_init(&opt);
+    opt.port = atoi(argv[1]); opt.binary = !strcmp(argv[2], "binary"); opt.server_inference = 0; opt.max_retries = 0;
+    if (shmrl_open(&c, &opt) != SHMRL_OK || shmrl_get_state(&c, &m) != SHMRL_OK) { puts(shmrl_error(&c)); return 1; }
+    printf("model of %lu bytes, version %lld\n", (unsigned long)m.len, m.weights_seq_no);
+    per_env = (c.config.env_steps_per_sample + 1) / 2;
+    if (shmrl_rollout_init(&r, 2, 3, 2, 1, 1, per_env) != SHMRL_OK) return 1;
+    for (e = 0; e < 2; e++) shmrl_rollout_start(&r, e, obs);
+    for (i = 0; i < 3; i++) {
+        for (t = 0; t < per_env; t++) {
+            for (e = 0; e < 2; e++) {
+                int truncated = ++steps[e] % 5 == 0;
+                a = -2.5f + (float)(t % 6);   /* unclipped samples, as a Gaussian gives them */
+                if (shmrl_rollout_step(&r, e, NULL, &a, dist, -1.5, -0.5f, obs, 0, truncated) != SHMRL_OK) return 3;
+                if (truncated) shmrl_rollout_start(&r, e, obs);
+            }
+        }
+        if (shmrl_send_rollout(&c, &r, &m) != SHMRL_OK) { puts(shmrl_error(&c)); return 1; }
+        printf("reply %d: version %lld\n", i, m.weights_seq_no);
+    }
+    shmrl_rollout_free(&r);
+    shmrl_model_free(&m);
+    shmrl_close(&c);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("codec", ["binary", "json"])
+def test_box_rollout_through_shmrl(start_run, tmp_path, codec):
+    """The header's client-side inference with a Box action (Pendulum; cartpole_onnx covers
+    Discrete): shmrl's server takes three messages of chunks in either codec (a chunk
+    that did not fit would close the connection) and answers each with a SET_STATE whose
+    model the header unwraps."""
+    (tmp_path / "rollout.c").write_text(BOX_ROLLOUT_PROGRAM)
+    gcc(*WARN, "-I", str(C_DIR), "-o", str(tmp_path / "rollout"), str(tmp_path / "rollout.c"), "-lm")
+    run = start_run("--env", "Pendulum-v1", "--sims", 0, "--tcp-port", 0, "--async", "--env-steps-per-sample", 100)
+    done = subprocess.run([str(tmp_path / "rollout"), str(run.tcp_port()), codec], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr + run.output()[-2000:]
+    assert re.match(r"model of \d{4,} bytes, version \d+\n", done.stdout), done.stdout
+    assert done.stdout.count("reply ") == 3, done.stdout
+
+
 @pytest.mark.slow
 def test_256_c_clients_all_served():
     """256 C clients at once on one port of a training run: every one steps, none starved
