@@ -305,6 +305,66 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
     return sent
 
 
+def act_loop(client, config: dict, env_id, seed: int = 0, num_envs: int = 1, max_messages: int | None = None,
+             log_every_s: float | None = None) -> int:
+    """``shmrl.sim.run_server_inference`` for a multi-agent env (docs/RLLINK.md §11.3),
+    after PING and GET_CONFIG: each ACT carries, per env, the agents that act now with
+    their observations and the outcome of the last step (what each agent's step that ended
+    got, who terminated or was truncated, ``reset`` where the episode ended and the env
+    was reset); each ACTIONS an action per acting agent. No policy runs here. Returns the
+    agent steps taken."""
+    factory, spec = resolve_env(env_id)
+    if not isinstance(spec, MultiAgentSpec):
+        raise ValueError(f"the server trains several policies (a multi-agent env), but {env_id} is single-agent")
+    served = config.get("agent_spaces")
+    if served is None or sorted(served) != sorted(map(str, spec.agents)):
+        raise ValueError(f"the server's agents are {sorted(served or [])}, {spec.env_id}'s {sorted(map(str, spec.agents))}: "
+                         f"is it another env?" if served is not None else
+                         f"{env_id} is a multi-agent env but the server trains a single-agent policy")
+    envs = [stepper(factory(), seed * 1_000_003 + k) for k in range(num_envs)]
+    layouts = {a: s.obs for a, s in spec.agent_specs.items()}
+
+    def wire(by_agent: dict) -> dict:   # agent -> observation as the ACT carries it
+        return {str(a): layouts[a].split(o) for a, o in by_agent.items()}
+
+    to_act = [env.reset() for env in envs]
+    msg = {"type": T.ACT.value, "envs": [{"obs": wire(obs)} for obs in to_act]}
+    returns = [defaultdict(float) for _ in envs]
+    recent: deque = deque(maxlen=1000)     # (None, agent, return) of ended episodes, as ``mean_returns`` reads
+    stepped = messages = 0
+    next_log = time.monotonic() + (log_every_s or 0.0)
+    while max_messages is None or messages < max_messages:
+        reply = client.request(msg)
+        messages += 1
+        if reply["type"] != T.ACTIONS.value or len(reply["actions"]) != num_envs:
+            raise ConnectionError(f"expected ACTIONS for {num_envs} envs, got {rllink.show(reply)}")
+        msg = {"type": T.ACT.value, "envs": []}
+        for k, env in enumerate(envs):
+            chosen = reply["actions"][k]
+            missing = [a for a in to_act[k] if str(a) not in chosen]
+            if missing:
+                raise ConnectionError(f"ACTIONS has no action for agents {missing} of env {k}")
+            actions = {a: spec.agent_specs[a].actions.to_env(np.asarray([chosen[str(a)]]))[0] for a in to_act[k]}
+            results, to_act[k], over = env.step(actions)
+            stepped += len(actions)
+            outcome = {"rewards": {str(a): r for a, (_, r, _, _) in results.items()},
+                       "terminateds": {str(a): True for a, (_, _, term, _) in results.items() if term},
+                       "truncateds": {str(a): True for a, (_, _, _, trunc) in results.items() if trunc},
+                       "final_obs": wire({a: o for a, (o, _, _, trunc) in results.items() if trunc})}
+            for a, (_, r, _, _) in results.items():
+                returns[k][a] += r
+            if over:
+                recent.extend((None, a, ret) for a, ret in returns[k].items())
+                returns[k] = defaultdict(float)
+                to_act[k], outcome["reset"] = env.reset(), True
+            msg["envs"].append({"obs": wire(to_act[k]), **outcome})
+        if log_every_s and time.monotonic() >= next_log:
+            next_log += log_every_s
+            log.info("stepped %d agent steps; weights %s; mean returns %s", stepped, reply["weights_seq_no"],
+                     mean_returns(recent))
+    return stepped
+
+
 def mean_returns(completed) -> dict:
     """agent -> mean return of its recent episodes."""
     by_agent: dict = defaultdict(list)
