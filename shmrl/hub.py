@@ -183,7 +183,7 @@ class Hub:
             spec = policy_specs[DEFAULT_POLICY]
             self.inference = ServerInference(spec, env_steps_per_sample, state_size)
             self.config_msg.update(space_config(spec))
-        elif agents is not None and not state_size:
+        elif agents is not None and "policy_map" in self.config_msg and not state_size:
             self.inference, spaces = multiagent_inference(policy_specs, agents, self.config_msg,
                                                           env_steps_per_sample)
             self.config_msg.update(spaces)
