@@ -6,15 +6,19 @@ Python client playing turn-based and parallel PettingZoo envs through it; and (s
 with no simulators learning from such clients alone."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from broken_client import MA_BUGS
 from conftest import FakeServer, need, wait_until
 need("pettingzoo", "pettingzoo")
+from shmrl.conformance import check_client  # noqa: E402
 from shmrl import rllink  # noqa: E402
 from shmrl.envs import env_spec  # noqa: E402
 from shmrl.envspec import policy_mapper  # noqa: E402
@@ -344,3 +348,48 @@ def test_server_inference_clients_alone_train_simple_spread(start_run, tmp_path)
         for p in clients:
             p.kill()
             p.wait(10)
+
+
+# ------------------------------------------------------------- the conformance checker
+
+QUICK = dict(steps=200, hold_s=0.5, timeout=20.0)
+BROKEN = Path(__file__).resolve().parent / "broken_client.py"
+
+
+def check(command, env=C4, **kwargs) -> tuple[list, str]:
+    out = io.StringIO()
+    violations = check_client([str(c) for c in command], env, out=out, **{**QUICK, **kwargs})
+    return violations, out.getvalue()
+
+
+@pytest.mark.parametrize("env, codec", [(C4, "binary"), (SPREAD, "json")])
+def test_the_python_client_conforms(env, codec):
+    if env == SPREAD:
+        need("mpe2", "mpe2")
+    violations, out = check([sys.executable, "-m", "shmrl.sim", "--connect", "127.0.0.1:{port}", "--server-inference",
+                             "--env", env, "--envs-per-sim", "2", "--codec", codec], env, reconnect=False)
+    assert not violations, out
+    assert "100 ACTs of 2 envs checked" in out and "ACT 3: waited 0.5 s" in out, out
+
+
+def test_a_multiagent_client_with_each_bug_is_caught_under_its_rule():
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(bug):
+        return bug, check([sys.executable, BROKEN, "--port", "{port}", "--bug", bug])
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(run, sorted(MA_BUGS)))
+    for bug, (violations, out) in results:
+        if MA_BUGS[bug] is None:
+            assert not violations, f"{bug}:\n{out}"
+            assert "connection 2: the first ACT carried no outcome again" in out, out
+            continue
+        assert violations and MA_BUGS[bug] in violations[0][0], f"{bug}:\n{out}"   # the bug first, then its effects
+
+
+def test_the_checker_says_it_covers_multiagent_clients_with_server_inference_only():
+    violations, out = check([sys.executable, "-m", "shmrl.sim", "--connect", "127.0.0.1:{port}", "--env", C4],
+                            reconnect=False)
+    assert [rule for rule, _ in violations] == ["RLLINK.md §11 Server-side inference"], out
+    assert "server-side inference only" in out
