@@ -120,9 +120,12 @@ class MultiAgentInference:
             return None, f"ACT with {len(envs)} envs; this connection's first had {conn.k} (K is fixed per connection)"
         if not all(env["outcome"] for env in envs):
             return None, "an env without 'rewards' after the connection's first ACT (every ACT but the first has them)"
-        for k, env in enumerate(envs):
-            self._record(conn, k, env)
         sampler = conn.sampler
+        waiting: dict = defaultdict(list)   # env -> its agents whose last action waits for its outcome
+        for k, agent in sampler.pending:
+            waiting[k].append(agent)
+        for k, env in enumerate(envs):
+            self._record(conn, k, env, waiting[k])
         if sampler.steps < self.env_steps_per_sample:
             return None, None
         return sampler.take(), None
@@ -156,14 +159,15 @@ class MultiAgentInference:
             out.append(parsed)
         return out, None
 
-    def _record(self, conn: _Conn, k: int, env: dict) -> None:
-        """Env k's step as the client reports it: the agents whose step ended (at their next
-        action or their end) get their outcome, the others' rewards wait; ``reset`` ends
-        the episode (``MultiAgentSampler.record``) and ``obs`` is the next one's."""
+    def _record(self, conn: _Conn, k: int, env: dict, waiting: list) -> None:
+        """Env k's step as the client reports it: of the agents ``waiting`` for the outcome
+        of their last action, those whose step ended (at their next action or their end)
+        get it, the others' rewards wait; ``reset`` ends the episode
+        (``MultiAgentSampler.record``) and ``obs`` is the next one's."""
         sampler, rewards, reset = conn.sampler, env["rewards"], env["reset"]
         term, trunc, final, acting = env["terminateds"], env["truncateds"], env["final_obs"], env["obs"]
         results = {}
-        for (kk, agent) in [key for key in sampler.pending if key[0] == k]:
+        for agent in waiting:
             reward = conn.owed.pop((k, agent), 0.0) + rewards.get(agent, 0.0)
             if agent in term or agent in trunc:
                 # a terminated agent's last observation is never used: its chunk's last stands in
@@ -171,11 +175,8 @@ class MultiAgentInference:
                 results[agent] = (last, reward, agent in term, agent in trunc)
             elif agent in acting and not reset:
                 results[agent] = (acting[agent], reward, False, False)
-            elif not reset:
+            elif not reset:   # its step goes on (its turn has not come): what it got waits
                 conn.owed[(k, agent)] = reward
-        if reset:
-            for key in [key for key in conn.owed if key[0] == k]:
-                del conn.owed[key]
         sampler.record(k, results, reset)
         sampler.to_act[k] = acting
 

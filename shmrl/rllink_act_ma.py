@@ -110,10 +110,13 @@ def _one_obs(value, where: str):
 def _reward(value, where: str) -> float:
     if not ((_is_int(value) or isinstance(value, (float, np.floating))) and not _is_bool(value)):
         raise ProtocolError(f"{where}: a reward must be a number, got {_show(value)}")
-    reward = float(np.float32(value)) if abs(float(value)) < 3.5e38 else math.inf
-    if not math.isfinite(reward):
-        raise ProtocolError(f"{where}: non-finite reward")
-    return reward
+    try:
+        reward = float(value)
+    except OverflowError:   # an int beyond any float
+        reward = math.inf
+    if not abs(reward) <= float(np.finfo(np.float32).max):   # NaN, infinity, or beyond float32
+        raise ProtocolError(f"{where}: non-finite reward (or beyond float32)")
+    return float(np.float32(reward))
 
 
 def _flags(value, where: str) -> dict:

@@ -126,6 +126,7 @@ OBS = {"a": [0.0, 1.0]}
     ({"type": "ACT", "envs": [{"obs": OBS, "terminateds": {"a": True}}]}, "without 'rewards'"),
     ({"type": "ACT", "envs": [{"obs": OBS, "rewards": {"a": True}}]}, "a reward must be a number"),
     ({"type": "ACT", "envs": [{"obs": OBS, "rewards": {"a": 1e39}}]}, "non-finite reward"),
+    ({"type": "ACT", "envs": [{"obs": OBS, "rewards": {"a": 10 ** 400}}]}, "non-finite reward"),
     ({"type": "ACT", "envs": [{"obs": OBS, "rewards": {"a": 1}, "truncateds": {"a": 1}}]}, "true or false"),
     ({"type": "ACT", "envs": [{"obs": {"a": [float("nan")]}}]}, "non-finite"),
     ({"type": "ACT", "envs": [{"obs": {"": [0.0]}}]}, "not a short string"),
