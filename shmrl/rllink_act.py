@@ -96,10 +96,7 @@ def actions_reply(msg: dict) -> dict:
     out = dict(msg)   # servers may add fields: keep them
     actions = _require(msg, "actions", "ACTIONS")
     if isinstance(actions, list) and actions and isinstance(actions[0], dict):   # many agents: per env
-        out = multiagent_actions(msg)
-        _require(msg, "weights_seq_no", "ACTIONS")
-        out["weights_seq_no"] = _count(msg, "weights_seq_no", "ACTIONS")
-        return out
+        return multiagent_actions(msg)
     if not isinstance(actions, (list, np.ndarray)):
         raise ProtocolError(f"ACTIONS: 'actions' must be a list, got {type(actions).__name__}")
     with np.errstate(all="ignore"):

@@ -20,7 +20,7 @@ import numpy as np
 
 from shmrl.episode import obs_rows
 from shmrl.rllink_codec import ProtocolError, _show
-from shmrl.rllink_episodes import _MAX_ID_LEN, _array, _is_bool, _is_int, _obs
+from shmrl.rllink_episodes import _MAX_ID_LEN, _array, _count, _is_bool, _is_int, _obs, _require
 
 MAX_ACT_ROWS = 4096     # observations (acting agents and final_obs) in one ACT, over all its envs
 ENV_FIELDS = frozenset({"obs", "rewards", "terminateds", "truncateds", "final_obs", "reset"})
@@ -146,6 +146,8 @@ def multiagent_actions(msg: dict) -> dict:
                 raise ProtocolError(f"ACTIONS: env {k}'s actions must be an object agent -> action, got {_show(env)}")
             parsed.append(_by_agent(env, f"ACTIONS env {k}", _action))
     out["actions"] = parsed
+    _require(msg, "weights_seq_no", "ACTIONS")
+    out["weights_seq_no"] = _count(msg, "weights_seq_no", "ACTIONS")
     return out
 
 

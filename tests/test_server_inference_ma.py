@@ -145,6 +145,8 @@ def test_bad_multiagent_actions_are_refused():
         rllink.validate({"type": "ACTIONS", "actions": [{"a": 1}, {}], "weights_seq_no": 1}, "reply")
     with pytest.raises(ProtocolError, match="ACTIONS"):
         rllink.validate({"type": "ACTIONS", "actions": [{"a": "left"}], "weights_seq_no": 1}, "reply")
+    with pytest.raises(ProtocolError, match="missing field 'weights_seq_no'"):
+        rllink.validate({"type": "ACTIONS", "actions": [{"a": 1}]}, "reply")
 
 
 # ------------------------------------------------------------- the Hub
