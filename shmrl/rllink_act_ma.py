@@ -101,6 +101,10 @@ def _observations(value, where: str) -> dict:
 
 def _one_obs(value, where: str):
     """One observation as a batch of one row (an array [1, ...], or a dict by leaf)."""
+    if isinstance(value, np.ndarray):   # binary: the array itself, or one at each leaf
+        return _obs(value[None], where)
+    if isinstance(value, dict) and value and all(type(v) is np.ndarray for v in value.values()):
+        return _obs({leaf: v[None] for leaf, v in value.items()}, where)
     obs = _obs([value], where)
     if obs_rows(obs) != 1:
         raise ProtocolError(f"{where}: expected one observation")
