@@ -142,8 +142,10 @@ class Checker:
         agents: each env's acting agents, all rows in one call)."""
         if "envs" in act:
             layout = self.spec.obs
-            rows = [(k, name, layout.check(obs)[1]) for k, env in enumerate(act["envs"]) for name, obs in env["obs"].items()]
-            parts = [layout.empty(1) if obs is None else obs for _, _, obs in rows]   # one that does not fit: a rule broken
+            rows = [(k, name, layout.check(obs)[1])
+                    for k, env in enumerate(act["envs"]) for name, obs in env["obs"].items()]
+            # an observation that does not fit (a rule broken, said already) gets zeros
+            parts = [layout.empty(1) if obs is None else obs for _, _, obs in rows]
             obs = ({leaf.name: np.concatenate([p[leaf.name] for p in parts]) for leaf in layout.leaves}
                    if layout.structured else np.concatenate(parts))
             chosen, _ = self.sampler.sample(self.rules.models[version].logits(obs))

@@ -317,10 +317,11 @@ def act_loop(client, config: dict, env_id, seed: int = 0, num_envs: int = 1, max
     if not isinstance(spec, MultiAgentSpec):
         raise ValueError(f"the server trains several policies (a multi-agent env), but {env_id} is single-agent")
     served = config.get("agent_spaces")
-    if served is None or sorted(served) != sorted(map(str, spec.agents)):
-        raise ValueError(f"the server's agents are {sorted(served or [])}, {spec.env_id}'s {sorted(map(str, spec.agents))}: "
-                         f"is it another env?" if served is not None else
-                         f"{env_id} is a multi-agent env but the server trains a single-agent policy")
+    if served is None:
+        raise ValueError(f"{env_id} is a multi-agent env but the server trains a single-agent policy")
+    if sorted(served) != sorted(map(str, spec.agents)):
+        raise ValueError(f"the server's agents are {sorted(served)}, {spec.env_id}'s {sorted(map(str, spec.agents))}: "
+                         f"is it another env?")
     envs = [stepper(factory(), seed * 1_000_003 + k) for k in range(num_envs)]
     layouts = {a: s.obs for a, s in spec.agent_specs.items()}
 

@@ -320,10 +320,13 @@ def test_the_python_client_plays_a_run_over_tcp(start_run, tmp_path):
     run.wait_until(lambda out: "update    2" in out, 60, "the second update")
 
 
-def test_a_single_agent_client_is_told_the_run_is_multiagent():
+def test_a_client_of_the_other_kind_of_env_is_told_so():
     hub, _ = make_hub()
     with pytest.raises(ValueError, match="multi-agent env, but CartPole-v1 is single-agent"):
         run_server_inference(Client(hub, ping=False), "CartPole-v1")
+    single = Hub({"default": env_spec("CartPole-v1")}, EpisodeStore(), env_steps_per_sample=8)
+    with pytest.raises(ValueError, match="server trains a single-agent policy"):
+        run_server_inference(Client(single, ping=False), C4)
 
 
 @pytest.mark.slow
