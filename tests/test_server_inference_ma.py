@@ -399,3 +399,45 @@ def test_the_checker_says_it_covers_multiagent_clients_with_server_inference_onl
                             reconnect=False)
     assert [rule for rule, _ in violations] == ["RLLINK.md §11 Server-side inference"], out
     assert "server-side inference only" in out
+
+
+def test_random_sequences_of_acts_close_a_connection_or_are_served_never_crash():
+    """Random ACT sequences (agents acting, ending, resets, stray rewards, now and then an
+    unknown agent, a wrong observation, K changed) in both codecs and both pacings: each
+    ACT is served or closes its connection with a reason; the chunks the server makes of
+    them pass the Hub's own checks (none is dropped as not fitting the env)."""
+    rng = np.random.default_rng(3)
+    agents = ["player_0", "player_1"]
+
+    def env_obj(first: bool) -> dict:
+        acting = list(rng.choice(agents + ["player_9"] if rng.random() < 0.01 else agents,
+                                 rng.integers(1, 3), replace=False))
+        obs = {"observation": [0.0] * 3, "action_mask": [1] * 7} if rng.random() < 0.01 else board()
+        env = {"obs": {a: obs for a in acting}}
+        if not first:
+            env["rewards"] = {a: float(rng.choice([0.0, 1.0, -1.0])) for a in rng.choice(agents, rng.integers(0, 3))}
+            if rng.random() < 0.2:
+                ended = {a: True for a in rng.choice(agents, rng.integers(1, 3), replace=False)}
+                env["terminateds" if rng.random() < 0.5 else "truncateds"] = ended
+                env["final_obs"] = {a: board() for a in ended}
+                env["reset"] = True
+        return env
+
+    served = closed = 0
+    for trial in range(60):
+        hub, store = make_hub(steps=int(rng.choice([1, 4, 16])), on_policy=bool(trial % 2))
+        c = Client(hub, codec=("json", "binary")[trial % 2])
+        k = int(rng.integers(1, 4))
+        for n in range(25):
+            envs = [env_obj(n == 0) for _ in range(k + (rng.random() < 0.005))]
+            c.send({"type": "ACT", "envs": envs})
+            if hub.waiting:   # a strict on-policy hold: the next version releases it
+                hub.set_state(hub.state_msg["weights_seq_no"] + 1, hub.state_msg["policies"])
+                hub.flush_actions()
+            if c.dropped():
+                closed += 1
+                break
+            assert [sorted(e) for e in c.reply()["actions"]] == [sorted(e["obs"]) for e in envs]
+            served += 1
+        assert "does not fit the environment" not in store.steps_dropped
+    assert served > 500 and closed
