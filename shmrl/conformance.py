@@ -13,7 +13,8 @@ under test from a command template (``{port}`` is replaced), and leads it throug
 
 (a client whose PING asks for server-side inference gets ACTIONS for its ACTs instead:
 one per step of its K envs, one reply held, a new version, the last ACT refused, then a
-reconnect and 10 ACTs) and checks every frame on the way: framing, the handshake's order,
+reconnect and 10 ACTs; the client of a multi-agent env, ``--env pz:NAME``, is checked with
+server-side inference only, its ACTs in the form of §11.3) and checks every frame on the way: framing, the handshake's order,
 every field's type and shape (shmrl's own validation, ``rllink.validate`` and ``hub.check_episodes``: what shmrl's
 server would refuse), the message sizes SET_CONFIG asks for, chunk continuity (a running
 episode continues from its last observation; obs = actions + 1), output 0 and log-probs
@@ -104,15 +105,22 @@ class Checker:
     """The scripted server and its findings (``violations``: (rule, text) pairs)."""
 
     def __init__(self, spec, models: dict, onnx_files: dict, reconnect: bool = True, timeout: float = 60.0,
-                 hold_s: float = HOLD_S, out=sys.stdout):
+                 hold_s: float = HOLD_S, out=sys.stdout, multi=None):
+        """``spec``: the env's (a multi-agent env's: its agents', which share their spaces;
+        ``multi``: its MultiAgentSpec, whose clients the checker covers with server-side
+        inference only)."""
         from shmrl.inference import space_config
         from shmrl.sampler import Sampler
 
-        self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models), ActRules(spec)
+        self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models), ActRules(spec, multi)
+        self.multi = multi
         self.onnx_files, self.reconnect, self.timeout, self.out = onnx_files, reconnect, timeout, out
         self.hold_s = hold_s
         self.client: subprocess.Popen | None = None   # the client under test, to notice its exit
         self.spaces = space_config(spec)    # SET_CONFIG describes them to every client, as shmrl's does
+        if multi is not None:
+            self.spaces = {"policy_map": "shared", "league_prob": 0.0,
+                           "agent_spaces": {str(a): space_config(s) for a, s in multi.agent_specs.items()}}
         self.sampler = Sampler(spec.actions, np.random.default_rng(0))
         self.violations: list[tuple[str, str]] = []
         self.checked: list[str] = []        # what the run exercised, for the summary
@@ -129,8 +137,23 @@ class Checker:
     def set_state(self, version: int) -> dict:
         return {"type": "SET_STATE", "onnx_file": self.onnx_files[version], "weights_seq_no": version}
 
-    def actions(self, version: int, obs) -> dict:
-        """ACTIONS for an ACT's observations, sampled from that version's model."""
+    def actions(self, version: int, act: dict) -> dict:
+        """ACTIONS for an ACT's observations, sampled from that version's model (many
+        agents: each env's acting agents, all rows in one call)."""
+        if "envs" in act:
+            layout = self.spec.obs
+            rows = [(k, name, layout.check(obs)[1])
+                    for k, env in enumerate(act["envs"]) for name, obs in env["obs"].items()]
+            # an observation that does not fit (a rule broken, said already) gets zeros
+            parts = [layout.empty(1) if obs is None else obs for _, _, obs in rows]
+            obs = ({leaf.name: np.concatenate([p[leaf.name] for p in parts]) for leaf in layout.leaves}
+                   if layout.structured else np.concatenate(parts))
+            chosen, _ = self.sampler.sample(self.rules.models[version].logits(obs))
+            per_env = [{} for _ in act["envs"]]
+            for (k, name, _), action in zip(rows, np.asarray(chosen).tolist()):
+                per_env[k][name] = action
+            return {"type": "ACTIONS", "actions": per_env, "weights_seq_no": version}
+        obs = act["obs"]
         actions, _ = self.sampler.sample(self.rules.models[version].logits(obs))
         return {"type": "ACTIONS", "actions": np.asarray(actions, self.spec.actions.action_dtype),
                 "weights_seq_no": version}
@@ -183,6 +206,11 @@ class Checker:
         conn.reply(pong)
         self.note(f"{label}: PING ({'binary offered' if conn.heartbeat_s else 'JSON only'}"
                   f"{', server-side inference' if conn.server_inference else ''}) answered")
+        if self.multi is not None and not conn.server_inference:
+            self.violate(S_INFERENCE, f"{label}: a client of {self.multi.env_id}, a multi-agent env, whose PING did "
+                                      f"not ask for server-side inference: the checker covers multi-agent clients "
+                                      f"with server-side inference only (§11.3)")
+            return False
         have = set()
         while conn.server_inference or have != {"SET_CONFIG", "SET_STATE"}:
             msg = self.next_request(conn, self.timeout, f"{label}, handshake")
@@ -218,13 +246,15 @@ class Checker:
             where = f"{label}, ACT {i}"
             for rule, text in self.act_rules.check(msg, where):
                 self.violate(rule, text)
+            if ("envs" in msg) != (self.multi is not None):
+                return False   # the other env kind's form (a rule broken): no ACTIONS can answer it
             if i == n:
                 return True
             if i == hold_at and not self.hold(conn, self.hold_s, where):
                 return False
             if i == new_version_at:
                 conn.version = 1
-            conn.reply(self.actions(conn.version, msg["obs"]))
+            conn.reply(self.actions(conn.version, msg))
             msg = self.next_request(conn, self.timeout, f"{label}, ACT {i + 1}", sampling_since=time.monotonic())
             if msg is None:
                 return False
@@ -237,7 +267,10 @@ class Checker:
         """Connection 1: an ACT per step of K envs for ``steps`` env steps, a held reply, a new
         version; the last ACT is refused (closed). Connection 2: 10 ACTs, the last answered."""
         self.act_rules.new_connection()
-        k = len(first["obs"]) if not isinstance(first["obs"], dict) else len(next(iter(first["obs"].values())))
+        if "envs" in first:
+            k = len(first["envs"])
+        else:
+            k = len(first["obs"]) if not isinstance(first["obs"], dict) else len(next(iter(first["obs"].values())))
         if label == "connection 1":
             n = max(-(-steps // k), 12)
             if self.acts(conn, first, n, label, hold_at=3, new_version_at=6):
@@ -246,7 +279,7 @@ class Checker:
                           + ("" if ended else " (episode ends not exercised: more --steps would)"))
         elif self.acts(conn, first, 10, label):
             self.note(f"{label}: the first ACT carried no outcome again, 10 ACTs checked")
-            conn.reply(self.actions(conn.version, first["obs"]))
+            conn.reply(self.actions(conn.version, first))
 
     def episodes(self, conn: Connection, n: int, steps_per_sample: int, label: str) -> bool:
         """Message n: an EPISODES_AND_GET_STATE, checked; True if the stream is still in step."""
@@ -392,11 +425,13 @@ def check_client(command: list[str], env: str = "CartPole-v1", reconnect: bool =
     violations it found. The client is stopped at the end, whatever happened."""
     from shmrl.envs import env_spec
 
-    spec = env_spec(env)
-    if getattr(spec, "multiagent", False):
-        raise ValueError(f"{env} is a multi-agent env: the checker covers single-agent clients")
+    spec, multi = env_spec(env), None
+    if getattr(spec, "multiagent", False):   # its clients with server-side inference, agents of one policy
+        from shmrl.envspec import policy_mapper
+
+        multi, (spec,) = spec, spec.policy_specs(policy_mapper("shared")).values()
     models, files = make_models(spec)
-    checker = Checker(spec, models, files, reconnect, timeout, hold_s, out)
+    checker = Checker(spec, models, files, reconnect, timeout, hold_s, out, multi)
     with socket.create_server(("127.0.0.1", 0)) as listener, tempfile.TemporaryFile("w+") as client_log:
         port = listener.getsockname()[1]
         argv = [part.replace("{port}", str(port)) for part in command]

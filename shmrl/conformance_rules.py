@@ -31,6 +31,7 @@ S_REPLIES = "RLLINK.md §6 When replies come"
 S_BINARY = "RLLINK.md §7 The binary codec"
 S_INFERENCE = "RLLINK.md §11 Server-side inference"
 S_ACT = "RLLINK.md §11.1 ACT and ACTIONS"
+S_ACT_MA = "RLLINK.md §11.3 Many agents"
 
 ATOL = 2e-3   # float32 outputs of two onnxruntime builds, and log-probs summed in float32
 
@@ -52,7 +53,8 @@ def read_frame(recv_exactly) -> tuple[dict | None, tuple | None]:
         return rllink.validate(msg, "request"), None
     except rllink.ProtocolError as e:
         kind = msg.get("type") if isinstance(msg, dict) else None
-        rule = S_EPISODES if isinstance(msg, dict) and "episodes" in msg else S_ACT if kind == "ACT" else S_MESSAGES
+        rule = (S_EPISODES if isinstance(msg, dict) and "episodes" in msg else
+                (S_ACT_MA if "envs" in msg else S_ACT) if kind == "ACT" else S_MESSAGES)
         text = str(e)
         return None, (rule, text if kind and text.startswith(kind) else f"{kind or '?'}: {text}")
 
@@ -187,16 +189,22 @@ class ActRules:
     """The rules over the ACTs of a server-inference client on one connection (RLLINK.md
     §11.1) beyond shmrl's validation of each (``rllink_act``): K fixed by the first ACT,
     the step's outcome absent from the first and present in every other, observations
-    (and the final ones of truncated episodes) that fit the env."""
+    (and the final ones of truncated episodes) that fit the env. For a multi-agent env
+    (``multi``, its ``MultiAgentSpec``; §11.3) the same per env, with the agents the env's,
+    each agent's observations fitting its spaces, and no agent acting again in an episode
+    it ended before the env's reset."""
 
-    def __init__(self, spec):
-        self.spec = spec
+    def __init__(self, spec, multi=None):
+        self.spec, self.multi = spec, multi
         self.new_connection()
 
     def new_connection(self) -> None:
         self.k, self.acts, self.episodes_ended = None, 0, 0
+        self.ended: dict = {}    # env -> the agents whose episode ended since its reset (many agents)
 
     def check(self, msg: dict, where: str) -> list[tuple]:
+        if self.multi is not None or "envs" in msg:
+            return self._check_multi(msg, where)
         out = []
         k = obs_rows(msg["obs"])
         if self.k is None:
@@ -222,4 +230,53 @@ class ActRules:
                     out.append((S_ACT, f"{where}: 'final_obs' of the truncated envs does not fit "
                                        f"{self.spec.env_id}: {why}"))
         self.acts += 1
+        return out
+
+    def _check_multi(self, msg: dict, where: str) -> list[tuple]:
+        if self.multi is None:
+            return [(S_ACT_MA, f"{where}: a multi-agent ACT ('envs') for {self.spec.env_id}, a single-agent env")]
+        if "envs" not in msg:
+            return [(S_ACT_MA, f"{where}: a single-agent ACT ('obs') for {self.multi.env_id}, a multi-agent env: "
+                               f"send 'envs', one object per env")]
+        out, envs = [], msg["envs"]
+        if self.k is None:
+            self.k = len(envs)
+        elif len(envs) != self.k:
+            out.append((S_ACT_MA, f"{where}: {len(envs)} envs; the connection's first ACT had {self.k} "
+                                  f"(K is fixed for a connection)"))
+        if self.acts == 0 and any(env["outcome"] for env in envs):
+            out.append((S_ACT_MA, f"{where}: the connection's first ACT carries an outcome ('rewards'); there was "
+                                  f"no step before it"))
+        elif self.acts and not all(env["outcome"] for env in envs):
+            out.append((S_ACT_MA, f"{where}: an env without 'rewards': every ACT but a connection's first carries "
+                                  f"the outcome of the step the last ACTIONS made, for every env"))
+        names = {str(a): a for a in self.multi.agents}
+        for k, env in enumerate(envs):
+            out += self._env_rules(k, env, names, f"{where}, env {k}")
+        self.acts += 1
+        return out
+
+    def _env_rules(self, k: int, env: dict, names: dict, where: str) -> list[tuple]:
+        out = []
+        for field in ("obs", "final_obs", "rewards", "terminateds", "truncateds"):
+            unknown = sorted(set(env[field]) - set(names))
+            if unknown:
+                out.append((S_ACT_MA, f"{where}: {field} names agents {unknown}, which are not "
+                                      f"{self.multi.env_id}'s ({sorted(names)})"))
+        for field in ("obs", "final_obs"):
+            for name, obs in env[field].items():
+                if name in names:
+                    why, _ = self.multi.agent_specs[names[name]].obs.check(obs)
+                    if why:
+                        out.append((S_ACT_MA, f"{where}: {field} of {name!r} does not fit {self.multi.env_id}: {why}"))
+        ended = set(env["terminateds"]) | set(env["truncateds"])
+        self.episodes_ended += len(ended)
+        if env["reset"]:
+            self.ended[k] = set()
+            return out
+        again = sorted(set(env["obs"]) & self.ended.get(k, set()))
+        if again:
+            out.append((S_ACT_MA, f"{where}: agents {again} act again after their episode ended, before the env's "
+                                  f"reset ('reset': true starts the next episode)"))
+        self.ended.setdefault(k, set()).update(ended)
         return out

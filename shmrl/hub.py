@@ -16,6 +16,7 @@ from shmrl import rllink
 from shmrl.envs import EnvSpec
 from shmrl.episode import EpisodeBatch, MultiAgentBatch
 from shmrl.inference import ServerInference, space_config
+from shmrl.inference_ma import multiagent_inference
 from shmrl.spaces import MASK_KEY
 from shmrl.store import DEFAULT_POLICY, EpisodeStore
 
@@ -173,14 +174,19 @@ class Hub:
         self.agents = None if agents is None else frozenset(agents)
         self.over_budget: set[str] = set()       # connections told (in the log) that they are over budget
         self.held: set[str] = set()              # connections not read (their budget is spent), by transports that can
-        # Server-side inference (single-agent runs): the policy run for clients that asked in
-        # their PING; SET_CONFIG describes the spaces for them (and for every client).
+        # Server-side inference: the policy run for clients that asked in their PING;
+        # SET_CONFIG describes the spaces for them (and for every client). A multi-agent
+        # run's needs its agents and policy map (shmrl.inference_ma).
         self.inference = None
         self.served: set[str] = set()            # connections granted server-side inference
         if not multiagent:
             spec = policy_specs[DEFAULT_POLICY]
             self.inference = ServerInference(spec, env_steps_per_sample, state_size)
             self.config_msg.update(space_config(spec))
+        elif agents is not None and "policy_map" in self.config_msg and not state_size:
+            self.inference, spaces = multiagent_inference(policy_specs, agents, self.config_msg,
+                                                          env_steps_per_sample)
+            self.config_msg.update(spaces)
 
     def set_state(self, weights_seq_no: int, policies: dict) -> None:
         """Publish new weights and release every client waiting for them. ``policies``: the
@@ -191,7 +197,7 @@ class Hub:
             self.state_msg = {"type": T.SET_STATE.value, "onnx_file": policies[DEFAULT_POLICY]["onnx_file"],
                               "weights_seq_no": weights_seq_no}
         if self.inference is not None:
-            self.inference.load(weights_seq_no, policies[DEFAULT_POLICY]["onnx_file"])
+            self.inference.load(weights_seq_no, policies if self.multiagent else policies[DEFAULT_POLICY]["onnx_file"])
         self.release_waiting()
 
     def all_waiting(self) -> bool:
@@ -283,7 +289,10 @@ class Hub:
         if conn_id not in self.served:
             self._close(conn_id, "ACT from a client whose PING did not ask for server-side inference"
                         if self.inference is not None else
-                        "ACT in a multi-agent run, which does not serve actions (its PONG said so)")
+                        "ACT in a run that does not serve actions (its PONG said so)")
+            return
+        if "envs" in msg and not self.multiagent:
+            self._close(conn_id, "a multi-agent ACT ('envs') in a single-agent run: send 'obs' of K envs")
             return
         self.opened.setdefault(conn_id, time.monotonic())
         self.sampling.add(conn_id)

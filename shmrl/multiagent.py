@@ -87,36 +87,54 @@ class MultiAgentSampler:
         self.greedy = greedy         # eval: each policy's most likely action, not a sample
         self.assign = assign         # k -> {agent: policy} at each episode start, instead of the map
         self.games: deque = deque(maxlen=10_000)   # ({agent: policy}, {agent: return}) of ended episodes
-        self.envs = [stepper(factory(), seed * 1_000_003 + k) for k in range(num_envs)]
+        self.envs = None if factory is None else [stepper(factory(), seed * 1_000_003 + k) for k in range(num_envs)]
         self.layouts = {a: s.obs for a, s in spec.agent_specs.items()}
         self.actors: dict = {}     # pid -> the Actor of that policy (its sampler and current model)
         self.open: dict = {}       # (k, agent) -> Episode of its current chunk
         self.pending: dict = {}    # (k, agent) -> (action, dist inputs, logp): outcome not known yet
         self.assigned: list = [{} for _ in range(num_envs)]   # per env: agent -> policy
         self.episode_ids = [new_episode_id() for _ in range(num_envs)]
+        self.num_envs = num_envs
         self.returns: list = [defaultdict(float) for _ in range(num_envs)]
         self.finished: list = []   # (policy, Episode) done since the last take()
         self.completed: deque = deque(maxlen=1000)   # (policy, agent, return) of finished agent episodes
         self.steps = 0             # agent steps recorded for trainable policies since the last take()
         self.to_act = [self._reset(k) for k in range(num_envs)]
 
+    @classmethod
+    def remote(cls, spec: MultiAgentSpec, mapper: Callable, policies: PolicySet, num_envs: int, seed: int,
+               league_prob: float = 0.0) -> "MultiAgentSampler":
+        """The bookkeeping of K envs that a client steps (server-side inference,
+        ``shmrl.inference_ma``): no envs here; whoever holds it sets ``to_act`` from the
+        client's observations (already in the stored form), acts with ``gather`` and
+        ``chose``, and reports each env's step with ``record``."""
+        return cls(None, spec, mapper, policies, num_envs, seed, league_prob)
+
     def _reset(self, k: int) -> dict:
+        """Env k's next episode: its policies assigned, its env reset (none when remote)."""
+        self.start_episode(k)
+        return {} if self.envs is None else dict(self.envs[k].reset())
+
+    def start_episode(self, k: int) -> None:
+        """A new episode id and returns for env k, and its agents' policies: the map, or a
+        league snapshot for one of them with ``league_prob`` (``assign(k)`` in eval)."""
         self.episode_ids[k] = new_episode_id()
         self.returns[k] = defaultdict(float)
-        env = self.envs[k]
         if self.assign is not None:
             self.assigned[k] = self.assign(k)
-            return dict(env.reset())
+            return
         assigned = self.assigned[k] = {a: self.mapper(a) for a in self.spec.agents}
         if self.league_prob and self.rng.random() < self.league_prob:
             agent = self.spec.agents[self.rng.integers(len(self.spec.agents))]
             snaps = self.policies.snapshots_of(assigned[agent])
             if snaps:
                 assigned[agent] = snaps[self.rng.integers(len(snaps))]
-        return {a: o for a, o in env.reset().items()}
 
     def _own(self, agent, obs):
-        """``obs`` in the stored form, copied: an env may reuse its arrays."""
+        """``obs`` in the stored form, copied: an env may reuse its arrays (a remote
+        client's come validated, in the stored form, and are its message's own)."""
+        if self.envs is None:
+            return obs
         stored = self.layouts[agent].split(obs)
         return {k: v.copy() for k, v in stored.items()} if isinstance(stored, dict) else stored.copy()
 
@@ -128,17 +146,8 @@ class MultiAgentSampler:
 
     def step(self) -> None:
         """Every agent that must act acts (one ONNX call per policy), every env steps."""
-        groups: dict = defaultdict(list)
-        for k, to_act in enumerate(self.to_act):
-            for agent, obs in to_act.items():
-                key = (k, agent)
-                stored = self._own(agent, obs)
-                if key not in self.open:
-                    self.open[key] = Episode(stored, id=f"{self.episode_ids[k]}-{agent}", agent_id=agent,
-                                             weights_seq_no=None)
-                groups[self.policy_of(k, agent)].append((k, agent, stored))
         actions: list = [{} for _ in self.envs]
-        for pid, items in groups.items():
+        for pid, items in self.gather().items():
             agent0 = items[0][1]
             if self.opponent is not None and pid not in self.policies.models:
                 for k, agent, stored in items:
@@ -149,36 +158,62 @@ class MultiAgentSampler:
             chosen, logits, logp = self._actor(pid, agent0).act(obs)
             to_env = self.spec.agent_specs[agent0].actions.to_env(
                 np.asarray(chosen) if not isinstance(chosen, list) else chosen)
+            self.chose(pid, items, chosen, logits, logp)
             for i, (k, agent, _) in enumerate(items):
-                self.pending[(k, agent)] = (chosen[i], logits[i], logp[i])
                 actions[k][agent] = to_env[i]
-                if self.open[(k, agent)].weights_seq_no is None:
-                    self.open[(k, agent)].weights_seq_no = self.policies.seqs[pid]
         for k, env in enumerate(self.envs):
             if not actions[k]:
                 continue
             results, to_act, over = env.step(actions[k])
-            for agent, (obs, reward, term, trunc) in results.items():
+            self.record(k, results, over)
+            self.to_act[k] = dict(env.reset()) if over else to_act
+
+    def gather(self) -> dict:
+        """The agents that must act now (``to_act``), by policy: pid -> [(env, agent,
+        stored obs)]; a chunk is opened for each agent that has none."""
+        groups: dict = defaultdict(list)
+        for k, to_act in enumerate(self.to_act):
+            for agent, obs in to_act.items():
                 key = (k, agent)
-                taken = self.pending.pop(key)
-                self.returns[k][agent] += reward
-                ep = self.open[key]
-                if taken is not None:
-                    ep.add_step(taken[0], reward, self._own(agent, obs), taken[1], taken[2], term, trunc)
-                    if self.policy_of(k, agent) not in self.policies.frozen:
-                        self.steps += 1
-                if term or trunc:
-                    self._finish(k, agent)
-            if over:
-                for (kk, agent) in [key for key in self.open if key[0] == k]:
-                    ep = self.open[(kk, agent)]   # left without an outcome: its chunk ends truncated
-                    self.pending.pop((kk, agent), None)
-                    if len(ep):
-                        ep.is_truncated = True
-                    self._finish(k, agent)
-                self.games.append((dict(self.assigned[k]), dict(self.returns[k])))
-                to_act = self._reset(k)
-            self.to_act[k] = to_act
+                stored = self._own(agent, obs)
+                if key not in self.open:
+                    self.open[key] = Episode(stored, id=f"{self.episode_ids[k]}-{agent}", agent_id=agent,
+                                             weights_seq_no=None)
+                groups[self.policy_of(k, agent)].append((k, agent, stored))
+        return groups
+
+    def chose(self, pid: str, items: list, chosen, logits, logp) -> None:
+        """Policy ``pid`` chose ``chosen`` (rows as ``items``, one of ``gather``'s groups):
+        each waits for its outcome (``record``); a chunk's version is its first action's."""
+        for i, (k, agent, _) in enumerate(items):
+            self.pending[(k, agent)] = (chosen[i], logits[i], logp[i])
+            if self.open[(k, agent)].weights_seq_no is None:
+                self.open[(k, agent)].weights_seq_no = self.policies.seqs[pid]
+
+    def record(self, k: int, results: dict, over: bool) -> None:
+        """Env k's step: ``results`` (agent -> (next obs, reward, terminated, truncated) of
+        the agents whose step ended), ``over``: the episode is over (its agents still open
+        end truncated, without their last action) and the next one starts."""
+        for agent, (obs, reward, term, trunc) in results.items():
+            key = (k, agent)
+            taken = self.pending.pop(key)
+            self.returns[k][agent] += reward
+            ep = self.open[key]
+            if taken is not None:
+                ep.add_step(taken[0], reward, self._own(agent, obs), taken[1], taken[2], term, trunc)
+                if self.policy_of(k, agent) not in self.policies.frozen:
+                    self.steps += 1
+            if term or trunc:
+                self._finish(k, agent)
+        if over:
+            for (kk, agent) in [key for key in self.open if key[0] == k]:
+                ep = self.open[(kk, agent)]   # left without an outcome: its chunk ends truncated
+                self.pending.pop((kk, agent), None)
+                if len(ep):
+                    ep.is_truncated = True
+                self._finish(k, agent)
+            self.games.append((dict(self.assigned[k]), dict(self.returns[k])))
+            self.start_episode(k)
 
     def _actor(self, pid: str, agent) -> Actor:
         """The Actor of policy ``pid`` (made for the spaces of ``agent``, one of its
@@ -268,6 +303,67 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
             log.info("sent %d agent steps; policies %s; mean returns %s", sent, policies.seqs,
                      mean_returns(sampler.completed))
     return sent
+
+
+def act_loop(client, config: dict, env_id, seed: int = 0, num_envs: int = 1, max_messages: int | None = None,
+             log_every_s: float | None = None) -> int:
+    """``shmrl.sim.run_server_inference`` for a multi-agent env (docs/RLLINK.md §11.3),
+    after PING and GET_CONFIG: each ACT carries, per env, the agents that act now with
+    their observations and the outcome of the last step (what each agent's step that ended
+    got, who terminated or was truncated, ``reset`` where the episode ended and the env
+    was reset); each ACTIONS an action per acting agent. No policy runs here. Returns the
+    agent steps taken."""
+    factory, spec = resolve_env(env_id)
+    if not isinstance(spec, MultiAgentSpec):
+        raise ValueError(f"the server trains several policies (a multi-agent env), but {env_id} is single-agent")
+    served = config.get("agent_spaces")
+    if served is None:
+        raise ValueError(f"{env_id} is a multi-agent env but the server trains a single-agent policy")
+    if sorted(served) != sorted(map(str, spec.agents)):
+        raise ValueError(f"the server's agents are {sorted(served)}, {spec.env_id}'s {sorted(map(str, spec.agents))}: "
+                         f"is it another env?")
+    envs = [stepper(factory(), seed * 1_000_003 + k) for k in range(num_envs)]
+    layouts = {a: s.obs for a, s in spec.agent_specs.items()}
+
+    def wire(by_agent: dict) -> dict:   # agent -> observation as the ACT carries it
+        return {str(a): layouts[a].split(o) for a, o in by_agent.items()}
+
+    to_act = [env.reset() for env in envs]
+    msg = {"type": T.ACT.value, "envs": [{"obs": wire(obs)} for obs in to_act]}
+    returns = [defaultdict(float) for _ in envs]
+    recent: deque = deque(maxlen=1000)     # (None, agent, return) of ended episodes, as ``mean_returns`` reads
+    stepped = messages = 0
+    next_log = time.monotonic() + (log_every_s or 0.0)
+    while max_messages is None or messages < max_messages:
+        reply = client.request(msg)
+        messages += 1
+        if reply["type"] != T.ACTIONS.value or len(reply["actions"]) != num_envs:
+            raise ConnectionError(f"expected ACTIONS for {num_envs} envs, got {rllink.show(reply)}")
+        msg = {"type": T.ACT.value, "envs": []}
+        for k, env in enumerate(envs):
+            chosen = reply["actions"][k]
+            missing = [a for a in to_act[k] if str(a) not in chosen]
+            if missing:
+                raise ConnectionError(f"ACTIONS has no action for agents {missing} of env {k}")
+            actions = {a: spec.agent_specs[a].actions.to_env(np.asarray([chosen[str(a)]]))[0] for a in to_act[k]}
+            results, to_act[k], over = env.step(actions)
+            stepped += len(actions)
+            outcome = {"rewards": {str(a): r for a, (_, r, _, _) in results.items()},
+                       "terminateds": {str(a): True for a, (_, _, term, _) in results.items() if term},
+                       "truncateds": {str(a): True for a, (_, _, _, trunc) in results.items() if trunc},
+                       "final_obs": wire({a: o for a, (o, _, _, trunc) in results.items() if trunc})}
+            for a, (_, r, _, _) in results.items():
+                returns[k][a] += r
+            if over:
+                recent.extend((None, a, ret) for a, ret in returns[k].items())
+                returns[k] = defaultdict(float)
+                to_act[k], outcome["reset"] = env.reset(), True
+            msg["envs"].append({"obs": wire(to_act[k]), **outcome})
+        if log_every_s and time.monotonic() >= next_log:
+            next_log += log_every_s
+            log.info("stepped %d agent steps; weights %s; mean returns %s", stepped, reply["weights_seq_no"],
+                     mean_returns(recent))
+    return stepped
 
 
 def mean_returns(completed) -> dict:

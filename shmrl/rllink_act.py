@@ -13,6 +13,7 @@ import numpy as np
 
 from shmrl.episode import obs_rows
 from shmrl.rllink_codec import ProtocolError, _show
+from shmrl.rllink_act_ma import multiagent_act, multiagent_actions
 from shmrl.rllink_episodes import _array, _count, _is_bool, _obs, _require
 
 MAX_ACT_ENVS = 4096    # envs (slots) in one ACT: a bound on one request's work and memory
@@ -25,12 +26,21 @@ def act_request(msg: dict) -> dict:
     """A validated ACT: ``obs`` (an array [K, ...] or a dict of them by leaf), and, unless
     it is a connection's first, ``rewards`` (float32 [K]), ``terminateds`` and
     ``truncateds`` (bool [K]) and ``final_obs`` (as ``obs``; required when an env was
-    truncated)."""
+    truncated). A multi-agent ACT (``envs``) is ``rllink_act_ma``'s."""
+    if "envs" in msg:
+        return _multiagent_act(msg)
     for key in msg:
         if key not in ACT_FIELDS:
             raise ProtocolError(f"ACT: unexpected field {_show(key)}")
     with np.errstate(all="ignore"):   # float32 casts that overflow are reported as non-finite
         return _act(msg)
+
+
+def _multiagent_act(msg: dict) -> dict:
+    extra = sorted(set(msg) - {"type", "envs"}, key=str)
+    if extra:
+        raise ProtocolError(f"ACT: unexpected field {_show(extra[0])} beside 'envs' (a multi-agent ACT)")
+    return multiagent_act(msg)
 
 
 def _act(msg: dict) -> dict:
@@ -85,6 +95,8 @@ def actions_reply(msg: dict) -> dict:
     samples), one row per env of the ACT it answers; ``weights_seq_no``."""
     out = dict(msg)   # servers may add fields: keep them
     actions = _require(msg, "actions", "ACTIONS")
+    if isinstance(actions, list) and actions and isinstance(actions[0], dict):   # many agents: per env
+        return multiagent_actions(msg)
     if not isinstance(actions, (list, np.ndarray)):
         raise ProtocolError(f"ACTIONS: 'actions' must be a list, got {type(actions).__name__}")
     with np.errstate(all="ignore"):

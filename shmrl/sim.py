@@ -31,7 +31,7 @@ import numpy as np
 
 from shmrl import multiagent, rllink
 from shmrl.actor import Actor, SimulatorError, TokenRefused, check_sample, handshake
-from shmrl.envs import make_vec_env
+from shmrl.envs import env_spec, make_vec_env
 from shmrl.rollout import Rollout
 from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
 from shmrl.sampler import Sampler
@@ -156,6 +156,10 @@ def _act_loop(client, env_id: str, seed: int, envs_per_sim: int, max_messages: i
               log_every_s: float | None) -> int:
     """``run_server_inference``'s loop, after PING: ACT, step the envs with the ACTIONS, repeat."""
     config = client.request({"type": T.GET_CONFIG.value})
+    if getattr(env_spec(env_id), "multiagent", False):   # per env: the agents that act now
+        return multiagent.act_loop(client, config, env_id, seed, envs_per_sim, max_messages, log_every_s)
+    if "agent_spaces" in config:
+        raise ValueError(f"the server trains a multi-agent env, but {env_id} is single-agent")
     envs = make_vec_env(env_id, envs_per_sim, seed * 1_000_003)
     check_spaces(config, envs.spec)
     msg = {"type": T.ACT.value, "obs": envs.reset()}
@@ -277,7 +281,6 @@ def main(argv=None) -> int:
         p.error("--envs-per-sim must be >= 1 and --timeout > 0")
     if args.max_retries < 0 or args.retry_s < 0:
         p.error("--max-retries and --retry-s must be >= 0")
-    from shmrl.envs import env_spec
 
     try:
         env_spec(args.env)

@@ -40,6 +40,15 @@ BUGS = {   # bug -> the section of docs/RLLINK.md the checker must name
     "act-k-changes": "§11.1",            # one ACT of fewer envs
     "act-no-final-obs": "§11.1",         # truncated envs without final_obs
 }
+MA_BUGS = {   # a client of pz:connect_four_v3 with server-side inference (RLLINK.md §11.3)
+    "ma-none": None,
+    "ma-first-rewards": "§11.3",         # an outcome in a connection's first ACT
+    "ma-no-outcome": "§11.3",            # an env without rewards in a later ACT
+    "ma-k-changes": "§11.3",             # one ACT of fewer envs
+    "ma-unknown-agent": "§11.3",         # a reward for an agent the env does not have
+    "ma-no-reset": "§11.3",              # a game's end without 'reset': the ended players act again
+    "ma-single-form": "§11.3",           # a single-agent ACT ('obs') for a multi-agent env
+}
 
 
 class Link:
@@ -166,16 +175,57 @@ def act_session(port: int, bug: str) -> None:
             msg = {key: value[:1] if isinstance(value, list) else value for key, value in msg.items()}
 
 
+def ma_session(port: int, bug: str) -> None:
+    """Server-side inference for 2 connect_four games, the moves the server sends."""
+    from shmrl.envs import resolve_env
+    from shmrl.pz_envs import stepper
+
+    link = Link(port, bug)
+    link.request({"type": "PING", "inference": "server"})
+    link.request({"type": "GET_CONFIG"})
+    factory, spec = resolve_env("pz:connect_four_v3")
+    envs = [stepper(factory(), k) for k in range(2)]
+
+    def wire(by_agent):
+        return {a: {key: np.asarray(v).tolist() for key, v in o.items()} for a, o in by_agent.items()}
+
+    to_act = [env.reset() for env in envs]
+    msg = {"type": "ACT", "envs": [{"obs": wire(obs), **({"rewards": {}} if bug == "ma-first-rewards" else {})}
+                                   for obs in to_act]}
+    for n in range(1, 1_000_000):
+        reply = link.request(msg)
+        msg = {"type": "ACT", "envs": []}
+        for k, env in enumerate(envs):
+            results, to_act[k], over = env.step({a: int(reply["actions"][k][a]) for a in to_act[k]})
+            out = {"rewards": {a: r for a, (_, r, _, _) in results.items()},
+                   "terminateds": {a: True for a, (_, _, term, _) in results.items() if term}}
+            if over:
+                to_act[k] = env.reset()
+                out["reset"] = bug != "ma-no-reset"
+            msg["envs"].append({"obs": wire(to_act[k]), **out})
+        if n == 5 and bug == "ma-no-outcome":
+            msg["envs"][1] = {"obs": msg["envs"][1]["obs"]}
+        if n == 5 and bug == "ma-k-changes":
+            msg["envs"] = msg["envs"][:1]
+        if n == 5 and bug == "ma-unknown-agent":
+            msg["envs"][0]["rewards"]["player_9"] = 1.0
+        if n == 5 and bug == "ma-single-form":
+            msg = {"type": "ACT", "obs": [[0.0] * 4, [0.0] * 4], "rewards": [0.0, 0.0], "terminateds": [False, False],
+                   "truncateds": [False, False]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--bug", choices=sorted(BUGS), default="none")
+    p.add_argument("--bug", choices=sorted({**BUGS, **MA_BUGS}), default="none")
     args = p.parse_args()
     rng, sticky = np.random.default_rng(0), {}
     for attempt in range(20):
         try:
             if args.bug.startswith("act-"):
                 act_session(args.port, args.bug)
+            elif args.bug.startswith("ma-"):
+                ma_session(args.port, args.bug)
             else:
                 session(args.port, args.bug, rng, sticky)
         except (ConnectionError, OSError):

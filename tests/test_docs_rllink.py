@@ -97,6 +97,26 @@ EXAMPLES.update({
     "actions_box": {"type": "ACTIONS", "actions": [[0.75], [-1.5]], "weights_seq_no": 3},
 })
 EXAMPLES["act_binary"] = rllink.validate(EXAMPLES["act"], "request")
+# Server-side inference for many agents (section 11.3): a turn-based game of two players
+# ("left", "right"; 2-float observations, 2 actions) in K = 2 envs; a parallel env of 3.
+_SPACES = {"observation_shape": [2], "observation_dtype": "<f4", "action_space": {"type": "Discrete", "n": 2}}
+EXAMPLES.update({
+    "set_config_multi_inference": {"type": "SET_CONFIG", "env_steps_per_sample": 500, "force_on_policy": True,
+                                   "policy_map": "shared", "league_prob": 0.0,
+                                   "agent_spaces": {"left": _SPACES, "right": _SPACES}},
+    "act_multi_first": {"type": "ACT", "envs": [{"obs": {"left": [1.0, 0.0]}}, {"obs": {"left": [0.0, 1.0]}}]},
+    "actions_multi": {"type": "ACTIONS", "actions": [{"left": 1}, {"left": 0}], "weights_seq_no": 12},
+    "act_multi": {"type": "ACT", "envs": [
+        {"obs": {"right": [0.0, 1.0]}, "rewards": {}},
+        {"obs": {"left": [1.0, 0.0]}, "rewards": {"left": 1.0, "right": -1.0},
+         "terminateds": {"left": True, "right": True}, "reset": True}]},
+    "act_multi_parallel": {"type": "ACT", "envs": [
+        {"obs": {"a": [0.0, 0.5], "b": [0.5, 0.0], "c": [1.0, 1.0]}, "rewards": {"a": -0.5, "b": -0.25, "c": -0.5},
+         "truncateds": {"a": True, "b": True, "c": True},
+         "final_obs": {"a": [0.25, 0.0], "b": [0.0, 0.25], "c": [0.5, 0.5]}, "reset": True}]},
+})
+EXAMPLES["act_multi_first_binary"] = {"type": "ACT", "envs": [{"obs": {"left": np.array([1.0, 0.0], np.float32)}},
+                                                              {"obs": {"left": np.array([0.0, 1.0], np.float32)}}]}
 EXAMPLES["actions_binary"] = {"type": "ACTIONS", "actions": np.array([1, 0], np.int64), "weights_seq_no": 3}
 
 

@@ -22,12 +22,12 @@ PACKAGE = ROOT / "shmrl"
 # it. Names are modules under shmrl/ ("transport" is the package and every module in it).
 LAYERS = {
     "base types": ["config", "presets", "spaces", "sampler", "episode", "rollout", "stats", "checkpoint", "metrics", "logdir", "dataset"],
-    "protocol": ["rllink_codec", "rllink_episodes", "rllink_act", "rllink"],
+    "protocol": ["rllink_codec", "rllink_episodes", "rllink_act_ma", "rllink_act", "rllink"],
     "transports": ["transport"],
     "model": ["onnx_graph", "net", "ppo", "onnx_policy"],
     "env adapters": ["envspec", "pz_envs", "envs"],
     "actor and simulator loops": ["actor", "multiagent", "sim", "eval"],
-    "hub": ["store", "inference", "recorder", "hub", "serving"],
+    "hub": ["store", "inference", "inference_ma", "recorder", "hub", "serving"],
     "launchers": ["supervisor", "ray_launcher"],
     "trainer": ["report", "resume", "pretrain", "setup_run", "adapt", "trainer"],
     "faces": ["run", "plot", "record", "__init__", "conformance_rules", "conformance"],

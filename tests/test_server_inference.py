@@ -251,13 +251,14 @@ def test_a_closed_connection_counts_its_open_steps_as_lost():
     assert store.steps_lost == 4 and not hub.inference.slots
 
 
-def test_multiagent_runs_do_not_grant_server_inference():
+def test_a_run_that_cannot_serve_actions_does_not_grant_it():
+    # a multi-agent Hub told neither its agents nor its policy map (tests/test_server_inference_ma.py: one that is)
     hub = Hub({DEFAULT_POLICY: SPEC}, EpisodeStore(), env_steps_per_sample=8, multiagent=True)
     server = FakeServer()
     hub.handle(server, "tcp:m", rllink.validate({"type": "PING", "inference": "server"}, "request"))
     assert server.replies[-1][1] == {"type": "PONG"}
     hub.handle(server, "tcp:m", rllink.validate(act(obs_of(0)), "request"))
-    assert "multi-agent" in server.dropped[-1][1]
+    assert "does not serve actions" in server.dropped[-1][1]
 
 
 def test_recurrent_state_is_kept_per_slot_and_reset_at_episode_end():
