@@ -39,6 +39,7 @@ import threading
 import time
 
 from shmrl import rllink
+from shmrl.rllink_act import ActHeads, ActionsFrames
 from shmrl.transport.base import Closeable, ConnectionClosed, ReplyEncoder, WakePipe  # noqa: F401 (as before)
 from shmrl.transport.tcp_conn import Connection, conn_id_of
 from shmrl.transport.tcp_client import TcpClient, parse_address  # noqa: F401 (the client side, as before)
@@ -107,6 +108,9 @@ class TcpServer(Closeable):
         # frame must not take the machine's memory (the largest one is closed instead).
         self.max_buffered_bytes = max_buffered_bytes
         self._encode = ReplyEncoder(framed=True)
+        # Server-side inference's hot path: a binary ACT whose head was seen before, and the
+        # ACTIONS answering it, without the JSON head's parsing and writing (rllink_act).
+        self._act_heads, self._actions_frame = ActHeads(), ActionsFrames()
         self.frame_timeout, self.idle_timeout = frame_timeout, idle_timeout
         self.max_connections = max_connections
         self._lock = threading.Lock()
@@ -190,7 +194,8 @@ class TcpServer(Closeable):
             agreed = {**msg, "codec": "binary", "heartbeat_s": self.heartbeat_s}
             data = rllink.frame(rllink.encode(agreed, "json"))
         else:
-            data = self._encode(msg, codec)  # SET_STATE goes to every waiting client: encoded once
+            data = (codec == "binary" and self._actions_frame(msg)
+                    or self._encode(msg, codec))  # SET_STATE goes to every waiting client: encoded once
         with self._lock:
             if conn.closed:
                 return
@@ -401,7 +406,10 @@ class TcpServer(Closeable):
                 conn.body_len, conn.frame_start = None, now
                 conn.frames += 1
                 started = time.perf_counter()
-                msg = rllink.decode_request(body, self.limits)
+                msg = self._act_heads.decode(body)
+                if msg is None:
+                    msg = rllink.decode_request(body, self.limits)
+                    self._act_heads.learn(body, msg)
                 if msg["type"] == _EPISODES or buf:   # it sends without waiting for replies
                     self._rest(conn, time.perf_counter() - started)
                 if not self._deliver(conn, msg):
