@@ -18,14 +18,16 @@ frame from its header when it is too large, decodes and validates requests, and 
 queued replies as fast as each socket takes them, so a client that waits for SET_STATE,
 stalls mid-frame or stops reading never holds up another. Nor does one that floods: a
 connection that sends without waiting for replies, and whose frame was costly to
-decode (JSON), rests for a multiple of that cost before its next frame is read, and replies go out before a flooder's next frame is decoded. The learner's thread only
-trades queues with it under one lock: ``poll`` takes the validated requests
-(``fileno()`` is a ``WakePipe`` that is readable while some wait); ``reply`` and
-``drop`` queue work and wake the IO thread through a second one.
+decode (JSON), rests for a multiple of that cost before its next frame is read, and
+replies go out before a flooder's next frame is decoded. The learner's thread only trades
+queues with it under one lock: ``poll`` takes the validated requests (``fileno()`` is a
+``WakePipe``, readable while some wait, woken once per step of the IO thread for all it
+decoded); ``drop`` and ``reply`` queue work and wake the IO thread through a second one,
+except that a reply with nothing queued before it is written to its socket at once, under
+the lock (a server-inference client waits for each ACTIONS: no wake-up in between).
 
 ``TcpClient`` (a simulator's side, ``shmrl.transport.tcp_client``, importable from here
-too) is a ``ClientTransport``: a blocking socket that reads exactly one reply frame per
-request within ``timeout``.
+too) is a ``ClientTransport``: one reply frame per request within ``timeout``.
 """
 from __future__ import annotations
 
@@ -108,9 +110,7 @@ class TcpServer(Closeable):
         # frame must not take the machine's memory (the largest one is closed instead).
         self.max_buffered_bytes = max_buffered_bytes
         self._encode = ReplyEncoder(framed=True)
-        # Server-side inference's hot path: a binary ACT whose head was seen before, and the
-        # ACTIONS answering it, without the JSON head's parsing and writing (rllink_act).
-        self._act_heads, self._actions_frame = ActHeads(), ActionsFrames()
+        self._act_heads, self._actions_frame = ActHeads(), ActionsFrames()   # ACT and ACTIONS, fast
         self.frame_timeout, self.idle_timeout = frame_timeout, idle_timeout
         self.max_connections = max_connections
         self._lock = threading.Lock()
@@ -118,6 +118,7 @@ class TcpServer(Closeable):
         self._conns: dict[str, Connection] = {}   # the open connections
         self._todo: set[Connection] = set()       # replies to write, a close or a resume for the IO thread
         self._wake_pending = False           # a byte is in the wake pipe
+        self._ready_owed = False             # requests queued this step; the ready pipe not yet woken (IO thread)
         self._stopping = self._closed = False
         self._refused = 0                    # connections refused since the last one accepted
         self.frames_rejected = 0             # bad frames, each of which closed its connection
@@ -202,6 +203,10 @@ class TcpServer(Closeable):
             if negotiate:
                 conn.codec, conn.heartbeat, conn.offered = "binary", True, False
             conn.owed = max(0, conn.owed - 1)
+            if not conn.out and not conn.sendq:   # nothing before it: straight to the socket
+                data = conn.send_now(data)
+                if not data:
+                    return
             conn.out.append(data)
             conn.out_bytes += len(data)
             if conn.out_bytes > self.max_out_bytes:
@@ -273,6 +278,8 @@ class TcpServer(Closeable):
                 except Exception:  # a bug here must not end the thread: every client would hang
                     log.exception("TCP IO thread: unexpected error; carrying on")
                     time.sleep(0.1)
+                finally:
+                    self._signal_ready()
         finally:
             self._release()
 
@@ -467,8 +474,17 @@ class TcpServer(Closeable):
 
     def _queue_locked(self, conn: Connection, msg: dict | None) -> None:
         if not self._inbox:
-            self._ready.wake()
+            self._ready_owed = True   # woken at the end of this step (_signal_ready)
         self._inbox.append((conn, msg))
+
+    def _signal_ready(self) -> None:
+        """Wake the learner's thread once for all the requests of a step of the IO thread, so
+        that it answers them in one round (server-side inference: one forward pass)."""
+        if self._ready_owed:
+            self._ready_owed = False
+            with self._lock:
+                if self._inbox:
+                    self._ready.wake()
 
     def _take_work(self) -> None:
         """Replies, closes and resumes that the learner's thread queued."""
@@ -478,37 +494,28 @@ class TcpServer(Closeable):
             todo, self._todo = self._todo, set()
             work = []
             for conn in todo:
-                work.append((conn, conn.out, conn.reason))
+                work.append((conn, conn.reason))
+                if conn.reason is None:   # under the lock: reply() sends itself only when nothing waits
+                    conn.sendq.extend(conn.out)
                 conn.out = []
-        for conn, frames, reason in work:
+        for conn, reason in work:
             if reason is not None:
                 self._guarded(conn, self._close, reason)
             else:
-                conn.sendq.extend(frames)
                 self._guarded(conn, self._write)
         # Every reply is on its way before a resumed flooder's next frame is decoded: that
         # decode would otherwise hold up the reply the learner has just queued.
-        for conn, _, reason in work:
+        for conn, reason in work:
             if reason is None and conn.inbuf and conn.sock is not None and not conn.stopped(time.monotonic()):
                 self._guarded(conn, self._parse, time.monotonic())   # frames read before a pause
 
     def _write(self, conn: Connection) -> None:
-        queue, sent = conn.sendq, 0
         try:
-            while queue:
-                n = conn.sock.send(queue[0])
-                sent += n
-                if n < len(queue[0]):  # the socket's buffer is full
-                    queue[0] = memoryview(queue[0])[n:]
-                    break
-                queue.popleft()
-        except (BlockingIOError, InterruptedError):
-            pass
+            sent = conn.write_queued()
         except OSError as e:
             self._disconnected(conn, e)
             return
         if sent:
-            conn.last_traffic = time.monotonic()
             with self._lock:
                 conn.out_bytes -= sent
         self._set_events(conn)
@@ -537,25 +544,14 @@ class TcpServer(Closeable):
             self._guarded(conn, self._check_conn, now)
 
     def _check_conn(self, conn: Connection, now: float) -> None:
-        if conn.closed:
-            return
-        if conn.inbuf and not conn.stopped(now):
-            if now - conn.frame_start > self.frame_timeout:
-                self._close(conn, f"frame incomplete after {self.frame_timeout:g} s: slow or stalled "
-                                  f"client (got {conn.frame_progress()})")
-        elif not conn.frames and now - conn.last_traffic > self.hello_timeout:
-            self._close(conn, f"sent nothing in the {self.hello_timeout:g} s after connecting")
-        elif conn.owed or conn.unpolled or conn.out_bytes or conn.held:
-            return  # the learner holds it up, not the client
-        elif conn.heartbeat and now - conn.last_traffic > self.heartbeat_timeout:
-            with self._lock:
-                self.clients_timed_out += 1
-                self._timed_out.append(conn.conn_id)
-            self._close(conn, f"no heartbeat for {now - conn.last_traffic:.1f} s (heartbeat_timeout "
-                              f"{self.heartbeat_timeout:g} s, one due every {self.heartbeat_s:g} s): the client "
-                              f"hung or its machine is gone")
-        elif self.idle_timeout is not None and now - conn.last_traffic > self.idle_timeout:
-            self._close(conn, f"idle for {self.idle_timeout:g} s with no reply owed")
+        overdue = conn.overdue(now, self)
+        if overdue is not None:
+            reason, hung = overdue
+            if hung:
+                with self._lock:
+                    self.clients_timed_out += 1
+                    self._timed_out.append(conn.conn_id)
+            self._close(conn, reason)
 
     def _disconnected(self, conn: Connection, error: OSError | None = None) -> None:
         why = f" ({error.strerror or error})" if error is not None else ""
@@ -577,17 +573,12 @@ class TcpServer(Closeable):
                 self._selector.unregister(sock)
         except (KeyError, ValueError, OSError):
             pass
-        try:  # unread input would make close() send a reset instead of an orderly EOF
-            for _ in range(4):
-                if not sock.recv(1 << 16):
-                    break
-        except OSError:
-            pass
-        sock.close()
+        conn.drain_input(sock)
         conn.events = 0
-        conn.sendq.clear()
         del conn.inbuf[:]
         with self._lock:
+            sock.close()   # under the lock: the learner's thread may be writing a reply to it
+            conn.sendq.clear()
             conn.closed = True
             conn.out, conn.out_bytes = [], 0
             if self._conns.get(conn.conn_id) is conn:
@@ -599,10 +590,10 @@ class TcpServer(Closeable):
         with self._lock:
             conns = list(self._conns.values())
             self._conns.clear()
-        for conn in conns:
-            if conn.sock is not None:
-                conn.sock.close()
-                conn.sock = None
+            for conn in conns:
+                if conn.sock is not None:
+                    conn.sock.close()
+                    conn.sock = None
         for thing in (self._selector, self._listener):
             if thing is not None:
                 thing.close()
