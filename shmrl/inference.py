@@ -71,6 +71,10 @@ class ServerInference:
         self.version = -1
         self._onnx_file = None               # the current version's, until the first ACT needs it
         self.policy: OnnxPolicy | None = None
+        leaf = spec.obs.leaves[0]
+        # One float32 array of the env's shape, the obs of most clients, needs no conversion.
+        self._float_obs = np.float32 if not spec.obs.structured and leaf.dtype == "float32" else None
+        self._obs_shape = tuple(leaf.shape)
         self.forward_passes = 0
         self.rows = 0                        # env rows acted on, in all
 
@@ -91,9 +95,11 @@ class ServerInference:
         """Record an ACT: (the connection's chunks when its sample is complete, else None;
         why the ACT breaks its connection's history, else None). The connection's obs are
         checked against the env here; the chunks are checked as any client's by the Hub."""
-        why, obs = self.spec.obs.check(msg["obs"])
-        if why:
-            return None, why
+        obs = msg["obs"]
+        if not (type(obs) is np.ndarray and obs.dtype == self._float_obs and obs.shape[1:] == self._obs_shape):
+            why, obs = self.spec.obs.check(obs)   # (a float32 array of the env's shape passes it as it is)
+            if why:
+                return None, why
         slots = self.slots.get(conn_id)
         k = obs_rows(obs)
         if slots is None:
@@ -109,7 +115,7 @@ class ServerInference:
         if "rewards" not in msg:
             return None, "an ACT without 'rewards', 'terminateds' and 'truncateds' after the first"
         final_obs = None
-        if msg["truncateds"].any():
+        if _any(msg["truncateds"]):
             why, final_obs = self.spec.obs.check(msg["final_obs"])
             if why:
                 return None, f"final_obs: {why}"
@@ -117,9 +123,9 @@ class ServerInference:
 
     def _record(self, slots: _Slots, obs, msg: dict, final_obs) -> EpisodeBatch | None:
         terminated, truncated = msg["terminateds"], msg["truncateds"]
-        done = terminated | truncated
-        final = None
-        if done.any():
+        final = done = None
+        if _any(terminated) or _any(truncated):
+            done = terminated | truncated
             # The step led to the episode's last observation, not to obs (the next episode's
             # first): final_obs where truncated (the learner bootstraps from it), else obs's
             # own row (a terminal observation's value is never used).
@@ -206,6 +212,11 @@ class ServerInference:
         """The connection is closed: its open sample is lost; returns its env steps."""
         slots = self.slots.pop(conn_id, None)
         return 0 if slots is None else len(slots.steps) * slots.k
+
+
+def _any(flags: np.ndarray) -> bool:
+    """``flags.any()`` for a bool array, in a tenth of its time for the few flags of an ACT."""
+    return b"\x01" in flags.tobytes()
 
 
 def space_config(spec: EnvSpec) -> dict:
