@@ -129,16 +129,25 @@ _SMALL_FLOATS = 64                     # up to this many, math.isfinite beats nu
 class ActHeads:
     """The binary ACT heads already validated, each with its plan: where each array lies in
     the body. ``decode(body)``: the validated ACT, or None when the body is not a binary
-    ACT with a known head (decode it whole, then ``learn``). At most ``MAX_HEADS`` heads of
-    at most ``MAX_HEAD_BYTES`` are kept (then forgotten all at once): a client that sends
-    ever new heads costs a second parse of each, and no memory."""
+    ACT with a known head (decode it whole, then ``learn``); calling it does both, with
+    ``whole`` (``rllink.decode_request``). At most ``MAX_HEADS`` heads of at most
+    ``MAX_HEAD_BYTES`` are kept (then forgotten all at once): a client that sends ever new
+    heads costs a second parse of each, and no memory."""
 
     MAX_HEADS = 1024
     MAX_HEAD_BYTES = 4096
 
-    def __init__(self):
+    def __init__(self, whole=None):
+        self.whole = whole
         self._plans: dict[tuple[bytes, int], tuple | None] = {}   # (head, body length) -> plan; None: never fast
         self.fast = 0   # ACTs decoded by the fast path
+
+    def __call__(self, body: bytes) -> dict:
+        msg = self.decode(body)
+        if msg is None:
+            msg = self.whole(body)
+            self.learn(body, msg)
+        return msg
 
     def decode(self, body: bytes) -> dict | None:
         if body[:4] != _MAGIC or len(body) < 8:

@@ -5,6 +5,7 @@ gives, and never accepts what it refuses; a binary ACTIONS is written byte for b
 import json
 import math
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -185,3 +186,31 @@ def wait_for(server, n: int, timeout: float = 10.0) -> list:
     got = []
     wait_until(lambda: got.extend(server.poll(0.05)) or len(got) >= n, timeout, f"{n} requests")
     return got
+
+
+def test_replies_of_a_batch_go_out_together_at_its_end():
+    """TcpServer.batched: the IO thread is woken once for the ACTIONS of a forward pass."""
+    server = TcpServer("127.0.0.1", 0)
+    socks = []
+    try:
+        for _ in range(3):
+            socks.append(socket.create_connection(server.address, timeout=10))
+            socks[-1].sendall(rllink.frame(rllink.encode_json({"type": "PING"})))
+        conn_ids = [conn_id for conn_id, _ in wait_for(server, 3)]
+        with server.batched():
+            for conn_id in conn_ids:
+                server.reply(conn_id, {"type": "PONG"})
+            time.sleep(0.3)
+            for sock in socks:
+                sock.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    sock.recv(1)
+                sock.settimeout(10)
+        for sock in socks:
+            assert rllink.decode(recv_frame(sock)[8:]) == {"type": "PONG"}
+        server.reply(conn_ids[0], {"type": "PONG"})   # outside a batch: at once, as before
+        assert rllink.decode(recv_frame(socks[0])[8:]) == {"type": "PONG"}
+    finally:
+        for sock in socks:
+            sock.close()
+        server.close()

@@ -4,6 +4,7 @@ shares with it under the server's lock."""
 from __future__ import annotations
 
 import collections
+import logging
 import socket
 import time
 
@@ -45,6 +46,17 @@ class Connection:
         self.offered = False              # its last PING offered the binary codec
         self.codec = "json"               # of the replies it gets (set by reply(), learner's thread)
         self.heartbeat = False            # it was told to send heartbeats: silence means hung
+
+    @classmethod
+    def accepted(cls, sock: socket.socket, conn_id: str) -> Connection | None:
+        """A connection just accepted, set up for the IO thread (None: the socket is gone)."""
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small replies go out at once
+        except OSError:
+            sock.close()
+            return None
+        return cls(sock, conn_id, time.monotonic())
 
     def stopped(self, now: float) -> bool:
         """Not to be read now: the learner paused or held it, or it rests after a costly frame."""
@@ -89,19 +101,13 @@ class Connection:
             self.last_traffic = time.monotonic()
         return sent
 
-    def send_now(self, data: bytes) -> bytes:
-        """Write a reply from the learner's thread, under the server's lock (which keeps the
-        IO thread from closing the socket meanwhile), sparing the IO thread's wake-up: a
-        server-inference client waits for each ACTIONS. Returns what the socket did not
-        take, for the IO thread to write."""
-        if self.sock is None:
-            return data
-        try:
-            n = self.sock.send(data)
-        except OSError:   # full (the IO thread writes it when it can) or broken (it closes it)
-            return data
-        self.last_traffic = time.monotonic()
-        return data[n:] if n < len(data) else b""
+    def disconnected(self, error: OSError | None) -> tuple[str, int]:
+        """Why it closed when the peer went away (``error``: how it showed), and the level
+        to log it at: an orderly close between frames is no warning."""
+        why = f" ({error.strerror or error})" if error is not None else ""
+        if self.inbuf:
+            return f"disconnected mid-frame after {self.frame_progress()}{why}", logging.WARNING
+        return f"the client disconnected{why}", logging.INFO
 
     @staticmethod
     def drain_input(sock: socket.socket) -> None:
