@@ -36,16 +36,19 @@ _ACTIONS = T.ACTIONS.value
 class _Slots:
     """One connection's K envs: their open sample, recurrent state and last actions.
 
-    The sample's steps are kept as they came (``steps``) and recorded into the ``Rollout``
-    only once it is complete: its [T, K] arrays are allocated at the first complete sample,
-    so a client that stops after a few ACTs holds no more memory than it sent."""
+    The first sample's steps are kept as they came (``steps``) and recorded into the
+    ``Rollout`` only once it is complete: its [T, K] arrays are allocated then, so a client
+    that stops after a few ACTs holds no more memory than it sent. Later steps are recorded
+    as they come (``recording``): a sample's completion, in one ACT's round, then costs
+    only the cut into chunks, not the recording of all its steps."""
 
-    __slots__ = ("k", "rollout", "steps", "obs", "state", "last", "oldest", "queued", "stepped")
+    __slots__ = ("k", "rollout", "steps", "recording", "obs", "state", "last", "oldest", "queued", "stepped")
 
     def __init__(self, k: int, steps: int, obs, state_size: int):
         self.k = k
         self.rollout = Rollout(k, steps)
-        self.steps: list[tuple] = []        # the open sample's steps: Rollout.record's arguments
+        self.steps: list[tuple] = []        # the first sample's steps: Rollout.record's arguments
+        self.recording = False              # the rollout's arrays exist: steps go straight in
         self.obs = obs                      # what the next actions are for
         self.state = np.zeros((k, state_size), np.float32) if state_size else None
         self.last: tuple | None = None      # (actions, dist inputs, logp) of the last ACTIONS
@@ -138,15 +141,19 @@ class ServerInference:
                     final[truncated] = final_obs[truncated]
         actions, dist_inputs, logp = slots.last
         slots.stepped += slots.k
-        slots.steps.append((actions, dist_inputs, logp, obs, msg["rewards"], terminated, truncated, final))
+        step = (actions, dist_inputs, logp, obs, msg["rewards"], terminated, truncated, final)
+        if slots.recording:
+            slots.rollout.record(*step)
+        else:
+            slots.steps.append(step)
         if final is not None and slots.state is not None:
             slots.state[done] = 0.0     # the next episode starts from zeros
         slots.obs = obs
-        if len(slots.steps) < slots.rollout.steps:
+        if slots.rollout.t + len(slots.steps) < slots.rollout.steps:
             return None
         for step in slots.steps:
             slots.rollout.record(*step)
-        slots.steps = []
+        slots.steps, slots.recording = [], True
         batch = slots.rollout.batch(slots.oldest)
         slots.rollout.completed.clear()
         slots.rollout.start(obs, slots.state)
@@ -211,7 +218,7 @@ class ServerInference:
     def forget(self, conn_id: str) -> int:
         """The connection is closed: its open sample is lost; returns its env steps."""
         slots = self.slots.pop(conn_id, None)
-        return 0 if slots is None else len(slots.steps) * slots.k
+        return 0 if slots is None else (slots.rollout.t + len(slots.steps)) * slots.k
 
 
 def _any(flags: np.ndarray) -> bool:

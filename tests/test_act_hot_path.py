@@ -214,3 +214,54 @@ def test_replies_of_a_batch_go_out_together_at_its_end():
         for sock in socks:
             sock.close()
         server.close()
+
+
+def test_samples_after_the_first_are_recorded_step_by_step_alike():
+    """ServerInference records the first sample's steps at its end, later ones as they
+    come: three samples of K = 2 (env 0 terminating, env 1 truncated, in each) reach the
+    store with every reward, flag and final observation where it belongs."""
+    from shmrl.envs import env_spec
+    from shmrl.hub import Hub
+    from shmrl.net import PolicyNet
+    from shmrl.onnx_policy import encode_onnx_file
+    from shmrl.store import DEFAULT_POLICY, EpisodeStore
+    from conftest import FakeServer
+
+    spec = env_spec("CartPole-v1")
+    net = PolicyNet(spec, 16, "Tanh", layers=1)
+    store = EpisodeStore()
+    hub = Hub({DEFAULT_POLICY: spec}, store, env_steps_per_sample=8, on_policy=False, max_pending_steps=1000)
+    hub.set_state(1, {DEFAULT_POLICY: {"onnx_file": encode_onnx_file(net.template.publish(net.initial_weights(0))),
+                                       "weights_seq_no": 1}})
+    server = FakeServer()
+
+    def send(msg):
+        hub.handle(server, "c", rllink.decode_request(rllink.encode_binary(msg)))
+        hub.flush_actions()
+
+    def obs(t):
+        return np.array([[0.01 * t, 0.0, 0.0, 0.0], [0.01 * t, 0.5, 0.0, 0.0]], np.float32)
+
+    send({"type": "PING", "inference": "server"})
+    send({"type": "ACT", "obs": obs(0)})
+    final = np.full((2, 4), 9.0, np.float32)
+    for t in range(1, 13):
+        term, trunc = np.array([t % 4 == 1, False]), np.array([False, t % 4 == 2])
+        msg = {"type": "ACT", "obs": obs(t), "rewards": np.array([t, 100 + t], np.float32),
+               "terminateds": term, "truncateds": trunc}
+        if trunc.any():
+            msg["final_obs"] = final
+        send(msg)
+    batches = store.take()[DEFAULT_POLICY]
+    assert len(batches) == 3 and sum(b.num_steps for b in batches) == 24
+    for s, batch in enumerate(batches):
+        assert len(batch.obs) == batch.num_steps + batch.num_chunks
+        rewards = batch.rewards.tolist()
+        steps = range(4 * s + 1, 4 * s + 5)
+        assert rewards == [float(t) for t in steps] + [100.0 + t for t in steps]
+        ends = np.cumsum(batch.lengths) - 1   # each chunk's last step
+        assert [rewards[i] for i in ends[batch.is_terminated]] == [float(4 * s + 1)]
+        assert [rewards[i] for i in ends[batch.is_truncated]] == [100.0 + 4 * s + 2]
+        rows = np.cumsum(batch.lengths + 1) - 1   # each chunk's last obs
+        np.testing.assert_allclose(batch.obs[rows[batch.is_truncated]], final[1:])
+        np.testing.assert_allclose(batch.obs[rows[batch.is_terminated]], obs(4 * s + 1)[:1])
