@@ -150,9 +150,10 @@ class ActHeads:
         return msg
 
     def decode(self, body: bytes) -> dict | None:
-        if body[:4] != _MAGIC or len(body) < 8:
+        head_len = int.from_bytes(body[4:8], "little")
+        if body[:4] != _MAGIC or head_len > self.MAX_HEAD_BYTES:   # (an EPISODES' head: no copy of it)
             return None
-        plan = self._plans.get((body[8:8 + int.from_bytes(body[4:8], "little")], len(body)))
+        plan = self._plans.get((body[8:8 + head_len], len(body)))
         if plan is None:
             return None
         out = {"type": "ACT"}
