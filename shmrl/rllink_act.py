@@ -208,6 +208,8 @@ def _plan(head: bytes, data_start: int) -> tuple | None:
     import json
 
     fields = json.loads(head)
+    if set(fields) - {"type", *_FIELD_DTYPES}:   # another form of ACT (many agents' "envs", say)
+        return None
     plan = []
     for key in ("obs", "rewards", "terminateds", "truncateds", "final_obs"):
         if key not in fields:

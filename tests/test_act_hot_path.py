@@ -123,6 +123,15 @@ def test_heads_it_does_not_take_go_the_whole_way():
     assert heads.decode(huge) is None
 
 
+def test_a_head_with_other_fields_is_never_taken_fast():
+    """An ACT of another form (a multi-agent one's "envs") that the whole way accepts is
+    left to it: the fast path knows only the single-agent fields."""
+    body = rllink.encode_binary({"type": "ACT", "envs": [{"obs": np.zeros((1, 4), np.float32)}]})
+    heads = ActHeads()
+    heads.learn(body, {"type": "ACT", "envs": []})   # as if validated
+    assert heads.decode(body) is None
+
+
 def test_heads_kept_are_bounded():
     heads = ActHeads()
     for k in range(1, ActHeads.MAX_HEADS + 10):
