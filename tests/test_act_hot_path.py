@@ -10,10 +10,15 @@ import time
 import numpy as np
 import pytest
 
-from conftest import recv_frame, wait_until
+from conftest import FakeServer, recv_frame, wait_until
 from shmrl import rllink
+from shmrl.envs import env_spec
+from shmrl.hub import Hub
+from shmrl.net import PolicyNet
+from shmrl.onnx_policy import encode_onnx_file
 from shmrl.rllink import ProtocolError
 from shmrl.rllink_act import ActHeads, ActionsFrames
+from shmrl.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.transport.tcp import TcpServer
 
 RNG = np.random.default_rng(0)
@@ -229,13 +234,6 @@ def test_samples_after_the_first_are_recorded_step_by_step_alike():
     """ServerInference records the first sample's steps at its end, later ones as they
     come: three samples of K = 2 (env 0 terminating, env 1 truncated, in each) reach the
     store with every reward, flag and final observation where it belongs."""
-    from shmrl.envs import env_spec
-    from shmrl.hub import Hub
-    from shmrl.net import PolicyNet
-    from shmrl.onnx_policy import encode_onnx_file
-    from shmrl.store import DEFAULT_POLICY, EpisodeStore
-    from conftest import FakeServer
-
     spec = env_spec("CartPole-v1")
     net = PolicyNet(spec, 16, "Tanh", layers=1)
     store = EpisodeStore()
