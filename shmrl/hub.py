@@ -5,6 +5,7 @@ environment (shapes, action range) because a client's input is never trusted.
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import time
@@ -305,10 +306,15 @@ class Hub:
             self._wait_or_answer(conn_id)
 
     def flush_actions(self) -> None:
-        """Answer the ACTs of this round with one forward pass (call once per poll round)."""
+        """Answer the ACTs of this round with one forward pass (call once per poll round);
+        a transport that can (TCP's ``batched``) sends the replies together."""
         if self.inference is not None and self.inference.queued:
-            for conn_id, reason in self.inference.flush(self._reply):
-                self._close(conn_id, reason)
+            with contextlib.ExitStack() as together:
+                for server in {self.servers.get(conn_id) for conn_id in self.inference.queued}:
+                    if hasattr(server, "batched"):
+                        together.enter_context(server.batched())
+                for conn_id, reason in self.inference.flush(self._reply):
+                    self._close(conn_id, reason)
 
     def _close(self, conn_id: str, reason: str) -> None:
         """Close a connection for a bad ACT (its open steps count as lost, in ``forget``)."""

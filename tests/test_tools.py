@@ -434,6 +434,10 @@ def test_inference_bench_quick(tool):
     assert len(r["loadavg_before"]) == 3 and "server-inference" in r["client_cmd"]
     last = r["server_side"][-1]
     assert 0 < last["client_steps_min"] <= last["client_steps_max"] and positive(last["server_rss_mb"]), last
+    # each env step counted once: the rate over the window is what the two clients stepped in it
+    stepped = last["client_steps_min"] + last["client_steps_max"]
+    assert 0.8 < last["env_steps_per_s"] * 1.5 / stepped < 1.25, last
+    assert positive(last["server_cpu_us_per_step"]), last
 
 
 def test_the_readme_commands_tool_runs_each_command_quickly():

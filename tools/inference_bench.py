@@ -16,7 +16,9 @@ inference: N - 1 clients from ``--client-cmd`` (a template with {port}, {envs}, 
 the window). Client-side inference: N ``python -m shmrl.sim`` (onnxruntime in each
 client, the binary codec), for the ratio. Env steps/s: actions served (server-side) or env
 steps received (client-side) per second over ``--seconds`` after every client has
-started. The machine may be shared: the load average before and after is reported.
+started (server-side: actions served, each counted once). The server's CPU per env step
+(this process: both of its threads) is less load-sensitive than the rates. The machine
+may be shared: the load average before and after is reported.
 
 ``--server run`` serves them from a real run instead (``python -m shmrl.run --sims 0
 --tcp-port 0 --async``, training as it goes): its figures come from metrics.jsonl, whole
@@ -49,7 +51,7 @@ class DrainServer:
     """shmrl's TcpServer and Hub in this process, serving as a run's serving thread does
     (one forward pass per poll round), with a learner that only drains the store."""
 
-    def __init__(self, env: str, env_steps_per_sample: int = 256):
+    def __init__(self, env: str, env_steps_per_sample: int = 256, server_side: bool = True):
         sys.path.insert(0, str(ROOT))
         from shmrl.config import Config, resolve_config
         from shmrl.envs import env_spec
@@ -76,20 +78,25 @@ class DrainServer:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.server.fileno(), selectors.EVENT_READ)
         self.closed = 0
+        self.server_side = server_side
 
     def steps(self) -> int:
-        """Env steps so far: actions served (server-side inference) and steps received."""
-        return self.hub.inference.rows + self.store.steps_received
+        """Env steps so far: actions served (server-side inference; the chunks they make
+        reach the store too, and are not counted twice) or steps received (client-side)."""
+        return self.hub.inference.rows if self.server_side else self.store.steps_received
 
     def clients(self) -> int:
         return len(self.hub.sampling)
 
     def window(self, seconds: float) -> dict:
         """Serve for ``seconds``: env steps/s, each client's steps, this process's memory."""
-        t0, s0, by0 = time.monotonic(), self.steps(), self.steps_by_client()
+        t0, s0, by0, cpu0 = time.monotonic(), self.steps(), self.steps_by_client(), time.process_time()
         self.serve_for(seconds)
-        rate = (self.steps() - s0) / (time.monotonic() - t0)
-        return {"env_steps_per_s": round(rate), "closed": self.closed, "server_rss_mb": round(rss_mb()),
+        steps = self.steps() - s0
+        return {"env_steps_per_s": round(steps / (time.monotonic() - t0)), "closed": self.closed,
+                "server_rss_mb": round(rss_mb()),
+                # this process's CPU (both server threads) per env step: less load-sensitive than the rates
+                "server_cpu_us_per_step": round((time.process_time() - cpu0) / max(steps, 1) * 1e6, 1),
                 **fairness(self.steps_by_client(), by0)}
 
     def steps_by_client(self) -> dict[str, int]:
@@ -218,7 +225,7 @@ def measure(template: str, n: int, envs: int, seconds: float, env: str, probe: b
             run_args: list[str] | None = None) -> dict:
     """One point: N clients (the last a probe, with ``probe``), steps/s over ``seconds``;
     against a draining learner in this process, or with ``run_args`` a real run's."""
-    server = DrainServer(env) if run_args is None else RunServer(env, run_args)
+    server = DrainServer(env, server_side=probe) if run_args is None else RunServer(env, run_args)
     procs = []
     try:
         procs = start_clients(template, n - 1 if probe else n, server.port, envs)
@@ -329,7 +336,8 @@ def main(argv=None) -> int:
     print(f"server-side inference, {args.env}, {learner}; load {result['loadavg_before']} -> "
           f"{result['loadavg_after']} on {result['cpus']} cpus")
     print(f"{'clients':>7} {'envs':>4} {'server-side steps/s':>20} {'ACT p50 ms':>10} {'p99 ms':>8} "
-          f"{'client-side steps/s':>20} {'ratio':>6} {'per-client steps min/median/max':>32} {'server MB':>9}")
+          f"{'client-side steps/s':>20} {'ratio':>6} {'per-client steps min/median/max':>32} {'server MB':>9} "
+          f"{'server CPU us/step':>18}")
     for i, s in enumerate(result["server_side"]):
         c = result["client_side"][i] if result["client_side"] else None
         if "error" in s or (c and "error" in c):
@@ -339,7 +347,7 @@ def main(argv=None) -> int:
         spread = f"{s.get('client_steps_min')}/{s.get('client_steps_median')}/{s.get('client_steps_max')}"
         print(f"{s['clients']:>7} {s['envs']:>4} {s['env_steps_per_s']:>20,} {s['rtt_ms_p50']:>10} "
               f"{s['rtt_ms_p99']:>8} {(c['env_steps_per_s'] if c else '-'):>20} {ratio:>6} {spread:>32} "
-              f"{s['server_rss_mb']:>9}")
+              f"{s['server_rss_mb']:>9} {s.get('server_cpu_us_per_step', '-'):>18}")
     return 0
 
 

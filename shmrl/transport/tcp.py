@@ -18,18 +18,20 @@ frame from its header when it is too large, decodes and validates requests, and 
 queued replies as fast as each socket takes them, so a client that waits for SET_STATE,
 stalls mid-frame or stops reading never holds up another. Nor does one that floods: a
 connection that sends without waiting for replies, and whose frame was costly to
-decode (JSON), rests for a multiple of that cost before its next frame is read, and replies go out before a flooder's next frame is decoded. The learner's thread only
-trades queues with it under one lock: ``poll`` takes the validated requests
-(``fileno()`` is a ``WakePipe`` that is readable while some wait); ``reply`` and
-``drop`` queue work and wake the IO thread through a second one.
+decode (JSON), rests for a multiple of that cost before its next frame is read, and
+replies go out before a flooder's next frame is decoded. The learner's thread only trades
+queues with it under one lock: ``poll`` takes the validated requests (``fileno()`` is a
+``WakePipe``, readable while some wait, woken once per step of the IO thread for all it
+decoded); ``drop`` and ``reply`` queue work and wake the IO thread through a second one
+(once for all the replies of a ``batched`` block).
 
 ``TcpClient`` (a simulator's side, ``shmrl.transport.tcp_client``, importable from here
-too) is a ``ClientTransport``: a blocking socket that reads exactly one reply frame per
-request within ``timeout``.
+too) is a ``ClientTransport``: one reply frame per request within ``timeout``.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import math
@@ -39,6 +41,7 @@ import threading
 import time
 
 from shmrl import rllink
+from shmrl.rllink_act import ActHeads, ActionsFrames
 from shmrl.transport.base import Closeable, ConnectionClosed, ReplyEncoder, WakePipe  # noqa: F401 (as before)
 from shmrl.transport.tcp_conn import Connection, conn_id_of
 from shmrl.transport.tcp_client import TcpClient, parse_address  # noqa: F401 (the client side, as before)
@@ -93,10 +96,9 @@ class TcpServer(Closeable):
             raise ValueError("max_frame_bytes must be >= 0, max_out_bytes, max_connections and "
                              "max_buffered_bytes > 0")
         self.max_frame_bytes, self.max_out_bytes = max_frame_bytes, max_out_bytes
-        # Each codec's frames may be held smaller, judged from the body's first 4 bytes:
-        # JSON costs the IO thread far more per byte (a 59 MB frame of tiny episodes:
-        # seconds during which no other client is read), and a binary frame need not be
-        # larger than the largest message ``limits`` (chunks, steps of one message) allow.
+        # Each codec's frames may be held smaller, judged from the body's first 4 bytes: JSON
+        # costs the IO thread far more per byte (a 59 MB frame of tiny episodes: seconds when no
+        # other client is read); a binary frame need not exceed the largest ``limits`` allow.
         self.max_json_frame_bytes = max_frame_bytes if max_json_frame_bytes is None else max_json_frame_bytes
         self.max_binary_frame_bytes = max_frame_bytes if max_binary_frame_bytes is None else max_binary_frame_bytes
         self.limits = limits
@@ -107,6 +109,8 @@ class TcpServer(Closeable):
         # frame must not take the machine's memory (the largest one is closed instead).
         self.max_buffered_bytes = max_buffered_bytes
         self._encode = ReplyEncoder(framed=True)
+        self._act_heads = ActHeads(lambda body: rllink.decode_request(body, self.limits))
+        self._actions_frame = ActionsFrames()
         self.frame_timeout, self.idle_timeout = frame_timeout, idle_timeout
         self.max_connections = max_connections
         self._lock = threading.Lock()
@@ -114,6 +118,8 @@ class TcpServer(Closeable):
         self._conns: dict[str, Connection] = {}   # the open connections
         self._todo: set[Connection] = set()       # replies to write, a close or a resume for the IO thread
         self._wake_pending = False           # a byte is in the wake pipe
+        self._batching = False               # inside batched(): replies wake the IO thread at its end
+        self._ready_owed = False             # requests queued this step; the ready pipe not yet woken (IO thread)
         self._stopping = self._closed = False
         self._refused = 0                    # connections refused since the last one accepted
         self.frames_rejected = 0             # bad frames, each of which closed its connection
@@ -190,7 +196,8 @@ class TcpServer(Closeable):
             agreed = {**msg, "codec": "binary", "heartbeat_s": self.heartbeat_s}
             data = rllink.frame(rllink.encode(agreed, "json"))
         else:
-            data = self._encode(msg, codec)  # SET_STATE goes to every waiting client: encoded once
+            data = (codec == "binary" and self._actions_frame(msg)
+                    or self._encode(msg, codec))  # SET_STATE goes to every waiting client: encoded once
         with self._lock:
             if conn.closed:
                 return
@@ -203,7 +210,22 @@ class TcpServer(Closeable):
                 self._close_later_locked(conn, f"not reading its replies: {conn.out_bytes} bytes queued "
                                                f"(max_out_bytes {self.max_out_bytes})")
             self._todo.add(conn)
-            self._wake_io_locked()
+            if not self._batching:
+                self._wake_io_locked()
+
+    @contextlib.contextmanager
+    def batched(self):
+        """The replies of this block (the ACTIONS of one forward pass) go out together at its
+        end: the IO thread is woken once, not at the first to take the GIL in turns with the
+        thread still replying (half the server's CPU per ACT at 64 clients, measured)."""
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            with self._lock:
+                if self._todo:
+                    self._wake_io_locked()
 
     def hold(self, conn_id: str, held: bool = True) -> None:
         """Stop reading ``conn_id`` (backpressure: the learner has enough of its steps), or
@@ -268,6 +290,8 @@ class TcpServer(Closeable):
                 except Exception:  # a bug here must not end the thread: every client would hang
                     log.exception("TCP IO thread: unexpected error; carrying on")
                     time.sleep(0.1)
+                finally:
+                    self._signal_ready()
         finally:
             self._release()
 
@@ -334,13 +358,9 @@ class TcpServer(Closeable):
             if self._refused:
                 log.info("accepting connections again after refusing %d", self._refused)
                 self._refused = 0
-            try:
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small replies go out at once
-            except OSError:
-                sock.close()
+            conn = Connection.accepted(sock, conn_id)
+            if conn is None:
                 continue
-            conn = Connection(sock, conn_id, time.monotonic())
             with self._lock:
                 self._conns[conn_id] = conn
             log.info("%s: connected", conn_id)
@@ -401,7 +421,7 @@ class TcpServer(Closeable):
                 conn.body_len, conn.frame_start = None, now
                 conn.frames += 1
                 started = time.perf_counter()
-                msg = rllink.decode_request(body, self.limits)
+                msg = self._act_heads(body)   # rllink.decode_request, a binary ACT's head parsed once
                 if msg["type"] == _EPISODES or buf:   # it sends without waiting for replies
                     self._rest(conn, time.perf_counter() - started)
                 if not self._deliver(conn, msg):
@@ -459,8 +479,17 @@ class TcpServer(Closeable):
 
     def _queue_locked(self, conn: Connection, msg: dict | None) -> None:
         if not self._inbox:
-            self._ready.wake()
+            self._ready_owed = True   # woken at the end of this step (_signal_ready)
         self._inbox.append((conn, msg))
+
+    def _signal_ready(self) -> None:
+        """Wake the learner's thread once for all the requests of a step of the IO thread, so
+        that it answers them in one round (server-side inference: one forward pass)."""
+        if self._ready_owed:
+            self._ready_owed = False
+            with self._lock:
+                if self._inbox:
+                    self._ready.wake()
 
     def _take_work(self) -> None:
         """Replies, closes and resumes that the learner's thread queued."""
@@ -485,22 +514,12 @@ class TcpServer(Closeable):
                 self._guarded(conn, self._parse, time.monotonic())   # frames read before a pause
 
     def _write(self, conn: Connection) -> None:
-        queue, sent = conn.sendq, 0
         try:
-            while queue:
-                n = conn.sock.send(queue[0])
-                sent += n
-                if n < len(queue[0]):  # the socket's buffer is full
-                    queue[0] = memoryview(queue[0])[n:]
-                    break
-                queue.popleft()
-        except (BlockingIOError, InterruptedError):
-            pass
+            sent = conn.write_queued()
         except OSError as e:
             self._disconnected(conn, e)
             return
         if sent:
-            conn.last_traffic = time.monotonic()
             with self._lock:
                 conn.out_bytes -= sent
         self._set_events(conn)
@@ -529,32 +548,17 @@ class TcpServer(Closeable):
             self._guarded(conn, self._check_conn, now)
 
     def _check_conn(self, conn: Connection, now: float) -> None:
-        if conn.closed:
-            return
-        if conn.inbuf and not conn.stopped(now):
-            if now - conn.frame_start > self.frame_timeout:
-                self._close(conn, f"frame incomplete after {self.frame_timeout:g} s: slow or stalled "
-                                  f"client (got {conn.frame_progress()})")
-        elif not conn.frames and now - conn.last_traffic > self.hello_timeout:
-            self._close(conn, f"sent nothing in the {self.hello_timeout:g} s after connecting")
-        elif conn.owed or conn.unpolled or conn.out_bytes or conn.held:
-            return  # the learner holds it up, not the client
-        elif conn.heartbeat and now - conn.last_traffic > self.heartbeat_timeout:
-            with self._lock:
-                self.clients_timed_out += 1
-                self._timed_out.append(conn.conn_id)
-            self._close(conn, f"no heartbeat for {now - conn.last_traffic:.1f} s (heartbeat_timeout "
-                              f"{self.heartbeat_timeout:g} s, one due every {self.heartbeat_s:g} s): the client "
-                              f"hung or its machine is gone")
-        elif self.idle_timeout is not None and now - conn.last_traffic > self.idle_timeout:
-            self._close(conn, f"idle for {self.idle_timeout:g} s with no reply owed")
+        overdue = conn.overdue(now, self)
+        if overdue is not None:
+            reason, hung = overdue
+            if hung:
+                with self._lock:
+                    self.clients_timed_out += 1
+                    self._timed_out.append(conn.conn_id)
+            self._close(conn, reason)
 
     def _disconnected(self, conn: Connection, error: OSError | None = None) -> None:
-        why = f" ({error.strerror or error})" if error is not None else ""
-        if conn.inbuf:
-            self._close(conn, f"disconnected mid-frame after {conn.frame_progress()}{why}")
-        else:
-            self._close(conn, f"the client disconnected{why}", logging.INFO)
+        self._close(conn, *conn.disconnected(error))
 
     def _close(self, conn: Connection, reason: str, level: int = logging.WARNING) -> None:
         """Close the socket and report the connection closed through poll(), once."""
@@ -569,12 +573,7 @@ class TcpServer(Closeable):
                 self._selector.unregister(sock)
         except (KeyError, ValueError, OSError):
             pass
-        try:  # unread input would make close() send a reset instead of an orderly EOF
-            for _ in range(4):
-                if not sock.recv(1 << 16):
-                    break
-        except OSError:
-            pass
+        conn.drain_input(sock)
         sock.close()
         conn.events = 0
         conn.sendq.clear()
