@@ -113,6 +113,10 @@ class RunSettings:
         1_000_000, "give up (exit 1) after N env steps accepted (received, less the chunks refused as they "
         "came in: over a client's budget, out of bounds, not fitting the env), counting those before a "
         "--resume (default: %(default)s)", preset=True, check=at_least(1), metavar="N")
+    max_seconds: float | None = setting(
+        math.inf, "give up (exit 1) after S seconds since the command started (this process's seconds, not "
+        "counting those before a --resume); none: no time limit (default: %(default)s)",
+        preset=True, check=above(0), metavar="S", allow_inf=True)
     return_window: int = setting(
         100, "the mean return reported, and compared with --stop-return, is that of the last N complete "
         "episodes (default: %(default)s)", check=at_least(1), metavar="N")
@@ -254,6 +258,17 @@ class MultiAgentSettings:
     league_prob: float | None = setting(
         0.5, "chance that an episode has an agent play a snapshot (default: %(default)s)",
         preset=True, check=between(0, 1), metavar="P")
+    eval_every: int | None = setting(
+        0, "every U updates, each policy plays --eval-games games against a uniformly random legal player "
+        "(greedy, taking the seats in turn, as python -m shmrl.eval does): its win rate goes into the metrics, "
+        "and the policy written at the end is the one that won most, however the run ends; 0: never "
+        "(default: %(default)s)", preset=True, check=at_least(0), metavar="U")
+    eval_games: int | None = setting(200, "games of each --eval-every evaluation (default: %(default)s)",
+                                     preset=True, check=at_least(1), metavar="N")
+    stop_win_rate: float | None = setting(
+        math.inf, "stop (exit 0) once every policy's latest --eval-every win rate reaches W; none: never "
+        "(default: %(default)s)", preset=True, metavar="W", allow_inf=True,
+        check=Rule("in (0, 1], or none", lambda v: 0 < v <= 1 or v == math.inf))
 
 
 @dataclass(kw_only=True)
@@ -470,9 +485,23 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
         raise ConfigError("--sims 0 runs no local simulator: give --tcp-port for external clients")
     if config.ray is not None and config.sims == 0:
         raise ConfigError("--ray places simulators: give --sims N (N >= 1)")
+    if config.eval_every and spec is not None and not symmetric_game(spec):
+        raise ConfigError(f"--eval-every: the evaluated policy takes every seat in turn, so the env must be a "
+                          f"multi-agent env whose agents all have the same spaces; {env_name(config.env)} is not")
     if getattr(spec, "multiagent", False) and config.memory not in (None, "none"):
         raise ConfigError("--memory: recurrent policies are single-agent for now; a multi-agent env takes "
                           "--memory none")
+
+
+def symmetric_game(spec) -> bool:
+    """A multi-agent env whose agents all have the same spaces (one policy could take any seat)."""
+    if not getattr(spec, "multiagent", False):
+        return False
+    try:
+        spec.policy_specs(lambda agent: "any")
+    except ValueError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- the command line, from the fields
