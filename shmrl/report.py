@@ -97,13 +97,12 @@ WIDTH = 100         # the progress line's most columns (the detail line's too)
 
 
 def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, detail: bool = False,
-                  win_rate: tuple | None = None) -> str:
+                  win_rate: float | None = None) -> str:
     """One update's line, at most WIDTH columns: the update, env steps of the budget, steps
     per second, the mean return of ``returns`` (the window) against the stop return (once
     an episode has ended), in a multi-agent run the share of agent episodes won (and
-    ``win_rate``, (the latest evaluated win rate against a random player, the stop win
-    rate), once there is one), the learner's share of the time where the row has it, and
-    the time. ``detail``: a second line with the losses, the policy lag and each client's
+    ``win_rate``, the latest evaluated win rate against a random legal player, once there
+    is one), the learner's share of the time where the row has it, and the time. ``detail``: a second line with the losses, the policy lag and each client's
     env steps."""
     parts = [f"update {row['update']:4d}", f"steps {_k(row['env_steps'])} of {_k(max_env_steps)}",
              f"{_k(round(row['env_steps_per_s']))}/s"]
@@ -115,8 +114,8 @@ def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, de
             parts.append(f"won {100 * sum(r > 0 for r in returns) / len(returns):.0f}%")
     else:
         parts.append("no episode ended yet")
-    if win_rate:
-        parts.append(f"vs random {win_rate[0]:.2f}" + (f" -> {win_rate[1]:g}" if math.isfinite(win_rate[1]) else ""))
+    if win_rate is not None:
+        parts.append(f"random {100 * win_rate:.0f}%")
     if row.get("learner_share") is not None:
         parts.append(f"learner {100 * row['learner_share']:.0f}%")
     parts.append(f"{row['elapsed_s']:.1f}s")

@@ -143,7 +143,7 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
         now = row["elapsed_s"]   # the row's own clock: a line is due by the time the row says
         if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
             detail = config.verbose or lines % DETAIL_EVERY == 0
-            latest = judge.latest and (judge.mean(judge.latest), config.stop_win_rate)
+            latest = judge.mean(judge.latest) if judge.latest else None
             print(progress_line(row, store.returns, config.stop_return, config.max_env_steps, detail, latest),
                   flush=True)
             last_line, lines = now, lines + 1
