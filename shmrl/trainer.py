@@ -120,10 +120,10 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
                             "was not finite (see the WARNINGs above); the weights are those before them")
         if len(store.returns) >= store.returns.maxlen and store.return_mean() >= config.stop_return:
             return EXIT_SOLVED
-        if store.steps_accepted >= config.max_env_steps:
-            return EXIT_BUDGET
-        if time.time() - clock.t_start >= config.max_seconds:
-            last["budget"] = "time"
+        if store.steps_accepted >= config.max_env_steps or time.time() - clock.t_start >= config.max_seconds:
+            if store.steps_accepted < config.max_env_steps:
+                last["budget"] = "time"
+            evaluate_last(judge, serving, last)
             return EXIT_BUDGET
         if not batch:
             continue
@@ -153,6 +153,14 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
             checkpoint(setup, serving, ppos)
         if judge.solved():
             return EXIT_SOLVED
+
+
+def evaluate_last(judge: WinRateEval, serving: Serving, last: dict) -> None:
+    """A budget ends the run: the updates since the last evaluation are evaluated too (they
+    may be the best), into the last row as the run ends (``final_row``)."""
+    if last.get("row") is not None and judge.stale(serving.updates):
+        last["stats"].update(judge.evaluate(serving.model_bytes, serving.updates))
+        last["evaluated_at_end"] = True
 
 
 def checkpoint(setup: Setup, serving: Serving, ppos: dict) -> Path:
@@ -266,9 +274,10 @@ def final_row(serving: Serving, supervisor, metrics, clock: Clock, last: dict, u
     """The last update's row, written again with the counts and the return as the run
     ended (what summary.json says) where episodes or steps came in after it: metrics.jsonl,
     and a plot of it, ends where the run did (at the return that solved it); written for
-    the first time where the run ended between the update and its row."""
+    the first time where the run ended between the update and its row; written again with
+    the evaluation a budget's end added (``evaluate_last``)."""
     row = last.get("row")
-    if row is None or (last["written"] and (row["env_steps"], row["episodes"]) ==
+    if row is None or (last["written"] and not last.get("evaluated_at_end") and (row["env_steps"], row["episodes"]) ==
                        (serving.store.steps_received, serving.store.episodes_completed)):
         return
     try:   # not written at all where Ctrl-C came between the update and its row
@@ -311,8 +320,8 @@ def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, statu
         print(f"error: {'; '.join(dict.fromkeys(problems))}", file=sys.stderr, flush=True)
     verdict = {EXIT_SOLVED: "solved", EXIT_BUDGET: f"{budget} budget exhausted", EXIT_FAILED: "failed",
                EXIT_INTERRUPTED: "interrupted"}.get(status, "terminated")
-    won = (f"; its policy won {result['win_rate']:.3f} of {judge.games} games against a random legal player"
-           if "win_rate" in result else "")
+    won = (f"; the policy written won {result['win_rate']:.3f} of its evaluation games against a random legal "
+           "player" if "win_rate" in result else "")
     print(f"{verdict}: return {result['return_mean']:.1f} over the last {len(serving.store.returns)} "
           f"episodes after {result['env_steps']} env steps in {result['wall_s']:.2f} s{won}; wrote {logdir}",
           flush=True)

@@ -6,7 +6,8 @@ Every U updates each policy plays ``--eval-games`` games against the random play
 shmrl.eval --opponent random`` plays). The win rate goes into the metrics row (and so
 TensorBoard and the progress line); the model that won most so far is kept, and is the
 policy the run writes when it ends, however it ends (the step or time budget, the stop
-rule, Ctrl-C): a budget leaves the best policy seen, not merely the last.
+rule, Ctrl-C): a budget leaves the best policy seen, not merely the last (the updates
+since the last evaluation are evaluated too when a budget ends the run).
 ``--stop-win-rate W`` ends the run (solved) once every policy's latest win rate reaches W.
 
 An evaluation is a sample of a few hundred games (200: a standard error of 0.02 at a rate
@@ -70,6 +71,11 @@ class WinRateEval:
         if len(self.policy_ids) > 1:
             row["win_rate_by_policy"] = {pid: e.win_rate for pid, e in self.latest.items()}
         return row
+
+    def stale(self, update: int) -> bool:
+        """Evaluations are on and the weights of ``update`` were not evaluated."""
+        return self.every > 0 and update > 0 and any(
+            pid not in self.latest or self.latest[pid].update < update for pid in self.policy_ids)
 
     def mean(self, evaluated: dict) -> float:
         return sum(e.win_rate for e in evaluated.values()) / len(evaluated)

@@ -104,7 +104,20 @@ def test_a_budget_leaves_the_best_policy_evaluated_not_the_last(tmp_path, monkey
     assert written == play.models[1] and written != play.models[-1]   # the last published was not written
     out = capsys.readouterr().out
     assert "| random 80%" in out and "step budget exhausted" in out
-    assert "its policy won 0.800 of 10 games against a random legal player" in out
+    assert "the policy written won 0.800 of its evaluation games against a random legal player" in out
+
+
+def test_a_budget_evaluates_the_updates_since_the_last_evaluation(tmp_path, monkeypatch):
+    play = ScriptedPlay([0.3, 0.9])
+    monkeypatch.setattr("shmrl.multiagent.play", play)
+    summary = shmrl.train(**{**RUN, "eval_every": 3}, max_env_steps=5 * 256, stop_win_rate=0.95,
+                          logdir=str(tmp_path))
+    updates = summary["updates"]
+    assert summary["exit_status"] == 1 and updates in (4, 5)   # not a multiple of 3: the last is evaluated at the end
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["update"], r["win_rate"]) for r in rows if "win_rate" in r] == [(3, 0.3), (updates, 0.9)]
+    assert summary["win_rate"] == 0.9 and summary["win_rate_update"] == {"shared": updates}
+    assert summary["evaluations"] == 2 and (tmp_path / "policy-shared.onnx").read_bytes() == play.models[-1]
 
 
 def test_the_stop_win_rate_ends_the_run_solved(tmp_path, monkeypatch):
