@@ -102,8 +102,8 @@ def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, de
     per second, the mean return of ``returns`` (the window) against the stop return (once
     an episode has ended), in a multi-agent run the share of agent episodes won (and
     ``win_rate``, the latest evaluated win rate against a random legal player, once there
-    is one), the learner's share of the time where the row has it, and the time. ``detail``: a second line with the losses, the policy lag and each client's
-    env steps."""
+    is one), the learner's share of the time where the row has it, and the time.
+    ``detail``: a second line with the losses, the policy lag and each client's env steps."""
     parts = [f"update {row['update']:4d}", f"steps {_k(row['env_steps'])} of {_k(max_env_steps)}",
              f"{_k(round(row['env_steps_per_s']))}/s"]
     if returns:

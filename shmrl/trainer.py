@@ -1,8 +1,9 @@
 """The one training loop: take a batch -> update -> publish -> log -> checkpoint.
 
 ``train_run`` sets a run up (env, policies, a checkpoint to resume, the transports, the
-simulators), then loops until the stop return or the step budget, and always ends by
-writing the policy, a checkpoint and summary.json. The serving side (``shmrl.serving``)
+simulators), then loops until the stop return (or a self-play run's stop win rate,
+``shmrl.win_rate``) or the step or time budget, and always ends by writing the policy (the
+best evaluated, where a self-play run is evaluated), a checkpoint and summary.json. The serving side (``shmrl.serving``)
 answers the clients in a thread of its own and hands over one batch at a time; torch
 releases the GIL during the update, so it keeps answering.
 """
