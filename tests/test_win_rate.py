@@ -5,9 +5,7 @@ policy evaluated is the one written, whatever ends the run; and the time budget
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
+import math
 
 import pytest
 
@@ -17,8 +15,6 @@ import shmrl  # noqa: E402
 from shmrl.config import ConfigError  # noqa: E402
 from shmrl.win_rate import WinRateEval  # noqa: E402
 from test_multiagent import FirstWins, model_for  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class ScriptedPlay:
@@ -104,6 +100,7 @@ def test_a_budget_leaves_the_best_policy_evaluated_not_the_last(tmp_path, monkey
     assert written == play.models[1] and written != play.models[-1]   # the last published was not written
     out = capsys.readouterr().out
     assert "| random 80%" in out and "step budget exhausted" in out
+    assert max(len(line) for line in out.splitlines() if line.startswith("update ")) <= 100
     assert "the policy written won 0.800 of its evaluation games against a random legal player" in out
 
 
@@ -145,10 +142,10 @@ def test_bad_win_rate_settings_are_refused(fields, message):
         shmrl.train(**fields, sims=1)
 
 
-def test_the_connect_four_preset_evaluates_and_stops_on_the_win_rate():
-    out = subprocess.run([sys.executable, "-m", "shmrl.run", "--env", "pz:connect_four_v3", "--help"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT, check=True).stdout
-    flat = " ".join(out.split())
-    for flag in ("--eval-every U", "--eval-games N", "--stop-win-rate W", "--max-seconds S"):
-        assert flag in flat
-    assert 'from env."pz:connect_four_v3" in presets.toml' in flat
+def test_the_connect_four_preset_evaluates_and_stops_on_the_win_rate_or_its_time():
+    from shmrl.run import parse_args
+
+    c4 = parse_args(["--env", "pz:connect_four_v3"])
+    assert (c4.eval_every, c4.eval_games, c4.stop_win_rate, c4.max_seconds) == (10, 200, 0.95, 240.0)
+    other = parse_args(["--env", "pz:simple_spread_v3"])   # no evaluation, no time budget elsewhere
+    assert (other.eval_every, other.stop_win_rate, other.max_seconds) == (0, math.inf, math.inf)
