@@ -21,8 +21,11 @@ games of a trained policy), on the same cores the simulators use.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+
+log = logging.getLogger("shmrl.run")
 
 
 @dataclass
@@ -59,10 +62,16 @@ class WinRateEval:
         for pid in self.policy_ids:
             # A new opponent's dice each time: the same games again would flatter one policy.
             seed = self.seed * 1_000_003 + 2 * self.evaluations
-            rate = play(self.env, models[pid], "random", episodes=self.games, seed=seed, num_envs=16)["win_rate"]
-            if rate >= min(self.stop_at, self.best[pid].win_rate if pid in self.best else 0.0):   # confirm it
-                again = play(self.env, models[pid], "random", episodes=self.games, seed=seed + 1, num_envs=16)
-                rate = (rate + again["win_rate"]) / 2
+            try:
+                rate = play(self.env, models[pid], "random", episodes=self.games, seed=seed, num_envs=16)["win_rate"]
+                if rate >= min(self.stop_at, self.best[pid].win_rate if pid in self.best else 0.0):   # confirm it
+                    again = play(self.env, models[pid], "random", episodes=self.games, seed=seed + 1, num_envs=16)
+                    rate = (rate + again["win_rate"]) / 2
+            except Exception as e:   # an env the learner cannot step (spaces only, for external clients)
+                log.warning("--eval-every: no more evaluations: the learner cannot play %s: %s: %s",
+                            self.policy_ids, type(e).__name__, e)
+                self.every = 0
+                return {}
             now = self.latest[pid] = Evaluated(rate, update, models[pid])
             if pid not in self.best or now.win_rate >= self.best[pid].win_rate:   # a tie: the later, trained longer
                 self.best[pid] = now

@@ -82,6 +82,15 @@ def test_a_real_evaluation_plays_the_random_player():
     assert row["win_rate"] == 0.5 and row["eval_s"] > 0 and judge.solved()
 
 
+def test_an_env_the_learner_cannot_play_ends_the_evaluations_not_the_run(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("spaces only")
+    monkeypatch.setattr("shmrl.multiagent.play", broken)
+    judge = WinRateEval(FirstWins, ["shared"], every=2, games=10, stop_at=0.9)
+    assert judge.evaluate({"shared": b"m"}, 2) == {} and not judge.due(4) and not judge.solved()
+    assert judge.summary() == {} and "no more evaluations" in caplog.text and "spaces only" in caplog.text
+
+
 RUN = dict(env=FirstWins, sims=1, envs_per_sim=4, train_batch_size=256, minibatch_size=128, hidden=16,
            eval_every=1, eval_games=10, log_every=0, tensorboard=False, plot=False)
 
