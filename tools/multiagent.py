@@ -70,8 +70,8 @@ def evaluate(policy: Path, games: int, seed: int, stochastic: bool) -> dict:
 
 def c4_args(seed: int, args) -> list[str]:
     """The training command's flags: the preset's, but for --c4-steps (and --quick's)."""
-    return (["--env", "pz:connect_four_v3", "--seed", str(seed)]
-            + (["--max-env-steps", str(args.c4_steps)] if args.c4_steps else []) + (QUICK_C4_ARGS if args.quick else []))
+    budget = ["--max-env-steps", str(args.c4_steps)] if args.c4_steps else []
+    return ["--env", "pz:connect_four_v3", "--seed", str(seed), *budget, *(QUICK_C4_ARGS if args.quick else [])]
 
 
 def connect_four(seed: int, args) -> dict:
