@@ -114,9 +114,9 @@ class RunSettings:
         "came in: over a client's budget, out of bounds, not fitting the env), counting those before a "
         "--resume (default: %(default)s)", preset=True, check=at_least(1), metavar="N")
     max_seconds: float | None = setting(
-        math.inf, "give up (exit 1) after S seconds since the command started (this process's seconds, not "
+        None, "give up (exit 1) after S seconds since the command started (this process's seconds, not "
         "counting those before a --resume); none: no time limit (default: %(default)s)",
-        preset=True, check=above(0), metavar="S", allow_inf=True)
+        kind=float, preset=True, check=above(0), metavar="S", allow_inf=True)
     return_window: int = setting(
         100, "the mean return reported, and compared with --stop-return, is that of the last N complete "
         "episodes (default: %(default)s)", check=at_least(1), metavar="N")
@@ -266,8 +266,8 @@ class MultiAgentSettings:
     eval_games: int | None = setting(200, "games of each --eval-every evaluation (default: %(default)s)",
                                      preset=True, check=at_least(1), metavar="N")
     stop_win_rate: float | None = setting(
-        math.inf, "stop (exit 0) once every policy's latest --eval-every win rate reaches W; none: never "
-        "(default: %(default)s)", preset=True, metavar="W", allow_inf=True,
+        None, "stop (exit 0) once every policy's latest --eval-every win rate reaches W; none: never "
+        "(default: %(default)s)", kind=float, preset=True, metavar="W", allow_inf=True,
         check=Rule("in (0, 1], or none", lambda v: 0 < v <= 1 or v == math.inf))
 
 
@@ -485,23 +485,9 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
         raise ConfigError("--sims 0 runs no local simulator: give --tcp-port for external clients")
     if config.ray is not None and config.sims == 0:
         raise ConfigError("--ray places simulators: give --sims N (N >= 1)")
-    if config.eval_every and spec is not None and not symmetric_game(spec):
-        raise ConfigError(f"--eval-every: the evaluated policy takes every seat in turn, so the env must be a "
-                          f"multi-agent env whose agents all have the same spaces; {env_name(config.env)} is not")
     if getattr(spec, "multiagent", False) and config.memory not in (None, "none"):
         raise ConfigError("--memory: recurrent policies are single-agent for now; a multi-agent env takes "
                           "--memory none")
-
-
-def symmetric_game(spec) -> bool:
-    """A multi-agent env whose agents all have the same spaces (one policy could take any seat)."""
-    if not getattr(spec, "multiagent", False):
-        return False
-    try:
-        spec.policy_specs(lambda agent: "any")
-    except ValueError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------- the command line, from the fields

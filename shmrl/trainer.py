@@ -121,7 +121,8 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
                             "was not finite (see the WARNINGs above); the weights are those before them")
         if len(store.returns) >= store.returns.maxlen and store.return_mean() >= config.stop_return:
             return EXIT_SOLVED
-        if store.steps_accepted >= config.max_env_steps or time.time() - clock.t_start >= config.max_seconds:
+        out_of_time = config.max_seconds is not None and time.time() - clock.t_start >= config.max_seconds
+        if store.steps_accepted >= config.max_env_steps or out_of_time:
             if store.steps_accepted < config.max_env_steps:
                 last["budget"] = "time"
             evaluate_last(judge, serving, last)

@@ -22,6 +22,7 @@ games of a trained policy), on the same cores the simulators use.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -42,7 +43,8 @@ class WinRateEval:
 
     def __init__(self, env, policy_ids, every: int, games: int, stop_at: float, seed: int = 0):
         self.env, self.policy_ids = env, list(policy_ids)
-        self.every, self.games, self.stop_at, self.seed = every, games, stop_at, seed
+        self.every, self.games, self.seed = every, games, seed
+        self.stop_at = math.inf if stop_at is None else stop_at   # None: no stop rule
         self.latest: dict[str, Evaluated] = {}
         self.best: dict[str, Evaluated] = {}
         self.evaluations = 0

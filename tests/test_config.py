@@ -125,7 +125,9 @@ def test_stop_return_none_trains_to_the_budget_and_survives_a_resume():
     restored = config_from_saved(saved)
     assert restored.stop_return == math.inf and restored.restart_window == math.inf
     assert saved["max_seconds"] is saved["stop_win_rate"] is None   # their house defaults: none
-    assert restored.max_seconds == restored.stop_win_rate == math.inf
+    assert restored.max_seconds == restored.stop_win_rate == math.inf   # none as well
+    given = parse_args(["--env", "pz:connect_four_v3", "--max-seconds", "none", "--stop-win-rate", "none"])
+    assert given.max_seconds == given.stop_win_rate == math.inf
 
 
 def test_an_unknown_keyword_to_config_is_a_type_error_too():
