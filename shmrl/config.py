@@ -113,6 +113,10 @@ class RunSettings:
         1_000_000, "give up (exit 1) after N env steps accepted (received, less the chunks refused as they "
         "came in: over a client's budget, out of bounds, not fitting the env), counting those before a "
         "--resume (default: %(default)s)", preset=True, check=at_least(1), metavar="N")
+    max_seconds: float | None = setting(
+        None, "give up (exit 1) after S seconds since the command started (this process's seconds, not "
+        "counting those before a --resume); none: no time limit (default: %(default)s)",
+        kind=float, preset=True, check=above(0), metavar="S", allow_inf=True)
     return_window: int = setting(
         100, "the mean return reported, and compared with --stop-return, is that of the last N complete "
         "episodes (default: %(default)s)", check=at_least(1), metavar="N")
@@ -254,6 +258,17 @@ class MultiAgentSettings:
     league_prob: float | None = setting(
         0.5, "chance that an episode has an agent play a snapshot (default: %(default)s)",
         preset=True, check=between(0, 1), metavar="P")
+    eval_every: int | None = setting(
+        0, "every U updates, each policy plays --eval-games games against a uniformly random legal player "
+        "(greedy, taking the seats in turn, as python -m shmrl.eval does): its win rate goes into the metrics, "
+        "and the policy written at the end is the one that won most, however the run ends; 0: never "
+        "(default: %(default)s)", preset=True, check=at_least(0), metavar="U")
+    eval_games: int | None = setting(200, "games of each --eval-every evaluation (default: %(default)s)",
+                                     preset=True, check=at_least(1), metavar="N")
+    stop_win_rate: float | None = setting(
+        None, "stop (exit 0) once every policy's latest --eval-every win rate reaches W; none: never "
+        "(default: %(default)s)", kind=float, preset=True, metavar="W", allow_inf=True,
+        check=Rule("in (0, 1], or none", lambda v: 0 < v <= 1 or v == math.inf))
 
 
 @dataclass(kw_only=True)

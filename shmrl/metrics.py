@@ -24,7 +24,8 @@ from shmrl.logdir import append_line, dumps, open_lines, write_error
 log = logging.getLogger("shmrl.metrics")
 
 # Where each scalar goes in TensorBoard's sidebar.
-_GROUPS = {"return_mean": "rollout", "episodes": "rollout",
+_GROUPS = {"return_mean": "rollout", "episodes": "rollout", "win_rate": "rollout", "best_win_rate": "rollout",
+           "eval_s": "throughput",
            **dict.fromkeys(("env_steps_per_s", "train_s", "learner_share", "policy_lag", "elapsed_s"), "throughput"),
            **dict.fromkeys(("env_steps", "env_steps_accepted", "env_steps_trained", "env_steps_pending",
                             "env_steps_dropped", "env_steps_lost", "env_steps_by_client", "bad_frames",

@@ -74,6 +74,8 @@ def returns(serving) -> dict:
     return means
 
 
+# An update with a win-rate evaluation (--eval-every) adds these (shmrl.win_rate).
+EVAL_STATS = ("win_rate", "best_win_rate", "eval_s", "win_rate_by_policy")
 UPDATE_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "train_s", "learner_share", "learn_level",
                 "epochs_run", "batch_steps", "weights_seq_no", "policy_lag", "lr", "reward_scale")
 
@@ -83,6 +85,7 @@ def metrics_row(stats: dict, serving, supervisor, clock: Clock) -> dict:
     store, means = serving.store, returns(serving)
     row = {"update": stats["update"], "return_mean": means["return_mean"], "episodes": store.episodes_completed,
            "env_steps_per_s": clock.steps_per_s(store.steps_received), **{k: stats[k] for k in UPDATE_STATS},
+           **{k: stats[k] for k in EVAL_STATS if k in stats},
            **counts(serving, supervisor), "elapsed_s": time.time() - clock.t_start, **means}
     if serving.multiagent:   # each policy's losses too, "<id>/pi_loss"
         row["policies"] = {f"{pid}/{k}": v for pid, st in stats["policies"].items() for k, v in st.items()}
@@ -93,12 +96,14 @@ DETAIL_EVERY = 10   # without --verbose, every 10th progress line has its detail
 WIDTH = 100         # the progress line's most columns (the detail line's too)
 
 
-def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, detail: bool = False) -> str:
+def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, detail: bool = False,
+                  win_rate: float | None = None) -> str:
     """One update's line, at most WIDTH columns: the update, env steps of the budget, steps
     per second, the mean return of ``returns`` (the window) against the stop return (once
-    an episode has ended), in a multi-agent run the share of agent episodes won, the
-    learner's share of the time where the row has it, and the time. ``detail``: a second
-    line with the losses, the policy lag and each client's env steps."""
+    an episode has ended), in a multi-agent run the share of agent episodes won (and
+    ``win_rate``, the latest evaluated win rate against a random legal player, once there
+    is one), the learner's share of the time where the row has it, and the time.
+    ``detail``: a second line with the losses, the policy lag and each client's env steps."""
     parts = [f"update {row['update']:4d}", f"steps {_k(row['env_steps'])} of {_k(max_env_steps)}",
              f"{_k(round(row['env_steps_per_s']))}/s"]
     if returns:
@@ -109,6 +114,8 @@ def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, de
             parts.append(f"won {100 * sum(r > 0 for r in returns) / len(returns):.0f}%")
     else:
         parts.append("no episode ended yet")
+    if win_rate is not None:
+        parts.append(f"random {100 * win_rate:.0f}%")
     if row.get("learner_share") is not None:
         parts.append(f"learner {100 * row['learner_share']:.0f}%")
     parts.append(f"{row['elapsed_s']:.1f}s")

@@ -58,6 +58,9 @@ def set_up(config, servers_given: bool = False) -> Setup:
             policy_specs = spec.policy_specs(policy_mapper(config.policy_map))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if config.eval_every and not symmetric_game(spec):
+        raise ConfigError(f"--eval-every: the evaluated policy takes every seat in turn, so the env must be a "
+                          f"multi-agent env whose agents all have the same spaces; {env_name(config.env)} is not")
     if config.stop_return is None:  # the env's threshold; without one, train to the step budget
         config.stop_return = spec.reward_threshold if spec.reward_threshold is not None else math.inf
     if config.logdir is None:
@@ -97,6 +100,17 @@ def set_up(config, servers_given: bool = False) -> Setup:
             raise ConfigError("--plot needs matplotlib: pip install matplotlib")
         config.plot = has_matplotlib
     return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained)
+
+
+def symmetric_game(spec) -> bool:
+    """A multi-agent env whose agents all have the same spaces (one policy could take any seat)."""
+    if not getattr(spec, "multiagent", False):
+        return False
+    try:
+        spec.policy_specs(lambda agent: "any")
+    except ValueError:
+        return False
+    return True
 
 
 def recording_manifest(config, spec, policy_specs) -> dict:

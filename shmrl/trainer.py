@@ -1,8 +1,9 @@
 """The one training loop: take a batch -> update -> publish -> log -> checkpoint.
 
 ``train_run`` sets a run up (env, policies, a checkpoint to resume, the transports, the
-simulators), then loops until the stop return or the step budget, and always ends by
-writing the policy, a checkpoint and summary.json. The serving side (``shmrl.serving``)
+simulators), then loops until the stop return (or a self-play run's stop win rate,
+``shmrl.win_rate``) or the step or time budget, and always ends by writing the policy (the
+best evaluated, where a self-play run is evaluated), a checkpoint and summary.json. The serving side (``shmrl.serving``)
 answers the clients in a thread of its own and hands over one batch at a time; torch
 releases the GIL during the update, so it keeps answering.
 """
@@ -25,6 +26,7 @@ from shmrl.report import DETAIL_EVERY, Clock, metrics_row, progress_line, run_su
 from shmrl.resume import policy_file, save_checkpoint, spent_budget
 from shmrl.serving import Serving, open_transports
 from shmrl.setup_run import Setup, make_ppos, make_serving, set_up
+from shmrl.win_rate import WinRateEval
 
 log = logging.getLogger("shmrl.run")
 
@@ -99,9 +101,11 @@ def check_health(serving: Serving, supervisor) -> None:
         raise RunFailed(f"the learner's serving thread failed: {serving.failure!r}")
 
 
-def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock: Clock, last: dict) -> int:
-    """Take a batch -> update -> publish -> log -> checkpoint, until the stop return (exit 0)
-    or the step budget (exit 1). ``last``: the last update's stats and row, kept there."""
+def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock: Clock, last: dict,
+         judge: WinRateEval) -> int:
+    """Take a batch -> update -> publish -> (evaluate) -> log -> checkpoint, until the stop
+    return or the stop win rate (exit 0), or the step or time budget (exit 1; ``last``
+    ["budget"] says which). ``last``: the last update's stats and row, kept there."""
     config, store = setup.config, serving.store
     # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
     log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
@@ -117,7 +121,11 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
                             "was not finite (see the WARNINGs above); the weights are those before them")
         if len(store.returns) >= store.returns.maxlen and store.return_mean() >= config.stop_return:
             return EXIT_SOLVED
-        if store.steps_accepted >= config.max_env_steps:
+        out_of_time = config.max_seconds is not None and time.time() - clock.t_start >= config.max_seconds
+        if store.steps_accepted >= config.max_env_steps or out_of_time:
+            if store.steps_accepted < config.max_env_steps:
+                last["budget"] = "time"
+            evaluate_last(judge, serving, last)
             return EXIT_BUDGET
         if not batch:
             continue
@@ -130,17 +138,31 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
         busy, wall = clock.period()
         stats.update(learner_share=share(busy, wall), learn_level=learning.level)
         learning.observe(busy, wall, stats["epochs_run"])
+        if judge.due(stats["update"]):
+            stats.update(judge.evaluate(serving.model_bytes, stats["update"]))
         row = metrics_row(stats, serving, supervisor, clock)
         last.update(stats=stats, row=row, written=False)
         now = row["elapsed_s"]   # the row's own clock: a line is due by the time the row says
         if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
             detail = config.verbose or lines % DETAIL_EVERY == 0
-            print(progress_line(row, store.returns, config.stop_return, config.max_env_steps, detail), flush=True)
+            latest = judge.mean(judge.latest) if judge.latest else None
+            print(progress_line(row, store.returns, config.stop_return, config.max_env_steps, detail, latest),
+                  flush=True)
             last_line, lines = now, lines + 1
         metrics.write(row)
         last["written"] = True
         if config.checkpoint_every and serving.updates % config.checkpoint_every == 0:
             checkpoint(setup, serving, ppos)
+        if judge.solved():
+            return EXIT_SOLVED
+
+
+def evaluate_last(judge: WinRateEval, serving: Serving, last: dict) -> None:
+    """A budget ends the run: the updates since the last evaluation are evaluated too (they
+    may be the best), into the last row as the run ends (``final_row``)."""
+    if last.get("row") is not None and judge.stale(serving.updates):
+        last["stats"].update(judge.evaluate(serving.model_bytes, serving.updates))
+        last["evaluated_at_end"] = True
 
 
 def checkpoint(setup: Setup, serving: Serving, ppos: dict) -> Path:
@@ -201,6 +223,8 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
     status, error, unsaid, summary, last = EXIT_FAILED, None, [], {}, {}
     serving = ppos = metrics = None
     clock = Clock(t_start, 0)
+    judge = WinRateEval(config.env, setup.policy_specs, config.eval_every, config.eval_games, config.stop_win_rate,
+                        config.seed)
     try:
         serving = make_serving(setup, servers, supervisor)
         clock = Clock(t_start, serving.store.steps_received)
@@ -215,7 +239,7 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
         if launch_error is not None:
             raise RunFailed(f"could not start the simulators: {launch_error!r}")
         metrics = MetricsLog(logdir, append=bool(setup.resumed), tensorboard=setup.config.tensorboard)
-        status = loop(setup, serving, ppos, supervisor, metrics, clock, last)
+        status = loop(setup, serving, ppos, supervisor, metrics, clock, last, judge)
     except RunFailed as e:
         error = str(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -237,7 +261,8 @@ def train_on(setup: Setup, servers: list, supervisor, t_start: float) -> tuple[i
             final_row(serving, supervisor, metrics, clock, last, unsaid)
         try:
             if serving is not None:
-                status, summary = finish(setup, serving, supervisor, ppos, clock, status, error, unsaid)
+                status, summary = finish(setup, serving, supervisor, ppos, clock, status, error, unsaid, judge,
+                                         last.get("budget", "step"))
         finally:
             if metrics:
                 metrics.close()
@@ -251,9 +276,10 @@ def final_row(serving: Serving, supervisor, metrics, clock: Clock, last: dict, u
     """The last update's row, written again with the counts and the return as the run
     ended (what summary.json says) where episodes or steps came in after it: metrics.jsonl,
     and a plot of it, ends where the run did (at the return that solved it); written for
-    the first time where the run ended between the update and its row."""
+    the first time where the run ended between the update and its row; written again with
+    the evaluation a budget's end added (``evaluate_last``)."""
     row = last.get("row")
-    if row is None or (last["written"] and (row["env_steps"], row["episodes"]) ==
+    if row is None or (last["written"] and not last.get("evaluated_at_end") and (row["env_steps"], row["episodes"]) ==
                        (serving.store.steps_received, serving.store.episodes_completed)):
         return
     try:   # not written at all where Ctrl-C came between the update and its row
@@ -264,10 +290,12 @@ def final_row(serving: Serving, supervisor, metrics, clock: Clock, last: dict, u
 
 
 def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, status: int, error,
-           unsaid: list) -> tuple[int, dict]:
-    """Write the policy, a checkpoint and summary.json, and say how the run ended; returns
-    the exit status (3 if any of them could not be written) and the summary. ``unsaid``:
-    errors not printed yet; they and what cannot be written here make one ``error:`` line."""
+           unsaid: list, judge: WinRateEval | None = None, budget: str = "step") -> tuple[int, dict]:
+    """Write the policy (the one that won most where ``judge`` evaluated it), a checkpoint
+    (the last weights) and summary.json, and say how the run ended (``budget``: which one
+    ran out); returns the exit status (3 if any of them could not be written) and the
+    summary. ``unsaid``: errors not printed yet; they and what cannot be written here make
+    one ``error:`` line."""
     config, logdir = setup.config, Path(setup.config.logdir)
     problems, written = list(unsaid), None
     try:   # first what a resume needs (each file whole or not at all: a full disk leaves the last one)
@@ -275,14 +303,15 @@ def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, statu
     except CheckpointError as e:
         problems.append(str(e))
     try:
-        for pid, model in serving.model_bytes.items():
+        best = judge.best_models() if judge else {}
+        for pid, model in {**serving.model_bytes, **best}.items():
             replace_file(logdir / policy_file(pid, setup.multiagent), model)
     except LogdirWriteError as e:
         problems.append(str(e))
     if len(problems) > len(unsaid):
         status, error = EXIT_FAILED, "; ".join(dict.fromkeys(([error] if error else []) + problems))
     result = {**run_summary(serving, supervisor, clock, status, error, setup.resumed and setup.resumed[0]),
-              "config": saved_config(config)}
+              **(judge.summary() if judge else {}), "config": saved_config(config)}
     if ppos is not None:
         result["checkpoint"] = str(written) if written else None
     try:
@@ -291,8 +320,11 @@ def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, statu
         problems.append(f"{e} (no summary.json written)")
     if problems:
         print(f"error: {'; '.join(dict.fromkeys(problems))}", file=sys.stderr, flush=True)
-    verdict = {EXIT_SOLVED: "solved", EXIT_BUDGET: "step budget exhausted", EXIT_FAILED: "failed",
+    verdict = {EXIT_SOLVED: "solved", EXIT_BUDGET: f"{budget} budget exhausted", EXIT_FAILED: "failed",
                EXIT_INTERRUPTED: "interrupted"}.get(status, "terminated")
+    won = (f"; the policy written won {result['win_rate']:.3f} of its evaluation games against a random legal "
+           "player" if "win_rate" in result else "")
     print(f"{verdict}: return {result['return_mean']:.1f} over the last {len(serving.store.returns)} "
-          f"episodes after {result['env_steps']} env steps in {result['wall_s']:.2f} s; wrote {logdir}", flush=True)
+          f"episodes after {result['env_steps']} env steps in {result['wall_s']:.2f} s{won}; wrote {logdir}",
+          flush=True)
     return status, result

@@ -77,6 +77,10 @@ FLAG_VALUES = [
     (["--target-kl", "0.05"], "target_kl", 0.05),
     # issue 26
     (["--plot"], "plot", True), (["--verbose"], "verbose", True),
+    # issue 23: a self-play run evaluated while it trains (a symmetric game's), and a time budget
+    (["--eval-every", "5", "--env", "pz:connect_four_v3"], "eval_every", 5),
+    (["--eval-games", "50"], "eval_games", 50), (["--stop-win-rate", "0.9"], "stop_win_rate", 0.9),
+    (["--max-seconds", "60"], "max_seconds", 60.0),
 ]
 
 
@@ -90,7 +94,8 @@ def test_every_flag_of_the_old_command_line_is_still_there():
                                             "--client-budget", "--max-message-steps", "--max-message-chunks",
                                             "--record", "--pretrain", "--pretrain-steps",
                                             "--learn-per-step", "--target-kl",
-                                            "--plot", "--no-plot", "--verbose", "--no-verbose"}
+                                            "--plot", "--no-plot", "--verbose", "--no-verbose",
+                                            "--eval-every", "--eval-games", "--stop-win-rate", "--max-seconds"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):
@@ -105,7 +110,7 @@ def test_each_flag_lands_in_its_setting(argv, name, value):
 
 
 def test_the_flags_cover_every_setting_once():
-    flagged = {flag for argv, _, _ in FLAG_VALUES for flag in argv if flag.startswith("--")}
+    flagged = {argv[0] for argv, _, _ in FLAG_VALUES}   # each entry's own flag (others may follow it)
     names = {name for _, name, _ in FLAG_VALUES}
     assert names | {"resume"} == {f.name for f in dataclasses.fields(Config)}
     assert len(flagged) == len(FLAG_VALUES)
@@ -119,6 +124,10 @@ def test_stop_return_none_trains_to_the_budget_and_survives_a_resume():
     assert saved["stop_return"] is None
     restored = config_from_saved(saved)
     assert restored.stop_return == math.inf and restored.restart_window == math.inf
+    assert saved["max_seconds"] is saved["stop_win_rate"] is None   # their house defaults: none
+    assert restored.max_seconds == restored.stop_win_rate == math.inf   # none as well
+    given = parse_args(["--env", "pz:connect_four_v3", "--max-seconds", "none", "--stop-win-rate", "none"])
+    assert given.max_seconds == given.stop_win_rate == math.inf
 
 
 def test_an_unknown_keyword_to_config_is_a_type_error_too():

@@ -29,7 +29,7 @@ LAYERS = {
     "actor and simulator loops": ["actor", "multiagent", "sim", "eval"],
     "hub": ["store", "inference", "inference_ma", "recorder", "hub", "serving"],
     "launchers": ["supervisor", "ray_launcher"],
-    "trainer": ["report", "resume", "pretrain", "setup_run", "adapt", "trainer"],
+    "trainer": ["report", "resume", "pretrain", "setup_run", "adapt", "win_rate", "trainer"],
     "faces": ["run", "plot", "record", "__init__", "conformance_rules", "conformance"],
 }
 # The client side: what simulators and eval run, without torch (numpy and onnxruntime only).

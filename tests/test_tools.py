@@ -407,8 +407,12 @@ def test_multiagent_quick(tool):
     assert r["quick"] is True
     c4 = r["connect_four"]
     run = c4["runs"][0]
-    assert run["seed"] == 0 and run["exit"] == 1 and run["env_steps"] >= 4096 and run["games"] == 50
+    assert run["seed"] == 0 and run["exit"] == 1 and run["env_steps"] >= 8192 and run["games"] == 50
     assert 0 <= run["win_rate_greedy"] <= 1 and 0 <= run["win_rate_sampled"] <= 1
+    # The preset as a user runs it, evaluated while it trains (--quick: every update, 20 games).
+    assert "--env pz:connect_four_v3 --seed S --max-env-steps 8192" in c4["command"]
+    assert run["evaluations"] == run["updates"] >= 1 and 0 <= run["train_win_rate"] <= 1
+    assert 1 <= run["train_win_rate_update"] <= run["updates"] and run["stop_win_rate"] <= 1
     assert run["wall_s"] > run["train_wall_s"] > 0 and c4["target"] == {"win_rate": 0.9, "wall_s": 300.0}
     assert run["met"] == (run["win_rate_greedy"] >= 0.9 and run["wall_s"] <= 300)
     spread = r["simple_spread"]
