@@ -1,5 +1,21 @@
-"""How much the learner learns from each batch, chosen by how busy it is: the one policy
-that spends a slow simulator's idle learner on more learning per env step.
+"""How much the learner learns from each env step, chosen by how fast the simulators are
+and how busy the learner is: the one policy that spends a slow simulator's idle learner on
+more learning per env step. Two stages.
+
+First, the profile (``simulators_slow``). What moves the return per env step most is fixed
+before the first weights are published: the network's width, its initial std, the batch
+and epochs (rl-zoo3's tuned settings: on HalfCheetah-v5 at 1000 env steps/s, 704 after
+100k env steps against the preset's 154). So with ``--learn-per-step auto`` a run whose env
+has a slow profile in presets.toml measures the env steps per second its simulators
+deliver until the first batch (``Hub.delivery_rate``: local simulators and external
+clients alike), and below --slow-rate (3000; unthrottled HalfCheetah delivers 10-20k here)
+switches to it (``setup_run.switch_to_slow``): new networks and first weights published,
+the batch it measured on dropped (it counts in env_steps). A fast simulator keeps the
+preset; a setting given on the command line is kept either way. The message size the
+clients learn at their handshake is the smaller batch's share from the start, so it fits
+either profile. summary.json's ``profile`` says which and why.
+
+Second, the ladder below, over whichever profile the run has.
 
 When the simulators, not the learner, are the bottleneck (a game engine, a robot, external
 clients delivering a few hundred env steps per second), the learner waits for batches
@@ -45,6 +61,15 @@ SYNC_TARGET = 0.2       # without: each update's seconds are seconds the simulat
 WINDOW = 5              # updates whose busy share decide the level (the first after a change is skipped)
 
 
+def simulators_slow(rate: float, slow_rate: float) -> tuple[bool, str]:
+    """(whether simulators that delivered ``rate`` env steps per second are slow, the line
+    that says so and what the run does about it)."""
+    if rate < slow_rate:
+        return True, (f"simulators slow ({rate:.0f} env steps/s < --slow-rate {slow_rate:g}): "
+                      "the slow profile, more learning per env step")
+    return False, f"simulators fast ({rate:.0f} env steps/s >= --slow-rate {slow_rate:g}): the preset's profile"
+
+
 def ladder(epochs: int, minibatch_size: int, batch_size: int) -> list[tuple[int, int]]:
     """(epochs, minibatch size) of each level: level 0 the preset's, each next twice the
     gradient steps: the minibatch halved while it stays at least MIN_MINIBATCH steps (and
@@ -75,6 +100,12 @@ class LearnPerStep:
         self.periods: deque[tuple[float, float]] = deque(maxlen=WINDOW)   # (busy s, wall s) of each
         self.epochs_run: deque[float] = deque(maxlen=WINDOW)
         self.settle = 1   # updates not counted: the first (torch warms up) and the first after a change
+
+    @classmethod
+    def of(cls, config) -> LearnPerStep:
+        """The policy for a run's settings (--learn-per-step and the PPO settings it scales)."""
+        return cls(config.learn_per_step, config.epochs, config.minibatch_size, config.train_batch_size,
+                   config.target_kl, config.async_sampling)
 
     def plan(self) -> dict:
         epochs, minibatch_size = self.levels[self.level]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shmrl.presets import PRESETS_FILE, preset_origins, preset_tables
+from shmrl.presets import PRESETS_FILE, preset_origins, preset_tables, slow_tables
 
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # A simulator that stops because nothing it could send is trainable says why by its exit status.
@@ -263,7 +263,8 @@ class SamplingSettings:
         "together they have sent fewer (default: %(default)s)", preset=True, check=at_least(1), metavar="N")
     env_steps_per_sample: int | None = setting(
         None, "env steps per EPISODES message of each client, what SET_CONFIG tells them "
-        "(default: the train batch spread over the simulators, {env_steps_per_sample} for {sims})",
+        "(default: the train batch spread over the simulators, {env_steps_per_sample} for {sims}; "
+        "the slow profile's where the run may switch to it and its batch is smaller)",
         kind=int, check=at_least(1), metavar="N", flag_default_none=True)
     envs_per_sim: int | None = setting(
         1, "environments each simulator steps together, one batched ONNX call per step "
@@ -313,11 +314,17 @@ class PPOSettings:
         32, "with --memory, PPO back-propagates through sequences of at most T steps (default: %(default)s)",
         preset=True, check=at_least(1), metavar="T")
     learn_per_step: str = setting(
-        "auto", "learning per env step: auto spends the learner's idle time (a slow simulator) on more "
-        "gradient steps per batch, up to 16x --epochs x --minibatch-size's, each update bounded by "
-        "--target-kl, and keeps this preset's settings while the learner is busy (a fast simulator); "
-        "off: always the preset's; on: always the most (README, 'Slow simulators') (default: %(default)s)",
+        "auto", "learning per env step: auto switches to the env's slow profile (presets.toml: a wider "
+        "network, small batches, many epochs) when the simulators deliver fewer than --slow-rate env "
+        "steps/s, then spends the learner's idle time on more gradient steps per batch, up to 16x "
+        "--epochs x --minibatch-size's, each update bounded by --target-kl; a fast simulator keeps this "
+        "preset's settings. off: always the preset's; on: the slow profile from the start and the most "
+        "gradient steps (docs/SLOW_SIMULATORS.md) (default: %(default)s)",
         choices=("auto", "off", "on"))
+    slow_rate: float = setting(
+        3000.0, "with --learn-per-step auto, simulators that deliver fewer than N env steps per second "
+        "in all (measured over the first batch) are slow: the run switches to the env's slow profile, "
+        "where it has one (default: %(default)s)", check=above(0), metavar="N")
     target_kl: float = setting(
         0.02, "with more learning per env step (--learn-per-step), an update stops once the approximate KL "
         "from the policy it began with passes 1.5 x KL (default: %(default)s)", check=above(0), metavar="KL")
@@ -429,6 +436,39 @@ def resolve_config(config: Config, spec=None) -> Config:
     if config.env_steps_per_sample is None:
         config.env_steps_per_sample = -(-config.train_batch_size // max(config.sims, 1))
     return config
+
+
+# The settings a slow profile may change: how PPO learns and the network, never the run's
+# shape (its simulators, transports, budget), which is fixed before the switch.
+SLOW_SETTINGS = frozenset(f.name for cls in (PPOSettings, NetworkSettings) for f in dataclasses.fields(cls)
+                          if f.metadata["preset"] and f.name not in ("memory", "memory_size", "torch_threads")
+                          ) | {"train_batch_size"}
+
+
+def given_settings(config: Config) -> set[str]:
+    """The preset settings an unresolved ``config`` gives (those not None: a resolved one
+    gives them all; the command line says which it gave, ``run.parse_command_line``)."""
+    return {f.name for f in dataclasses.fields(config)
+            if (f.metadata["preset"] or f.name == "env_steps_per_sample") and getattr(config, f.name) is not None}
+
+
+def slow_config(config: Config, spec, given: set[str]) -> tuple[Config, Config | None, list[str]]:
+    """(the resolved ``config``, the same with the env's slow profile over every setting not
+    in ``given``, the presets.toml tables that came from); the slow one None where the env
+    has no slow profile or it changes nothing. Unless given, each simulator's message then
+    holds its share of the smaller batch of the two, in both: a client learns its message
+    size once, at its handshake, and keeps it across the switch."""
+    values, sources = slow_tables(config.env, spec)
+    unknown = set(values) - SLOW_SETTINGS
+    if unknown:
+        raise ConfigError(f"{PRESETS_FILE}: {', '.join(sources)}: a slow profile may not change {sorted(unknown)}")
+    changes = {k: v for k, v in values.items() if k not in given and getattr(config, k) != v}
+    if not changes:
+        return config, None, []
+    if "env_steps_per_sample" not in given:
+        smaller = min(config.train_batch_size, changes.get("train_batch_size", config.train_batch_size))
+        config = dataclasses.replace(config, env_steps_per_sample=-(-smaller // max(config.sims, 1)))
+    return config, dataclasses.replace(config, **changes), sources
 
 
 # ---------------------------------------------------------------- the one check

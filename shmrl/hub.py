@@ -197,6 +197,13 @@ class Hub:
     def all_waiting(self) -> bool:
         return bool(self.sampling) and len(self.waiting) == len(self.sampling)
 
+    def delivery_rate(self) -> float:
+        """The env steps per second the open connections deliver together: each one's steps
+        received over the seconds since its first message (its own start up included)."""
+        now = time.monotonic()
+        return sum(self.store.steps_by_conn.get(conn_id, 0) / max(now - opened, 1e-3)
+                   for conn_id, opened in self.opened.items())
+
     def handle(self, server, conn_id: str, msg: dict | None) -> None:
         self.servers[conn_id] = server
         if msg is None:
