@@ -298,3 +298,33 @@ def test_a_fast_simulator_keeps_the_preset_profile(tmp_path, no_shm_leftovers):
     assert "simulators fast (" in out
     assert summary["config"]["hidden"] == 64 and SWITCHED not in summary["env_steps_dropped"]
     assert rows[0]["batch_steps"] >= 2048   # the preset's batch from the first update
+
+
+def test_the_delivery_rate_leaves_each_clients_start_up_out(monkeypatch):
+    """Two clients: one whose first message came after a slow start and then one a second
+    (100 steps/s from then on), one that has sent a single message since its PING."""
+    from conftest import FakeServer
+    from shmrl import hub as hub_module
+    from shmrl import rllink
+    from shmrl.envs import env_spec
+    from shmrl.hub import Hub
+    from shmrl.store import DEFAULT_POLICY, EpisodeStore
+    from test_flood import one_step_chunks
+
+    now = [0.0]
+    monkeypatch.setattr(hub_module.time, "monotonic", lambda: now[0])
+    hub, server = Hub({DEFAULT_POLICY: env_spec("CartPole-v1")}, EpisodeStore(), 100, on_policy=False), FakeServer()
+
+    def send(conn_id, at, steps):
+        now[0] = at
+        hub.handle(server, conn_id, rllink.validate({"type": "EPISODES", "episodes": one_step_chunks(1, steps)},
+                                                    "request"))
+
+    hub.handle(server, "a", {"type": "PING"})
+    send("a", 5.0, 100)     # 5 s of start up: not counted
+    send("a", 6.0, 100)
+    send("a", 7.0, 100)
+    hub.handle(server, "b", {"type": "PING"})   # at 7 s
+    send("b", 9.0, 50)      # one message: 50 steps in the 2 s since its PING
+    now[0] = 9.0
+    assert hub.delivery_rate() == pytest.approx(100 + 25)
