@@ -348,6 +348,10 @@ class NetworkSettings:
                                      preset=True, choices=("ReLU", "Tanh"))
     log_std_init: float | None = setting(
         0.0, "initial log standard deviation of a Gaussian policy (Box actions) (default: %(default)s)", preset=True)
+    ortho_init: bool | None = setting(
+        True, "orthogonal initial weights (gain sqrt 2 in hidden layers, 0.01 for the policy head); "
+        "--no-ortho-init: torch's default uniform ones, as rl-zoo3's ortho_init=False (default: %(default)s)",
+        preset=True)
     memory: str | None = setting(
         "none", "a recurrent core (LSTM or GRU) between the hidden layers and the heads, shared by "
         "actor and critic: the policy keeps a state across the steps of an episode, for envs "

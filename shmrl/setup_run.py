@@ -24,7 +24,8 @@ def policy_net(config, spec):
 
     return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
                      log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn,
-                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size)
+                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size,
+                     ortho_init=config.ortho_init)
 
 
 @dataclass

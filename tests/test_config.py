@@ -75,7 +75,7 @@ FLAG_VALUES = [
     (["--max-message-chunks", "400"], "max_message_chunks", 400),
     (["--learn-per-step", "off"], "learn_per_step", "off"),
     (["--target-kl", "0.05"], "target_kl", 0.05),
-    (["--slow-rate", "500"], "slow_rate", 500.0),
+    (["--slow-rate", "500"], "slow_rate", 500.0), (["--no-ortho-init"], "ortho_init", False),
     # issue 26
     (["--plot"], "plot", True), (["--verbose"], "verbose", True),
 ]
@@ -90,7 +90,7 @@ def test_every_flag_of_the_old_command_line_is_still_there():
                                             "--max-reward-abs", "--max-skipped-updates", "--max-json-frame-bytes",
                                             "--client-budget", "--max-message-steps", "--max-message-chunks",
                                             "--record", "--pretrain", "--pretrain-steps",
-                                            "--learn-per-step", "--target-kl", "--slow-rate",
+                                            "--learn-per-step", "--target-kl", "--slow-rate", "--ortho-init", "--no-ortho-init",
                                             "--plot", "--no-plot", "--verbose", "--no-verbose"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",

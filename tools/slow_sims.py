@@ -15,7 +15,7 @@ base env), on ``Throttled<ENV>`` (one process at --rate); shmrl on ``gym:<ENV>``
 throttled in every process (tools/slow_site on PYTHONPATH: tools/slow_sim.py), so that it
 takes the env's own preset and slow profile as a user's run would, with no flags: --sims S
 simulators (or, --clients, S ``python -m shmrl.sim --connect`` clients) at --rate / S each.
-Each stops at --steps env steps or after --steps / --rate x 4 + 60 seconds.
+Each stops at --steps env steps or after --seconds (default: --steps / --rate x 4 + 60).
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def summarize(run: dict, steps_at: list[int], times_at: list[float]) -> dict:
 
 
 def one_seed(env: str, seed: int, a, py, folder: Path) -> dict:
-    seconds = a.steps / a.rate * 4 + 60
+    seconds = a.seconds or a.steps / a.rate * 4 + 60
     entry = {"seed": seed}
     if a.sb3:
         (folder / "sb3").mkdir()
@@ -160,6 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=1000.0, help="env steps per second, all simulators together "
                                                              "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=100_000, help="env steps of each run (default: %(default)s)")
+    p.add_argument("--seconds", type=float, help="stop each run after this long even short of --steps (default: "
+                                                 "--steps / --rate x 4 + 60; more on a busy machine)")
     p.add_argument("--sims", type=int, default=4, help="shmrl's simulators, each at --rate / S (default: %(default)s)")
     p.add_argument("--clients", action="store_true",
                    help="shmrl's simulators are external clients (python -m shmrl.sim --connect), not its own")
@@ -181,8 +183,7 @@ def main(argv=None) -> int:
         for seed in a.seeds:
             with tempfile.TemporaryDirectory(prefix=f"shmrl-slow-{env}-") as tmp:
                 runs.append(one_seed(env, seed, a, py, Path(tmp)))
-            if not a.json:
-                print_run(env, runs[-1])
+            print_run(env, runs[-1], sys.stderr if a.json else sys.stdout)   # each seed's, as it ends
         results["envs"][env] = {"runs": runs, **medians(runs)}
     results["load_after"] = os.getloadavg()
     if a.plot:
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def print_run(env: str, entry: dict) -> None:
+def print_run(env: str, entry: dict, out=sys.stdout) -> None:
     for who in ("sb3", "shmrl"):
         if who in entry:
             r = entry[who]
@@ -210,7 +211,7 @@ def print_run(env: str, entry: dict) -> None:
                      f" | learner {100 * learner['learner_share_median']:.0f}% levels {learner['learn_levels']} "
                      f"kl max {learner['approx_kl_max']:.3f} clip max {learner['clip_frac_max']:.2f}") if learner else ""
             print(f"{env} seed {entry['seed']} {who:5s}: {steps} | {times} | {zoo.fmt(r.get('env_steps'))} steps, "
-                  f"{zoo.fmt(r.get('env_steps_per_s'))}/s{extra}", flush=True)
+                  f"{zoo.fmt(r.get('env_steps_per_s'))}/s{extra}", file=out, flush=True)
 
 
 if __name__ == "__main__":
