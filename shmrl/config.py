@@ -442,11 +442,12 @@ def resolve_config(config: Config, spec=None) -> Config:
     return config
 
 
-# The settings a slow profile may change: how PPO learns and the network, never the run's
-# shape (its simulators, transports, budget), which is fixed before the switch.
+# The settings a slow profile may change: how PPO learns, the network, the batch and whether
+# clients wait for each update (the server's side alone); never the run's shape (its
+# simulators, transports, budget, the clients' message size), fixed before the switch.
 SLOW_SETTINGS = frozenset(f.name for cls in (PPOSettings, NetworkSettings) for f in dataclasses.fields(cls)
                           if f.metadata["preset"] and f.name not in ("memory", "memory_size", "torch_threads")
-                          ) | {"train_batch_size"}
+                          ) | {"train_batch_size", "async_sampling"}
 
 
 def given_settings(config: Config) -> set[str]:

@@ -266,6 +266,7 @@ class Serving:
         thread; the serving thread takes no batch until it has sent these weights out.)"""
         self.store.skipped(chunks, SWITCHED)
         self.train_batch_size = config.train_batch_size
+        self.hub.on_policy = not config.async_sampling
         self.hub.max_pending_steps = None if self.hub.on_policy else config.train_batch_size
         self.hub.client_budget = client_budget(config)
         for policy in self.store.policies.values():

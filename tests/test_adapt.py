@@ -210,7 +210,7 @@ def test_every_slow_table_changes_only_what_a_switch_may_change():
     slow = all_tables()["slow"]
     tables = [*slow["family"].values(), *slow["env"].values()]
     assert tables and all(set(t) <= SLOW_SETTINGS for t in tables)
-    assert not SLOW_SETTINGS & {"sims", "envs_per_sim", "async_sampling", "env_steps_per_sample", "max_env_steps"}
+    assert not SLOW_SETTINGS & {"sims", "envs_per_sim", "env_steps_per_sample", "max_env_steps", "transport"}
 
 
 def test_the_slow_profile_keeps_what_is_given_and_sizes_messages_for_both():
@@ -265,6 +265,7 @@ def test_a_slow_simulator_switches_to_the_slow_profile(tmp_path, no_shm_leftover
     assert profile["name"] == "slow" and profile["sim_rate"] < 3000, profile
     assert "simulators slow (" in out
     assert (summary["config"]["hidden"], summary["config"]["train_batch_size"]) == (256, 512)
+    assert not summary["config"]["async_sampling"]   # the family's preset samples on; its slow profile waits
     assert {r["epochs_run"] for r in rows if r["learn_level"] == 0} == {10}   # the slow table's
     assert all(r["batch_steps"] <= 2 * 512 for r in rows)
     # the first batch, sampled by the preset's network, was dropped: counted, never trained
