@@ -285,10 +285,12 @@ def test_a_flag_given_wins_over_the_slow_profile_and_off_never_switches(tmp_path
 
 
 def test_on_takes_the_slow_profile_from_the_start(tmp_path, no_shm_leftovers):
-    _, summary, _ = slow_mountain_car(tmp_path, "--learn-per-step", "on", "--max-env-steps", "1500",
+    # (and the ladder's top level: 16x the gradient steps, a 32-unit network keeps them cheap)
+    _, summary, _ = slow_mountain_car(tmp_path, "--learn-per-step", "on", "--max-env-steps", "1500", "--hidden", "32",
                                       steps_per_s=2000)
     assert summary["profile"] == {"name": "slow", "why": "--learn-per-step on", "tables": ["slow.family.continuous"]}
-    assert summary["config"]["hidden"] == 256 and SWITCHED not in summary["env_steps_dropped"]
+    assert (summary["config"]["hidden"], summary["config"]["log_std_init"]) == (32, -2.0)
+    assert SWITCHED not in summary["env_steps_dropped"]
 
 
 def test_a_fast_simulator_keeps_the_preset_profile(tmp_path, no_shm_leftovers):
