@@ -162,6 +162,7 @@ def test_a_fast_simulator_keeps_the_preset(tmp_path, no_shm_leftovers):
     rows = run_shmrl(tmp_path, "--env", "CartPole-v1", "--max-env-steps", "60000")
     assert {r["learn_level"] for r in rows} == {0}, [(r["learner_share"], r["learn_level"]) for r in rows]
     assert {r["epochs_run"] for r in rows} == {4}   # the preset's
+    assert summary_of(tmp_path / "run")["profile"]["name"] == "preset"   # CartPole has no slow profile
 
 
 def test_the_throttle_holds_a_process_to_its_rate(monkeypatch):
