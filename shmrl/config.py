@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shmrl.presets import PRESETS_FILE, preset_origins, preset_tables, slow_tables
+from shmrl.presets import PRESETS_FILE, preset_origins, preset_tables
 
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # A simulator that stops because nothing it could send is trainable says why by its exit status.
@@ -322,7 +322,7 @@ class PPOSettings:
         "gradient steps (docs/SLOW_SIMULATORS.md) (default: %(default)s)",
         choices=("auto", "off", "on"))
     slow_rate: float = setting(
-        3000.0, "with --learn-per-step auto, simulators that deliver fewer than N env steps per second "
+        2000.0, "with --learn-per-step auto, simulators that deliver fewer than N env steps per second "
         "in all (measured over the first batch) are slow: the run switches to the env's slow profile, "
         "where it has one (default: %(default)s)", check=above(0), metavar="N")
     target_kl: float = setting(
@@ -440,40 +440,6 @@ def resolve_config(config: Config, spec=None) -> Config:
     if config.env_steps_per_sample is None:
         config.env_steps_per_sample = -(-config.train_batch_size // max(config.sims, 1))
     return config
-
-
-# The settings a slow profile may change: how PPO learns, the network, the batch and whether
-# clients wait for each update (the server's side alone); never the run's shape (its
-# simulators, transports, budget, the clients' message size), fixed before the switch.
-SLOW_SETTINGS = frozenset(f.name for cls in (PPOSettings, NetworkSettings) for f in dataclasses.fields(cls)
-                          if f.metadata["preset"] and f.name not in ("memory", "memory_size", "torch_threads")
-                          ) | {"train_batch_size", "async_sampling"}
-
-
-def given_settings(config: Config) -> set[str]:
-    """The preset settings an unresolved ``config`` gives (those not None: a resolved one
-    gives them all; the command line says which it gave, ``run.parse_command_line``)."""
-    return {f.name for f in dataclasses.fields(config)
-            if (f.metadata["preset"] or f.name == "env_steps_per_sample") and getattr(config, f.name) is not None}
-
-
-def slow_config(config: Config, spec, given: set[str]) -> tuple[Config, Config | None, list[str]]:
-    """(the resolved ``config``, the same with the env's slow profile over every setting not
-    in ``given``, the presets.toml tables that came from); the slow one None where the env
-    has no slow profile or it changes nothing. Unless given, each simulator's message then
-    holds its share of the smaller batch of the two, in both: a client learns its message
-    size once, at its handshake, and keeps it across the switch."""
-    values, sources = slow_tables(config.env, spec)
-    unknown = set(values) - SLOW_SETTINGS
-    if unknown:
-        raise ConfigError(f"{PRESETS_FILE}: {', '.join(sources)}: a slow profile may not change {sorted(unknown)}")
-    changes = {k: v for k, v in values.items() if k not in given and getattr(config, k) != v}
-    if not changes:
-        return config, None, []
-    if "env_steps_per_sample" not in given:
-        smaller = min(config.train_batch_size, changes.get("train_batch_size", config.train_batch_size))
-        config = dataclasses.replace(config, env_steps_per_sample=-(-smaller // max(config.sims, 1)))
-    return config, dataclasses.replace(config, **changes), sources
 
 
 # ---------------------------------------------------------------- the one check

@@ -10,8 +10,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from shmrl.config import (SLOW_SETTINGS, ConfigError, env_name, given_settings, resolve_config, saved_config, slow_config,
-                          validate)
+from shmrl.adapt import SLOW_SETTINGS, given_settings, slow_config
+from shmrl.config import ConfigError, env_name, resolve_config, saved_config, validate
 from shmrl.resume import (load_resume_checkpoint, policy_arrays, policy_prefix, ppo_state, restore_store,
                           saved_policy)
 from shmrl.serving import Serving, check_policy_fits_a_frame

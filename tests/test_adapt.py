@@ -205,7 +205,7 @@ def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path
 # ---------------------------------------------------------------- the slow profile
 
 def test_every_slow_table_changes_only_what_a_switch_may_change():
-    from shmrl.config import SLOW_SETTINGS
+    from shmrl.adapt import SLOW_SETTINGS
     from shmrl.presets import all_tables
 
     slow = all_tables()["slow"]
@@ -215,7 +215,8 @@ def test_every_slow_table_changes_only_what_a_switch_may_change():
 
 
 def test_the_slow_profile_keeps_what_is_given_and_sizes_messages_for_both():
-    from shmrl.config import Config, resolve_config, slow_config
+    from shmrl.adapt import slow_config
+    from shmrl.config import Config, resolve_config
     from shmrl.envs import env_spec
 
     spec = env_spec("gym:MountainCarContinuous-v0")   # the continuous family: its slow table

@@ -42,7 +42,8 @@ FACTORIES = {base: name for name, base in slow_sim.BASE_IDS.items()}
 def smaller_batch(env: str) -> int:
     """The smaller train batch of the env's preset and its slow profile (presets.toml): what
     each external client's messages are a share of, as shmrl's own simulators' are."""
-    from shmrl.config import Config, resolve_config, slow_config
+    from shmrl.adapt import slow_config
+    from shmrl.config import Config, resolve_config
     from shmrl.envs import env_spec
 
     spec = env_spec(env)
