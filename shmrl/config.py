@@ -318,8 +318,8 @@ class PPOSettings:
         "network, small batches, many epochs) when the simulators deliver fewer than --slow-rate env "
         "steps/s, then spends the learner's idle time on more gradient steps per batch, up to 16x "
         "--epochs x --minibatch-size's, each update bounded by --target-kl; a fast simulator keeps this "
-        "preset's settings. off: always the preset's; on: the slow profile from the start and the most "
-        "gradient steps (docs/SLOW_SIMULATORS.md) (default: %(default)s)",
+        "preset's settings. off: always the preset's; on: the slow profile from the start (an env without "
+        "one: the most gradient steps) (docs/SLOW_SIMULATORS.md) (default: %(default)s)",
         choices=("auto", "off", "on"))
     slow_rate: float = setting(
         2000.0, "with --learn-per-step auto, simulators that deliver fewer than N env steps per second "

@@ -106,7 +106,7 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
     # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
     log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
     last_line, lines = -math.inf, 0
-    learning = LearnPerStep.of(config)
+    learning = LearnPerStep.of(config, (setup.profile or {}).get("name") == "slow")
     clock.start_loop()
     while True:
         batch = serving.next_batch(0.05)
@@ -122,7 +122,7 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
             continue
         if setup.slow is not None:   # the first batch says how fast the simulators are: keep or switch
             if choose_profile(setup, serving, ppos, batch[0]):
-                config, learning = setup.config, LearnPerStep.of(setup.config)
+                config, learning = setup.config, LearnPerStep.of(setup.config, slow_profile=True)
                 continue   # the batch was the other profile's: dropped
         plan = learning.plan()
         t0 = time.perf_counter()

@@ -287,7 +287,6 @@ def test_a_flag_given_wins_over_the_slow_profile_and_off_never_switches(tmp_path
 
 
 def test_on_takes_the_slow_profile_from_the_start(tmp_path, no_shm_leftovers):
-    # (and the ladder's top level: 16x the gradient steps, a 32-unit network keeps them cheap)
     _, summary, _ = slow_mountain_car(tmp_path, "--learn-per-step", "on", "--max-env-steps", "1500", "--hidden", "32",
                                       steps_per_s=2000)
     assert summary["profile"] == {"name": "slow", "why": "--learn-per-step on", "tables": ["slow.family.continuous"]}
