@@ -1,5 +1,21 @@
-"""How much the learner learns from each batch, chosen by how busy it is: the one policy
-that spends a slow simulator's idle learner on more learning per env step.
+"""How much the learner learns from each env step, chosen by how fast the simulators are
+and how busy the learner is: the one policy that spends a slow simulator's idle learner on
+more learning per env step. Two stages.
+
+First, the profile (``simulators_slow``). What moves the return per env step most is fixed
+before the first weights are published: the network's width, its initial std, the batch
+and epochs (rl-zoo3's tuned settings: on HalfCheetah-v5 at 1000 env steps/s, 704 after
+100k env steps against the preset's 154). So with ``--learn-per-step auto`` a run whose env
+has a slow profile in presets.toml measures the env steps per second its simulators
+deliver until the first batch (``Hub.delivery_rate``: local simulators and external
+clients alike), and below --slow-rate (2000; unthrottled HalfCheetah delivers 10-20k here, 3-4k at a load of 8)
+switches to it (``setup_run.switch_to_slow``): new networks and first weights published,
+the batch it measured on dropped (it counts in env_steps). A fast simulator keeps the
+preset; a setting given on the command line is kept either way. The message size the
+clients learn at their handshake is the smaller batch's share from the start, so it fits
+either profile. summary.json's ``profile`` says which and why.
+
+Second, the ladder below, over whichever profile the run has.
 
 When the simulators, not the learner, are the bottleneck (a game engine, a robot, external
 clients delivering a few hundred env steps per second), the learner waits for batches
@@ -33,9 +49,13 @@ first weights are published, are what move it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
+
+from shmrl.config import PRESETS_FILE, Config, ConfigError, NetworkSettings, PPOSettings
+from shmrl.presets import slow_tables
 
 MODES = ("auto", "off", "on")
 MIN_MINIBATCH = 64      # steps; below this a gradient step costs nearly as much as at 64 and is noisier
@@ -43,6 +63,49 @@ MAX_LEVEL = 4           # at most 16 times the preset's gradient steps per batch
 ASYNC_TARGET = 0.5      # the highest busy share a level may be expected to cost, with --async
 SYNC_TARGET = 0.2       # without: each update's seconds are seconds the simulators wait
 WINDOW = 5              # updates whose busy share decide the level (the first after a change is skipped)
+
+
+# The settings a slow profile may change: how PPO learns, the network, the batch and whether
+# clients wait for each update (the server's side alone); never the run's shape (its
+# simulators, transports, budget, the clients' message size), fixed before the switch.
+SLOW_SETTINGS = frozenset(f.name for cls in (PPOSettings, NetworkSettings) for f in dataclasses.fields(cls)
+                          if f.metadata["preset"] and f.name not in ("memory", "memory_size", "torch_threads")
+                          ) | {"train_batch_size", "async_sampling"}
+
+
+def given_settings(config: Config) -> set[str]:
+    """The preset settings an unresolved ``config`` gives (those not None: a resolved one
+    gives them all; the command line says which it gave, ``run.parse_command_line``)."""
+    return {f.name for f in dataclasses.fields(config)
+            if (f.metadata["preset"] or f.name == "env_steps_per_sample") and getattr(config, f.name) is not None}
+
+
+def slow_config(config: Config, spec, given: set[str]) -> tuple[Config, Config | None, list[str]]:
+    """(the resolved ``config``, the same with the env's slow profile over every setting not
+    in ``given``, the presets.toml tables that came from); the slow one None where the env
+    has no slow profile or it changes nothing. Unless given, each simulator's message then
+    holds its share of the smaller batch of the two, in both: a client learns its message
+    size once, at its handshake, and keeps it across the switch."""
+    values, sources = slow_tables(config.env, spec)
+    unknown = set(values) - SLOW_SETTINGS
+    if unknown:
+        raise ConfigError(f"{PRESETS_FILE}: {', '.join(sources)}: a slow profile may not change {sorted(unknown)}")
+    changes = {k: v for k, v in values.items() if k not in given and getattr(config, k) != v}
+    if not changes:
+        return config, None, []
+    if "env_steps_per_sample" not in given:
+        smaller = min(config.train_batch_size, changes.get("train_batch_size", config.train_batch_size))
+        config = dataclasses.replace(config, env_steps_per_sample=-(-smaller // max(config.sims, 1)))
+    return config, dataclasses.replace(config, **changes), sources
+
+
+def simulators_slow(rate: float, slow_rate: float) -> tuple[bool, str]:
+    """(whether simulators that delivered ``rate`` env steps per second are slow, the line
+    that says so and what the run does about it)."""
+    if rate < slow_rate:
+        return True, (f"simulators slow ({rate:.0f} env steps/s < --slow-rate {slow_rate:g}): "
+                      "the slow profile, more learning per env step")
+    return False, f"simulators fast ({rate:.0f} env steps/s >= --slow-rate {slow_rate:g}): the preset's profile"
 
 
 def ladder(epochs: int, minibatch_size: int, batch_size: int) -> list[tuple[int, int]]:
@@ -75,6 +138,16 @@ class LearnPerStep:
         self.periods: deque[tuple[float, float]] = deque(maxlen=WINDOW)   # (busy s, wall s) of each
         self.epochs_run: deque[float] = deque(maxlen=WINDOW)
         self.settle = 1   # updates not counted: the first (torch warms up) and the first after a change
+
+    @classmethod
+    def of(cls, config, slow_profile: bool = False) -> LearnPerStep:
+        """The policy for a run's settings (--learn-per-step and the PPO settings it scales).
+        ``on`` with the slow profile is that profile, the ladder climbing as in ``auto``: its
+        top level on a 256-unit network had the KL bound stop updates within half an epoch
+        (HalfCheetah: 65 and 74 after 100k env steps against 540 and 469 at level 0)."""
+        mode = "auto" if slow_profile and config.learn_per_step == "on" else config.learn_per_step
+        return cls(mode, config.epochs, config.minibatch_size, config.train_batch_size, config.target_kl,
+                   config.async_sampling)
 
     def plan(self) -> dict:
         epochs, minibatch_size = self.levels[self.level]

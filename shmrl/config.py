@@ -278,7 +278,8 @@ class SamplingSettings:
         "together they have sent fewer (default: %(default)s)", preset=True, check=at_least(1), metavar="N")
     env_steps_per_sample: int | None = setting(
         None, "env steps per EPISODES message of each client, what SET_CONFIG tells them "
-        "(default: the train batch spread over the simulators, {env_steps_per_sample} for {sims})",
+        "(default: the train batch spread over the simulators, {env_steps_per_sample} for {sims}; "
+        "the slow profile's where the run may switch to it and its batch is smaller)",
         kind=int, check=at_least(1), metavar="N", flag_default_none=True)
     envs_per_sim: int | None = setting(
         1, "environments each simulator steps together, one batched ONNX call per step "
@@ -328,11 +329,17 @@ class PPOSettings:
         32, "with --memory, PPO back-propagates through sequences of at most T steps (default: %(default)s)",
         preset=True, check=at_least(1), metavar="T")
     learn_per_step: str = setting(
-        "auto", "learning per env step: auto spends the learner's idle time (a slow simulator) on more "
-        "gradient steps per batch, up to 16x --epochs x --minibatch-size's, each update bounded by "
-        "--target-kl, and keeps this preset's settings while the learner is busy (a fast simulator); "
-        "off: always the preset's; on: always the most (README, 'Slow simulators') (default: %(default)s)",
+        "auto", "learning per env step: auto switches to the env's slow profile (presets.toml: a wider "
+        "network, small batches, many epochs) when the simulators deliver fewer than --slow-rate env "
+        "steps/s, then spends the learner's idle time on more gradient steps per batch, up to 16x "
+        "--epochs x --minibatch-size's, each update bounded by --target-kl; a fast simulator keeps this "
+        "preset's settings. off: always the preset's; on: the slow profile from the start (an env without "
+        "one: the most gradient steps) (docs/SLOW_SIMULATORS.md) (default: %(default)s)",
         choices=("auto", "off", "on"))
+    slow_rate: float = setting(
+        2000.0, "with --learn-per-step auto, simulators that deliver fewer than N env steps per second "
+        "in all (measured over the first batch) are slow: the run switches to the env's slow profile, "
+        "where it has one (default: %(default)s)", check=above(0), metavar="N")
     target_kl: float = setting(
         0.02, "with more learning per env step (--learn-per-step), an update stops once the approximate KL "
         "from the policy it began with passes 1.5 x KL (default: %(default)s)", check=above(0), metavar="KL")
@@ -356,6 +363,10 @@ class NetworkSettings:
                                      preset=True, choices=("ReLU", "Tanh"))
     log_std_init: float | None = setting(
         0.0, "initial log standard deviation of a Gaussian policy (Box actions) (default: %(default)s)", preset=True)
+    ortho_init: bool | None = setting(
+        True, "orthogonal initial weights (gain sqrt 2 in hidden layers, 0.01 for the policy head); "
+        "--no-ortho-init: torch's default uniform ones, as rl-zoo3's ortho_init=False (default: %(default)s)",
+        preset=True)
     memory: str | None = setting(
         "none", "a recurrent core (LSTM or GRU) between the hidden layers and the heads, shared by "
         "actor and critic: the policy keeps a state across the steps of an episode, for envs "

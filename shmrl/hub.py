@@ -169,6 +169,7 @@ class Hub:
         self.stepped: dict[str, int] = {}        # conn_id -> env steps its last HEARTBEAT reported
         self.bounds = bounds
         self.opened: dict[str, float] = {}       # conn_id -> time.monotonic() of its first message
+        self.arrivals: dict[str, tuple] = {}     # conn_id -> (time, steps) of its first message, (time, steps) of all
         self.refusals_logged: set = set()        # (conn_id, reason): each is logged once per client
         self.heartbeats_ignored = 0              # HEARTBEATs that claimed more steps than could be stepped
         self.client_budget = client_budget
@@ -203,6 +204,17 @@ class Hub:
 
     def all_waiting(self) -> bool:
         return bool(self.sampling) and len(self.waiting) == len(self.sampling)
+
+    def delivery_rate(self) -> float:
+        """The env steps per second the open connections deliver together. Each one's: the
+        steps of its messages after the first over the seconds between the first and the
+        last (its start up left out); with one message so far, its steps over the seconds
+        since its first request (a client that waits for new weights after each message)."""
+        now, rate = time.monotonic(), 0.0
+        for conn_id, opened in self.opened.items():
+            t_first, first, t_last, steps = self.arrivals.get(conn_id, (now, 0, now, 0))
+            rate += (steps - first) / (t_last - t_first) if t_last > t_first else steps / max(now - opened, 1e-3)
+        return rate
 
     def handle(self, server, conn_id: str, msg: dict | None) -> None:
         self.servers[conn_id] = server
@@ -259,9 +271,13 @@ class Hub:
             self._drop(conn_id, reason, batch.num_steps)
             return False
         chunks = self._refuse_out_of_bounds(conn_id, chunks)
-        if self._within_budget(conn_id, sum(sub.num_steps for sub in chunks.values())):
+        steps = sum(sub.num_steps for sub in chunks.values())
+        if self._within_budget(conn_id, steps):
             self.store.add(conn_id, chunks)
             self._hold_if_full(conn_id)
+            now = time.monotonic()
+            t_first, first, _, total = self.arrivals.get(conn_id, (now, steps, now, 0))
+            self.arrivals[conn_id] = (t_first, first, now, total + steps)
         return True
 
     def _wait_or_answer(self, conn_id: str) -> None:
@@ -432,6 +448,7 @@ class Hub:
             self.store.steps_lost += self.inference.forget(conn_id)   # its open rollout: never sent
         self.names.pop(conn_id, None)
         self.opened.pop(conn_id, None)
+        self.arrivals.pop(conn_id, None)
         self.refusals_logged = {key for key in self.refusals_logged if key[0] != conn_id}
         self.over_budget.discard(conn_id)
         self.held.discard(conn_id)

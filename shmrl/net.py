@@ -271,11 +271,12 @@ class PolicyNet:
 
     def __init__(self, spec, hidden: int = 64, activation: str = "Tanh", normalize_obs: bool = False,
                  log_std_init: float = LOG_STD_INIT, layers: int = 2, cnn: str = "nature",
-                 shared: bool | None = None, memory: str | None = None, memory_size: int = 64):
+                 shared: bool | None = None, memory: str | None = None, memory_size: int = 64,
+                 ortho_init: bool = True):
         if activation not in ONNX_ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {sorted(ONNX_ACTIVATIONS)}")
         self.spec, self.hidden, self.activation, self.layers = spec, hidden, activation, layers
-        self.normalize_obs, self.log_std_init = normalize_obs, log_std_init
+        self.normalize_obs, self.log_std_init, self.ortho_init = normalize_obs, log_std_init, ortho_init
         layout = spec.obs
         self.leaves = layout.inputs
         self.mask = layout.mask
@@ -324,13 +325,20 @@ class PolicyNet:
 
     def init_params(self, seed: int) -> dict[str, np.ndarray]:
         """Orthogonal weights (gain sqrt 2 in hidden layers, 0.01 for the policy head so its
-        first actions are near uniform or near zero, 1 for the value head), zero biases."""
+        first actions are near uniform or near zero, 1 for the value head), zero biases; or,
+        without ``ortho_init``, torch's default for every layer (weights and biases uniform
+        within 1/sqrt(inputs), as stable-baselines3 with ortho_init=False has them)."""
         # The critic draws from a stream of its own: the actor is the same with or without it.
         actor_rng, critic_rng = np.random.default_rng(seed), np.random.default_rng([seed, 1])
-        out = {}
+        out, fan_in = {}, 1
         for name, shape, gain in self.trained_params():
             rng = critic_rng if name.startswith("vf.") else actor_rng
-            out[name] = orthogonal(shape, gain, rng) if len(shape) > 1 else np.zeros(shape, np.float32)
+            if not self.ortho_init:
+                fan_in = math.prod(shape[1:]) if len(shape) > 1 else fan_in   # a bias follows its weights
+                bound = 1 / math.sqrt(fan_in)
+                out[name] = rng.uniform(-bound, bound, shape).astype(np.float32)
+            else:
+                out[name] = orthogonal(shape, gain, rng) if len(shape) > 1 else np.zeros(shape, np.float32)
         return out
 
     def publish_weights(self, params: dict[str, np.ndarray], log_std: np.ndarray | None,

@@ -1,6 +1,7 @@
 """Per-environment defaults, read from ``presets.toml`` beside this file (the place to
 read or change them): the env's family, then the env's own table, over the house defaults
-of shmrl/config.py."""
+of shmrl/config.py; and the slow profile (``[slow.family.NAME]``, ``[slow.env."ID"]``),
+what a run switches to when its simulators turn out to be slow (shmrl/adapt.py)."""
 from __future__ import annotations
 
 import functools
@@ -60,6 +61,25 @@ def preset_origins(env, spec=None) -> dict[str, str]:
     origins = {key: f"family.{family}" for key in presets["family"][family]} if family else {}
     origins.update({key: f'env."{name}"' for key in own})
     return origins
+
+
+def slow_tables(env, spec=None) -> tuple[dict, list[str]]:
+    """(the settings of ``env``'s slow profile, the tables they came from): its family's
+    ``[slow.family.NAME]``, then its own ``[slow.env."ID"]`` over it; ({}, []) where it has
+    none. The family is the one its preset takes (``family = ""`` in its own table: none)."""
+    slow = _presets().get("slow", {})
+    name, own = own_table(env)
+    family = own.get("family", family_of(spec, env))
+    out, sources = {}, []
+    if family and family in slow.get("family", {}):
+        out.update(slow["family"][family])
+        sources.append(f"slow.family.{family}")
+    for key in (name, env.removeprefix("gym:") if isinstance(env, str) else None):
+        if key and key in slow.get("env", {}):
+            out.update(slow["env"][key])
+            sources.append(f'slow.env."{key}"')
+            break
+    return out, sources
 
 
 def preset_tables(env, spec=None) -> tuple[dict, list[str]]:

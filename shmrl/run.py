@@ -53,10 +53,11 @@ def process_start_time() -> float:
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)
 
-def train(config: Config, t_start: float | None = None) -> tuple[int, dict]:
+def train(config: Config, t_start: float | None = None, given: set[str] | None = None) -> tuple[int, dict]:
     """Run one training job; returns (exit status, summary). Whatever happens (Ctrl-C and
     SIGTERM included) every process it started is stopped, every segment it made is
-    unlinked, and the summary and a checkpoint are written."""
+    unlinked, and the summary and a checkpoint are written. ``given``: the settings the
+    command line gave (default: those ``config`` does not leave None)."""
     t_start = t_start if t_start is not None else time.time()
     validate(config)   # what can be checked before the env is made: nothing is started yet
     launcher = None
@@ -81,7 +82,7 @@ def train(config: Config, t_start: float | None = None) -> tuple[int, dict]:
 
     plot_forced = config.plot is True
     try:
-        status, summary = train_run(config, t_start, launcher)
+        status, summary = train_run(config, t_start, launcher, given)
     finally:
         if launcher is not None and launcher.owns_ray:
             launcher.ray.shutdown()
@@ -134,6 +135,12 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict:
 
 
 def parse_args(argv=None) -> Config:
+    return parse_command_line(argv)[0]
+
+
+def parse_command_line(argv=None) -> tuple[Config, set[str]]:
+    """(the run's settings, resolved for its env; the names of those the command line
+    gave, which a switch to the env's slow profile leaves as they are)."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     # The defaults depend on the env (or on the run being resumed): find those first, so
     # that --help shows the ones that apply.
@@ -157,10 +164,8 @@ def parse_args(argv=None) -> Config:
         except checkpoint.CheckpointError as e:
             build_parser(defaults, spec).error(f"--resume {known.resume}: {e}")
         defaults = dataclasses.replace(config_from_saved(state.get("config", {})), logdir=known.resume)
-    given = None
-    if "-h" in argv or "--help" in argv:
-        given = given_flags(build_parser(defaults, spec), argv)
-    p = build_parser(defaults, spec, given)
+    given = given_flags(build_parser(defaults, spec), argv)
+    p = build_parser(defaults, spec, given if "-h" in argv or "--help" in argv else None)
     config = resolve_config(config_from_args(p.parse_args(argv)), spec)
     try:
         validate(config, spec)
@@ -173,7 +178,7 @@ def parse_args(argv=None) -> Config:
             spec.policy_specs(policy_mapper(config.policy_map))
         except ValueError as e:
             p.error(str(e))
-    return config
+    return config, set(given)
 
 
 def flags_markdown() -> str:
@@ -225,13 +230,13 @@ def main(argv=None) -> int:
         return 0
     t_start = process_start_time()
     try:
-        config = parse_args(argv)
+        config, given = parse_command_line(argv)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         signal.signal(signal.SIGTERM, _terminate)
         # Ctrl-C stops the run cleanly even if whoever started it ignored SIGINT (a shell's
         # background job inherits it ignored, and Python then leaves it so).
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        status, _ = train(config, t_start)
+        status, _ = train(config, t_start, given)
     except ConfigError as e:  # found before anything started
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE

@@ -25,7 +25,7 @@ from shmrl.envs import EnvSpec
 from shmrl.hub import Bounds, Hub
 from shmrl.onnx_graph import ModelTemplate
 from shmrl.onnx_policy import encode_onnx_file
-from shmrl.store import EpisodeStore
+from shmrl.store import SWITCHED, EpisodeStore
 from shmrl.transport.base import WakePipe
 
 log = logging.getLogger("shmrl.learner")
@@ -94,6 +94,8 @@ class Serving:
         self._batches: queue.Queue = queue.Queue(maxsize=1)
         self._published: queue.Queue = queue.Queue()
         self._batch_out = False                    # a batch was handed over, no new weights yet
+        self.min_seq = 0                           # chunks of older weights are another profile's: dropped
+        self.first_batch_rate: float | None = None   # env steps/s the clients delivered until the first batch
         self._wake_pipe = WakePipe()               # publish() and stop() wake the serving thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -128,7 +130,9 @@ class Serving:
             # Asynchronous clients go on sampling while a batch trains: a batch is still one
             # batch, so that learning per env step is what it is on-policy; the rest waits.
             max_lag = None if self.hub.on_policy else self.max_policy_lag
-            batches = self.store.take(self.weights_seq_no, max_lag, self.train_batch_size)
+            if self.first_batch_rate is None:
+                self.first_batch_rate = self.hub.delivery_rate()
+            batches = self.store.take(self.weights_seq_no, max_lag, self.train_batch_size, self.min_seq)
             self._batches.put((batches, self.weights_seq_no))
             self._batch_out = True
         self.hub.flush_actions()   # server-side inference: this round's ACTs, one forward pass
@@ -254,6 +258,23 @@ class Serving:
                          for name, (seq, f) in self.league.items()})
         self._published.put((self.weights_seq_no, policies))
         self._wake_pipe.wake()
+
+    def switch(self, config, templates: dict[str, ModelTemplate], weights: dict, chunks: dict) -> None:
+        """Go on with other networks and settings (the slow profile, ``config``): their
+        ``templates`` and first ``weights`` (by policy id) published now. The batch in hand
+        (``chunks``) and every chunk sampled with an older version are dropped. (Training
+        thread; the serving thread takes no batch until it has sent these weights out.)"""
+        self.store.skipped(chunks, SWITCHED)
+        self.train_batch_size = config.train_batch_size
+        self.hub.on_policy = not config.async_sampling
+        self.hub.max_pending_steps = None if self.hub.on_policy else config.train_batch_size
+        self.hub.client_budget = client_budget(config)
+        for policy in self.store.policies.values():
+            if policy.reward_stats is not None:   # the slow profile's discount (its statistics go on)
+                policy.reward_gamma = config.gamma
+        self.templates, self.model_bytes, self._files = templates, {}, {}
+        self.min_seq = self.weights_seq_no + 1
+        self.publish(weights)
 
 
 def finite_weights(weights: dict) -> dict:

@@ -4,11 +4,13 @@ side and PPO built from them. Everything here may refuse the run (ConfigError) b
 process is started or a file written; ``shmrl.trainer`` then runs it."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
 from dataclasses import dataclass
 
+from shmrl.adapt import SLOW_SETTINGS, given_settings, slow_config
 from shmrl.config import ConfigError, env_name, resolve_config, saved_config, validate
 from shmrl.resume import (load_resume_checkpoint, policy_arrays, policy_prefix, ppo_state, restore_store,
                           saved_policy)
@@ -22,7 +24,8 @@ def policy_net(config, spec):
 
     return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
                      log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn,
-                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size)
+                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size,
+                     ortho_init=config.ortho_init)
 
 
 @dataclass
@@ -38,18 +41,53 @@ class Setup:
     first_seq: int
     resumed: tuple | None        # (path, arrays, state) of the checkpoint it goes on from
     pretrained: dict | None = None   # --pretrain: policy id -> ((arrays, values) of its PPO, reward stats)
+    slow: SlowProfile | None = None  # what it may switch to (--learn-per-step auto), until it decides
+    profile: dict | None = None      # the profile it trains with and why (summary.json's "profile")
+
+    def ring_nets(self) -> dict:
+        """Per policy, the larger of its network and its slow profile's: the rings carry either."""
+        if self.slow is None:
+            return self.nets
+        return {pid: max(net, self.slow.nets[pid], key=parameters) for pid, net in self.nets.items()}
 
 
-def set_up(config, servers_given: bool = False) -> Setup:
-    """Everything that can refuse the run (ConfigError) short of opening its transports."""
+@dataclass
+class SlowProfile:
+    """The env's slow profile (presets.toml) as a run may switch to it: its settings, with
+    those the command line gave kept, its networks, and the tables it came from."""
+    config: object
+    nets: dict
+    sources: list
+
+
+def parameters(net) -> int:
+    return sum(math.prod(shape) for shape in net.template.shapes.values())
+
+
+def set_up(config, servers_given: bool = False, given: set[str] | None = None) -> Setup:
+    """Everything that can refuse the run (ConfigError) short of opening its transports.
+    ``given``: the settings the command line gave (default: those ``config`` does not
+    leave None), which the env's slow profile leaves as they are."""
     from shmrl.envs import env_spec
     from shmrl.envspec import say_left_out
 
     spec = env_spec(config.env)
     say_left_out(spec)
+    given = given_settings(config) if given is None else given
     config = resolve_config(config, spec)
     validate(config, spec, servers_given)
     multiagent = getattr(spec, "multiagent", False)
+    slow, profile = None, {"name": "preset", "why": f"--learn-per-step {config.learn_per_step}"}
+    if config.learn_per_step != "off" and not (config.resume or config.pretrain or multiagent):
+        config, slow_settings, sources = slow_config(config, spec, given)
+        if slow_settings is None:
+            profile["why"] = "no slow profile for this env in presets.toml (or the flags given are it)"
+        else:
+            validate(slow_settings, spec, servers_given)
+            slow = SlowProfile(slow_settings, {}, sources)
+            if config.learn_per_step == "on":   # from the start: nothing to measure or switch
+                config, slow = slow_settings, None
+                profile = {"name": "slow", "why": "--learn-per-step on", "tables": sources}
     policy_specs = {DEFAULT_POLICY: spec}
     if multiagent:
         from shmrl.envspec import policy_mapper
@@ -68,6 +106,9 @@ def set_up(config, servers_given: bool = False) -> Setup:
         config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
     check_policy_fits_a_frame(config, nets, multiagent)
+    if slow is not None:
+        slow.nets = {pid: policy_net(slow.config, s) for pid, s in policy_specs.items()}
+        check_policy_fits_a_frame(slow.config, slow.nets, multiagent)
     resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent,
                                      saved_config(config))
                if config.resume else None)
@@ -99,7 +140,10 @@ def set_up(config, servers_given: bool = False) -> Setup:
         if config.plot and not has_matplotlib:
             raise ConfigError("--plot needs matplotlib: pip install matplotlib")
         config.plot = has_matplotlib
-    return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained)
+    if slow is not None:   # the settings decided here (the stop return, the log folder) are the slow profile's too
+        slow.config = dataclasses.replace(config, **{k: getattr(slow.config, k) for k in SLOW_SETTINGS})
+    return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained,
+                 slow, profile)
 
 
 def symmetric_game(spec) -> bool:
@@ -176,4 +220,27 @@ def make_ppos(setup: Setup) -> dict:
         for pid, ppo in ppos.items():
             ppo.set_state(policy_arrays(arrays, policy_prefix(pid, setup.multiagent)),
                           ppo_state(state, pid, setup.multiagent))
+    return ppos
+
+
+def switch_to_slow(setup: Setup, serving: Serving, chunks: dict, rate: float) -> dict:
+    """The run goes on with its slow profile (the simulators delivered ``rate`` env steps
+    per second): its networks, first weights and PPOs, published at once; the batch it
+    measured them on (``chunks``, by policy id) and every chunk sampled before is dropped
+    (they count in env_steps), their observations kept in the new policies' statistics.
+    Returns the new PPOs."""
+    from shmrl.episode import EpisodeBatch
+
+    slow, setup.slow = setup.slow, None
+    setup.config, setup.nets = slow.config, slow.nets
+    setup.first_weights = {pid: net.initial_weights(slow.config.seed + i) for i, (pid, net) in enumerate(slow.nets.items())}
+    ppos = make_ppos(setup)
+    chunks = {pid: EpisodeBatch.concat(batches) for pid, batches in chunks.items()}
+    for pid, batch in chunks.items():
+        ppos[pid].update_obs_stats(batch)
+    serving.switch(slow.config, {pid: net.template for pid, net in slow.nets.items()},
+                   {pid: ppo.published_weights() for pid, ppo in ppos.items()}, chunks)
+    setup.profile = {"name": "slow", "why": f"simulators slow: {rate:.0f} env steps/s < --slow-rate "
+                     f"{slow.config.slow_rate:g}", "sim_rate": rate, "tables": slow.sources,
+                     "switched_at_env_steps": serving.store.steps_received}
     return ppos

@@ -10,6 +10,7 @@ adds to it and takes from it; the training thread reads its counts and writes
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import deque
 
@@ -20,6 +21,7 @@ from shmrl.stats import RunningMeanStd, discounted_sums
 
 PENDING_AT_CHECKPOINT = "not yet trained when the checkpoint was taken"
 DEFAULT_POLICY = "default"   # a single-agent run's one policy (RLlib's default module)
+SWITCHED = "sampled before the switch to the slow profile"   # by the networks the run no longer trains
 
 
 def count(counter: dict, key, n: int) -> None:
@@ -120,23 +122,27 @@ class PolicyChunks:
         for key in [k for k in self._open if k[0] == conn_id]:
             del self._open[key]
 
-    def take(self, version: int, max_lag: int | None, max_steps: int | None, dropped: dict) -> list[EpisodeBatch]:
+    def take(self, version: int, max_lag: int | None, max_steps: int | None, dropped: dict,
+             min_seq: int = 0) -> list[EpisodeBatch]:
         """The oldest pending batches, up to ``max_steps`` steps (None: all; the last batch
         may go over, unless that would make the update more than twice ``max_steps``: then
         it is cut between its chunks, and only a single chunk may go over), without the chunks
         sampled with weights more than ``max_lag`` versions older than ``version``, which
-        are counted into ``dropped`` as stale. Chunks without a version (RLlib's client
-        sends none) count as current."""
-        if max_lag is not None:
+        are counted into ``dropped`` as stale, nor those sampled before version ``min_seq``
+        (by the networks of another profile: ``SWITCHED``). Chunks without a version (RLlib's
+        client sends none) count as current."""
+        if max_lag is not None or min_seq > 0:
             fresh = []
             for conn_id, batch in self.pending:
                 seq = batch.weights_seq_no
-                stale = (seq >= 0) & (version - seq > max_lag)
-                if stale.any():
-                    n_stale = int(batch.lengths[stale].sum())
-                    count(dropped, "stale", n_stale)
-                    self._unpend(conn_id, n_stale)
-                    batch = batch.select(~stale)
+                for reason, old in (("stale", (seq >= 0) & (version - seq > (math.inf if max_lag is None else max_lag))),
+                                    (SWITCHED, (seq >= 0) & (seq < min_seq))):
+                    if old.any():
+                        n_old = int(batch.lengths[old].sum())
+                        count(dropped, reason, n_old)
+                        self._unpend(conn_id, n_old)
+                        batch = batch.select(~old)
+                        seq = batch.weights_seq_no
                 if batch.num_steps:
                     fresh.append((conn_id, batch))
             self.pending = fresh
@@ -268,14 +274,14 @@ class EpisodeStore:
         return self.steps_received - self.steps_refused
 
     def take(self, version: int = 0, max_lag: int | None = None,
-             max_steps: int | None = None) -> dict[str, list[EpisodeBatch]]:
+             max_steps: int | None = None, min_seq: int = 0) -> dict[str, list[EpisodeBatch]]:
         """Each policy's oldest pending batches (see ``PolicyChunks.take``), by policy id;
         policies with none are left out. ``max_steps`` bounds a lone policy's batch: the
         chunks of several policies (one multi-agent message holds all of theirs) go together."""
         max_steps = max_steps if len(self.policies) == 1 else None
         taken = {}
         for pid, policy in self.policies.items():
-            batches = policy.take(version, max_lag, max_steps, self.steps_dropped)
+            batches = policy.take(version, max_lag, max_steps, self.steps_dropped, min_seq)
             if batches:
                 taken[pid] = batches
                 self.steps_taken += sum(b.num_steps for b in batches)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shmrl.adapt import LearnPerStep
+from shmrl.adapt import LearnPerStep, simulators_slow
 from shmrl.checkpoint import CheckpointError
 from shmrl.config import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, saved_config
 from shmrl.episode import EpisodeBatch
@@ -25,7 +25,7 @@ from shmrl.logdir import LogdirWriteError, open_logdir, replace_file, write_json
 from shmrl.report import DETAIL_EVERY, Clock, metrics_row, progress_line, run_summary, share
 from shmrl.resume import policy_file, save_checkpoint, spent_budget
 from shmrl.serving import Serving, open_transports
-from shmrl.setup_run import Setup, make_ppos, make_serving, set_up
+from shmrl.setup_run import Setup, make_ppos, make_serving, set_up, switch_to_slow
 from shmrl.win_rate import WinRateEval
 
 log = logging.getLogger("shmrl.run")
@@ -110,8 +110,7 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
     # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
     log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
     last_line, lines = -math.inf, 0
-    learning = LearnPerStep(config.learn_per_step, config.epochs, config.minibatch_size, config.train_batch_size,
-                            config.target_kl, config.async_sampling)
+    learning = LearnPerStep.of(config, (setup.profile or {}).get("name") == "slow")
     clock.start_loop()
     while True:
         batch = serving.next_batch(0.05)
@@ -129,6 +128,10 @@ def loop(setup: Setup, serving: Serving, ppos: dict, supervisor, metrics, clock:
             return EXIT_BUDGET
         if not batch:
             continue
+        if setup.slow is not None:   # the first batch says how fast the simulators are: keep or switch
+            if choose_profile(setup, serving, ppos, batch[0]):
+                config, learning = setup.config, LearnPerStep.of(setup.config, slow_profile=True)
+                continue   # the batch was the other profile's: dropped
         plan = learning.plan()
         t0 = time.perf_counter()
         stats = update(serving, ppos, *batch, progress=store.steps_trained / config.max_env_steps, plan=plan)
@@ -165,26 +168,41 @@ def evaluate_last(judge: WinRateEval, serving: Serving, last: dict) -> None:
         last["evaluated_at_end"] = True
 
 
+def choose_profile(setup: Setup, serving: Serving, ppos: dict, chunks: dict) -> bool:
+    """The profile the run goes on with, from the env steps per second its simulators
+    delivered until the first batch (``adapt.simulators_slow``); True if it switched to
+    the slow one (``ppos`` then holds the new PPOs and ``chunks`` were dropped)."""
+    rate = serving.first_batch_rate
+    slow, line = simulators_slow(rate, setup.config.slow_rate)
+    print(line, flush=True)
+    if not slow:
+        setup.slow, setup.profile = None, {"name": "preset", "why": line, "sim_rate": rate}
+        return False
+    ppos.update(switch_to_slow(setup, serving, chunks, rate))
+    return True
+
+
 def checkpoint(setup: Setup, serving: Serving, ppos: dict) -> Path:
     config = setup.config
     return save_checkpoint(Path(config.logdir), serving.updates, serving.weights_seq_no, serving.store, ppos,
                            saved_config(config), config.keep_checkpoints, setup.multiagent)
 
 
-def train_run(config, t_start: float, launcher=None) -> tuple[int, dict]:
+def train_run(config, t_start: float, launcher=None, given: set[str] | None = None) -> tuple[int, dict]:
     """Run one training job (the simulators of ``config``, and external clients when it
     opens a TCP port); returns (exit status, summary). Whatever happens (Ctrl-C and
     SIGTERM included) every process it started is stopped, every segment it made is
-    unlinked, and the summary and a checkpoint are written."""
+    unlinked, and the summary and a checkpoint are written. ``given``: the settings the
+    command line gave (``setup_run.set_up``)."""
     from shmrl.supervisor import Supervisor, make_room_for
     from shmrl.transport.ring import ShmSpaceError
 
-    setup = set_up(config)
+    setup = set_up(config, given=given)
     config = setup.config
     if config.sims and not (launcher is not None and launcher.remote):
         make_room_for(config.sims)
     try:
-        servers, addresses, shm = open_transports(config, setup.spec, setup.nets, launcher)
+        servers, addresses, shm = open_transports(config, setup.spec, setup.ring_nets(), launcher)
     except ShmSpaceError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED, {}
@@ -311,7 +329,7 @@ def finish(setup: Setup, serving: Serving, supervisor, ppos, clock: Clock, statu
     if len(problems) > len(unsaid):
         status, error = EXIT_FAILED, "; ".join(dict.fromkeys(([error] if error else []) + problems))
     result = {**run_summary(serving, supervisor, clock, status, error, setup.resumed and setup.resumed[0]),
-              **(judge.summary() if judge else {}), "config": saved_config(config)}
+              **(judge.summary() if judge else {}), "profile": setup.profile, "config": saved_config(config)}
     if ppos is not None:
         result["checkpoint"] = str(written) if written else None
     try:

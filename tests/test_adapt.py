@@ -1,6 +1,8 @@
-"""Learning per env step (shmrl/adapt.py): the ladder of levels, the policy that picks one
-from the learner's busy share, the KL bound that stops an update, and that a run turns it
-on for a slow simulator (a throttled one, tools/slow_sim.py) and keeps it off for a fast one."""
+"""Learning per env step (shmrl/adapt.py): the slow profile a run switches to when its
+simulators are slow (and not when they are fast, nor over a flag given), the ladder of
+levels, the policy that picks one from the learner's busy share, the KL bound that stops
+an update, and that a run turns it on for a slow simulator (a throttled one,
+tools/slow_sim.py) and keeps it off for a fast one."""
 import json
 import os
 import signal
@@ -10,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_tool, metrics_rows, summary_of
-from shmrl.adapt import LearnPerStep, ladder
+from conftest import check_books, load_tool, metrics_rows, summary_of
+from shmrl.adapt import LearnPerStep, ladder, simulators_slow
+from shmrl.store import SWITCHED
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -123,12 +126,12 @@ def test_many_epochs_stop_at_the_kl_bound():
     assert results[0.005]["clip_frac"] < results[None]["clip_frac"]
 
 
-def run_shmrl(tmp_path, *args, steps_per_s=None, timeout=120) -> list[dict]:
+def run_shmrl(tmp_path, *args, steps_per_s=None, timeout=120, name="run") -> list[dict]:
     """``python -m shmrl.run`` with tools/ on the path (and a throttle); its metrics rows."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tools"), str(REPO)]))
     if steps_per_s:
         env["SLOW_SIM_STEPS_PER_S"] = str(steps_per_s)
-    logdir = tmp_path / "run"
+    logdir = tmp_path / name
     proc = subprocess.Popen([sys.executable, "-m", "shmrl.run", "--logdir", logdir, "--log-every", "0", *args],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -140,6 +143,7 @@ def run_shmrl(tmp_path, *args, steps_per_s=None, timeout=120) -> list[dict]:
             proc.wait(10)
     assert proc.returncode in (0, 1), out[-3000:]
     assert "learner " in out and "%" in out   # the progress line shows the busy share
+    (logdir / "out.txt").write_text(out)
     return metrics_rows(logdir)
 
 
@@ -158,6 +162,7 @@ def test_a_fast_simulator_keeps_the_preset(tmp_path, no_shm_leftovers):
     rows = run_shmrl(tmp_path, "--env", "CartPole-v1", "--max-env-steps", "60000")
     assert {r["learn_level"] for r in rows} == {0}, [(r["learner_share"], r["learn_level"]) for r in rows]
     assert {r["epochs_run"] for r in rows} == {4}   # the preset's
+    assert summary_of(tmp_path / "run")["profile"]["name"] == "preset"   # CartPole has no slow profile
 
 
 def test_the_throttle_holds_a_process_to_its_rate(monkeypatch):
@@ -195,3 +200,135 @@ def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path
     learner = run["shmrl"]["learner"]
     assert 0 <= learner["learner_share_median"] <= 1 and learner["approx_kl_max"] < 1
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+# ---------------------------------------------------------------- the slow profile
+
+def test_every_slow_table_changes_only_what_a_switch_may_change():
+    from shmrl.adapt import SLOW_SETTINGS
+    from shmrl.presets import all_tables
+
+    slow = all_tables()["slow"]
+    tables = [*slow["family"].values(), *slow["env"].values()]
+    assert tables and all(set(t) <= SLOW_SETTINGS for t in tables)
+    assert not SLOW_SETTINGS & {"sims", "envs_per_sim", "env_steps_per_sample", "max_env_steps", "transport"}
+
+
+def test_the_slow_profile_keeps_what_is_given_and_sizes_messages_for_both():
+    from shmrl.adapt import slow_config
+    from shmrl.config import Config, resolve_config
+    from shmrl.envs import env_spec
+
+    spec = env_spec("gym:MountainCarContinuous-v0")   # the continuous family: its slow table
+    config = resolve_config(Config(env="gym:MountainCarContinuous-v0", sims=4), spec)
+    fast, slow, sources = slow_config(config, spec, set())
+    assert sources == ["slow.family.continuous"]
+    assert (fast.hidden, slow.hidden, slow.log_std_init, slow.train_batch_size) == (64, 256, -2.0, 512)
+    assert fast.env_steps_per_sample == slow.env_steps_per_sample == 128   # the smaller batch's share
+    _, given, _ = slow_config(config, spec, {"hidden", "env_steps_per_sample"})
+    assert (given.hidden, given.epochs, given.env_steps_per_sample) == (64, 10, 512)
+    cartpole = resolve_config(Config(env="CartPole-v1"), env_spec("CartPole-v1"))
+    assert slow_config(cartpole, env_spec("CartPole-v1"), set())[1] is None   # no slow table
+
+
+def test_slow_is_below_the_rate_and_says_so():
+    slow, line = simulators_slow(870.4, 3000.0)
+    assert slow and "870 env steps/s < --slow-rate 3000" in line
+    fast, line = simulators_slow(12000.0, 3000.0)
+    assert not fast and "fast (12000" in line
+
+
+def test_chunks_of_the_profile_before_are_dropped_not_trained():
+    from shmrl.episode import EpisodeBatch
+    from shmrl.store import EpisodeStore
+    from test_ppo import bandit_chunks
+
+    store = EpisodeStore()
+    for seq in (1, 2):
+        chunks = bandit_chunks(n=4)
+        for chunk in chunks:
+            chunk.weights_seq_no = seq
+        store.add("c", {"default": EpisodeBatch.from_episodes(chunks)})
+    taken = store.take(version=2, min_seq=2)["default"]
+    assert {int(s) for b in taken for s in b.weights_seq_no} == {2}
+    assert store.steps_dropped[SWITCHED] == sum(b.num_steps for b in taken)
+
+
+def slow_mountain_car(tmp_path, *flags, name="run", steps_per_s=500):
+    """A continuous env of the family's slow table on 2 simulators at ``steps_per_s`` each."""
+    rows = run_shmrl(tmp_path, "--env", "slow_sim:mountain_car", "--sims", "2", "--max-env-steps", "4096",
+                     "--stop-return", "inf", *flags, steps_per_s=steps_per_s, name=name)
+    return rows, summary_of(tmp_path / name), (tmp_path / name / "out.txt").read_text()
+
+
+def test_a_slow_simulator_switches_to_the_slow_profile(tmp_path, no_shm_leftovers):
+    rows, summary, out = slow_mountain_car(tmp_path)   # 1000 env steps/s in all
+    profile = summary["profile"]
+    assert profile["name"] == "slow" and profile["sim_rate"] < 3000, profile
+    assert "simulators slow (" in out
+    assert (summary["config"]["hidden"], summary["config"]["train_batch_size"]) == (256, 512)
+    assert not summary["config"]["async_sampling"]   # the family's preset samples on; its slow profile waits
+    assert {r["epochs_run"] for r in rows if r["learn_level"] == 0} == {10}   # the slow table's
+    assert all(r["batch_steps"] <= 2 * 512 for r in rows)
+    # the first batch, sampled by the preset's network, was dropped: counted, never trained
+    assert summary["env_steps_dropped"][SWITCHED] >= 2048
+    check_books(summary, tmp_path / "run")
+    # the policy published last is the slow profile's: its 256x256 layer alone is 256 KiB of floats
+    assert (tmp_path / "run" / "policy.onnx").stat().st_size > 4 * 256 * 256
+
+
+def test_a_flag_given_wins_over_the_slow_profile_and_off_never_switches(tmp_path, no_shm_leftovers):
+    _, summary, _ = slow_mountain_car(tmp_path, "--hidden", "32", "--epochs", "3", name="given")
+    assert summary["profile"]["name"] == "slow"
+    assert (summary["config"]["hidden"], summary["config"]["epochs"], summary["config"]["log_std_init"]) == (32, 3, -2.0)
+    _, summary, out = slow_mountain_car(tmp_path, "--learn-per-step", "off", name="off")
+    assert summary["profile"]["name"] == "preset" and "simulators" not in out
+    assert summary["config"]["hidden"] == 64 and SWITCHED not in summary["env_steps_dropped"]
+
+
+def test_on_takes_the_slow_profile_from_the_start(tmp_path, no_shm_leftovers):
+    _, summary, _ = slow_mountain_car(tmp_path, "--learn-per-step", "on", "--max-env-steps", "1500", "--hidden", "32",
+                                      steps_per_s=2000)
+    assert summary["profile"] == {"name": "slow", "why": "--learn-per-step on", "tables": ["slow.family.continuous"]}
+    assert (summary["config"]["hidden"], summary["config"]["log_std_init"]) == (32, -2.0)
+    assert SWITCHED not in summary["env_steps_dropped"]
+
+
+def test_a_fast_simulator_keeps_the_preset_profile(tmp_path, no_shm_leftovers):
+    # Unthrottled MountainCar delivers thousands of env steps/s on a quiet machine, a few
+    # hundred at a load of 20 (its simulators at nice 19): the bar is low for a loaded test machine.
+    rows, summary, out = slow_mountain_car(tmp_path, "--slow-rate", "100", steps_per_s=None)
+    assert summary["profile"]["name"] == "preset" and summary["profile"]["sim_rate"] >= 100, summary["profile"]
+    assert "simulators fast (" in out
+    assert summary["config"]["hidden"] == 64 and SWITCHED not in summary["env_steps_dropped"]
+    assert rows[0]["batch_steps"] >= 2048   # the preset's batch from the first update
+
+
+def test_the_delivery_rate_leaves_each_clients_start_up_out(monkeypatch):
+    """Two clients: one whose first message came after a slow start and then one a second
+    (100 steps/s from then on), one that has sent a single message since its PING."""
+    from conftest import FakeServer
+    from shmrl import hub as hub_module
+    from shmrl import rllink
+    from shmrl.envs import env_spec
+    from shmrl.hub import Hub
+    from shmrl.store import DEFAULT_POLICY, EpisodeStore
+    from test_flood import one_step_chunks
+
+    now = [0.0]
+    monkeypatch.setattr(hub_module.time, "monotonic", lambda: now[0])
+    hub, server = Hub({DEFAULT_POLICY: env_spec("CartPole-v1")}, EpisodeStore(), 100, on_policy=False), FakeServer()
+
+    def send(conn_id, at, steps):
+        now[0] = at
+        hub.handle(server, conn_id, rllink.validate({"type": "EPISODES", "episodes": one_step_chunks(1, steps)},
+                                                    "request"))
+
+    hub.handle(server, "a", {"type": "PING"})
+    send("a", 5.0, 100)     # 5 s of start up: not counted
+    send("a", 6.0, 100)
+    send("a", 7.0, 100)
+    hub.handle(server, "b", {"type": "PING"})   # at 7 s
+    send("b", 9.0, 50)      # one message: 50 steps in the 2 s since its PING
+    now[0] = 9.0
+    assert hub.delivery_rate() == pytest.approx(100 + 25)

@@ -75,6 +75,7 @@ FLAG_VALUES = [
     (["--max-message-chunks", "400"], "max_message_chunks", 400),
     (["--learn-per-step", "off"], "learn_per_step", "off"),
     (["--target-kl", "0.05"], "target_kl", 0.05),
+    (["--slow-rate", "500"], "slow_rate", 500.0), (["--no-ortho-init"], "ortho_init", False),
     # issue 26
     (["--plot"], "plot", True), (["--verbose"], "verbose", True),
     # issue 23: a self-play run evaluated while it trains (a symmetric game's), and a time budget
@@ -93,7 +94,7 @@ def test_every_flag_of_the_old_command_line_is_still_there():
                                             "--max-reward-abs", "--max-skipped-updates", "--max-json-frame-bytes",
                                             "--client-budget", "--max-message-steps", "--max-message-chunks",
                                             "--record", "--pretrain", "--pretrain-steps",
-                                            "--learn-per-step", "--target-kl",
+                                            "--learn-per-step", "--target-kl", "--slow-rate", "--ortho-init", "--no-ortho-init",
                                             "--plot", "--no-plot", "--verbose", "--no-verbose",
                                             "--eval-every", "--eval-games", "--stop-win-rate", "--max-seconds"}
     titles = [group.title for group in parser._action_groups]

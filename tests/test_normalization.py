@@ -150,8 +150,10 @@ def test_a_preset_is_picked_up_and_a_flag_overrides_it():
 def test_a_short_mujoco_run_learns(tmp_path, no_shm_leftovers, no_sim_leftovers):
     need("mujoco", "mujoco")
     # A random policy balances InvertedPendulum-v5 for about 6 steps; 300 takes learning.
+    # the preset's settings (annealed lr) whatever the machine's load: its simulators, at nice 19 on a
+    # busy machine, could deliver too few env steps/s and switch the run to the slow profile
     summary = shmrl.train(env="gym:InvertedPendulum-v5", sims=2, stop_return=300, max_env_steps=200_000,
-                          logdir=str(tmp_path))
+                          logdir=str(tmp_path), learn_per_step="off")
     assert summary["solved"], summary
     rows = metrics_rows(tmp_path)
     assert rows[0]["return_mean"] < 50 and rows[-1]["reward_scale"] != 1.0 and rows[-1]["lr"] < rows[0]["lr"]

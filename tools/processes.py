@@ -45,6 +45,25 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
+def wait_group_gone(pgid: int, timeout: float = 5.0) -> bool:
+    """Wait until no live process of the group ``pgid`` is left (a run's fork server ends a
+    moment after the run), at most ``timeout`` s; True if none is."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        live = []
+        for proc in psutil.process_iter(["status"]):
+            try:
+                if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                    live.append(proc.pid)
+            except (psutil.Error, ProcessLookupError):
+                continue
+        if not live or time.monotonic() > deadline:
+            return not live
+        time.sleep(0.05)
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
     """SIGTERM, then SIGKILL: a subprocess of ours never outlives the tool."""
     if proc.poll() is None:

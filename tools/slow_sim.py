@@ -13,10 +13,17 @@ clients) throttled to N/S hold N env steps per second in all; tools/slow_sims.py
         --env ThrottledHalfCheetah-v5 ...
 
 shmrl takes the factories below (``--env slow_sim:half_cheetah``); gymnasium (and so
-rl-zoo3, ``--gym-packages slow_sim``) the ids ``Throttled<ID>`` this module registers.
+rl-zoo3, ``--gym-packages slow_sim``) the ids ``Throttled<ID>`` this module registers. With
+tools/slow_site on PYTHONPATH (its sitecustomize.py calls ``throttle_base_ids``) the base
+ids themselves are throttled in every process that has $SLOW_SIM_STEPS_PER_S: shmrl then
+trains ``--env gym:HalfCheetah-v5`` with that env's own presets and slow profile, as it
+would a slow engine of that env (tools/slow_sims.py does so).
+
+    SLOW_SIM_STEPS_PER_S=250 PYTHONPATH=tools/slow_site python -m shmrl.run --env gym:Hopper-v5 --sims 4
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -25,7 +32,7 @@ import gymnasium
 RATE_VAR = "SLOW_SIM_STEPS_PER_S"
 # shmrl's factory (--env slow_sim:NAME) -> the gymnasium env it throttles.
 BASE_IDS = {"half_cheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "cart_pole": "CartPole-v1",
-            "inverted_pendulum": "InvertedPendulum-v5"}
+            "inverted_pendulum": "InvertedPendulum-v5", "mountain_car": "MountainCarContinuous-v0"}
 
 
 class Pace:
@@ -90,7 +97,29 @@ def inverted_pendulum():
     return make("InvertedPendulum-v5")
 
 
+def mountain_car():   # continuous control without mujoco: the tests' slow simulator
+    return make("MountainCarContinuous-v0")
+
+
 for _base in BASE_IDS.values():
     if "Throttled" + _base not in gymnasium.registry:
         gymnasium.register("Throttled" + _base, entry_point=f"{__name__}:make", kwargs={"base_id": _base},
                            reward_threshold=gymnasium.spec(_base).reward_threshold)
+
+
+def _throttled_entry(_base_entry, **kwargs):
+    """The entry point of a base id under ``throttle_base_ids``: its own env, throttled."""
+    from gymnasium.envs.registration import load_env_creator
+
+    creator = load_env_creator(_base_entry) if isinstance(_base_entry, str) else _base_entry
+    return Throttled(creator(**kwargs))
+
+
+def throttle_base_ids() -> None:
+    """Throttle the base ids (HalfCheetah-v5, ...) in gymnasium's registry under their own
+    names, in this process and those it forks (tools/slow_site/sitecustomize.py)."""
+    for base in BASE_IDS.values():
+        spec = gymnasium.registry[base]
+        if spec.entry_point is not _throttled_entry:
+            gymnasium.registry[base] = dataclasses.replace(
+                spec, entry_point=_throttled_entry, kwargs={**spec.kwargs, "_base_entry": spec.entry_point})

@@ -11,16 +11,15 @@ policy moved per update (approx_kl, clip_frac), a plot of both curves, JSON.
     python tools/slow_sims.py --quick --json                   # seconds: InvertedPendulum-v5, one seed
 
 SB3 runs as tools/zoo.py runs it (rl-zoo3's own training script and ppo.yml entry of the
-base env), on ``Throttled<ENV>`` (one process at --rate); shmrl on
-``slow_sim:<factory>`` with --sims S simulators (or, --clients, S ``python -m shmrl.sim
---connect`` clients) at --rate / S each, and the base env's
-own preset (gamma and the like: presets.toml) as flags. Each stops at --steps env steps
-or after --steps / --rate x 4 + 60 seconds.
+base env), on ``Throttled<ENV>`` (one process at --rate); shmrl on ``gym:<ENV>`` itself,
+throttled in every process (tools/slow_site on PYTHONPATH: tools/slow_sim.py), so that it
+takes the env's own preset and slow profile as a user's run would, with no flags: --sims S
+simulators (or, --clients, S ``python -m shmrl.sim --connect`` clients) at --rate / S each.
+Each stops at --steps env steps or after --seconds (default: --steps / --rate x 4 + 60).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -40,19 +39,17 @@ HERE = Path(__file__).resolve().parent
 FACTORIES = {base: name for name, base in slow_sim.BASE_IDS.items()}
 
 
-def base_preset_flags(env: str) -> list[str]:
-    """The flags of the env's own table in presets.toml (``gym:ENV``'s), which the throttled
-    factory's name does not find (its family's it gets: the family is found by the spaces)."""
-    from shmrl.config import Config, flag_of
-    from shmrl.presets import _presets
+def smaller_batch(env: str) -> int:
+    """The smaller train batch of the env's preset and its slow profile (presets.toml): what
+    each external client's messages are a share of, as shmrl's own simulators' are."""
+    from shmrl.adapt import slow_config
+    from shmrl.config import Config, resolve_config
+    from shmrl.envs import env_spec
 
-    own = {k: v for k, v in _presets().get("env", {}).get(f"gym:{env}", {}).items() if k != "family"}
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    flags = []
-    for key, value in own.items():
-        flag = flag_of(fields[key])
-        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
-    return flags
+    spec = env_spec(env)
+    fast = resolve_config(Config(env=env), spec)
+    slow = slow_config(fast, spec, set())[1]
+    return min(fast.train_batch_size, slow.train_batch_size if slow else fast.train_batch_size)
 
 
 def run_shmrl_clients(env: str, seed: int, seconds: float, folder: Path, extra: list[str], env_vars: dict,
@@ -89,15 +86,13 @@ def run_shmrl_clients(env: str, seed: int, seconds: float, folder: Path, extra: 
                                                    *extra, f"+ {clients} x python -m shmrl.sim --connect"]))
 
 
-def shmrl_rows(folder: Path) -> list[dict]:
-    return read_logdir(folder / "shmrl")[1]
-
-
-def learner_stats(rows: list[dict]) -> dict:
-    """How busy shmrl's learner was, how much it learned per batch, and how far each update moved."""
+def learner_stats(summary: dict, rows: list[dict]) -> dict:
+    """The profile shmrl chose (summary.json's), how busy its learner was, how much it
+    learned per batch, and how far each update moved."""
     if not rows:
         return {}
-    return {"learner_share_median": statistics.median(r["learner_share"] for r in rows),
+    return {"profile": summary.get("profile"),
+            "learner_share_median": statistics.median(r["learner_share"] for r in rows),
             "learn_levels": sorted({r["learn_level"] for r in rows}),
             "epochs_run_median": statistics.median(r["epochs_run"] for r in rows),
             "approx_kl_median": statistics.median(r["approx_kl"] for r in rows),
@@ -114,7 +109,7 @@ def summarize(run: dict, steps_at: list[int], times_at: list[float]) -> dict:
 
 
 def one_seed(env: str, seed: int, a, py, folder: Path) -> dict:
-    seconds = a.steps / a.rate * 4 + 60
+    seconds = a.seconds or a.steps / a.rate * 4 + 60
     entry = {"seed": seed}
     if a.sb3:
         (folder / "sb3").mkdir()
@@ -124,22 +119,21 @@ def one_seed(env: str, seed: int, a, py, folder: Path) -> dict:
                                    entry_of=env)
     if a.shmrl:
         (folder / "shmrl").mkdir()
-        pythonpath = os.pathsep.join([str(HERE), str(zoo.REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        extra = ["--max-env-steps", str(a.steps), *base_preset_flags(env), *a.extra]
+        pythonpath = os.pathsep.join([str(HERE / "slow_site"), str(zoo.REPO),
+                                      os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        extra = ["--max-env-steps", str(a.steps), *a.extra]
         env_vars = {"PYTHONPATH": pythonpath, slow_sim.RATE_VAR: str(a.rate / a.sims)}
         if a.clients:   # each client's messages its share of a batch, as the local simulators' are
             # (with --sims 0 a message would be a whole batch: 4 clients sending together with --async
             # bring 4 batches at once, and half their steps were dropped as stale)
-            from shmrl.config import env_defaults
-
-            per_client = -(-env_defaults(f"gym:{env}")["train_batch_size"] // a.sims)
-            entry["shmrl"] = run_shmrl_clients(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl",
+            per_client = -(-smaller_batch(f"gym:{env}") // a.sims)
+            entry["shmrl"] = run_shmrl_clients(f"gym:{env}", seed, seconds, folder / "shmrl",
                                                ["--env-steps-per-sample", str(per_client), *extra], env_vars, a.sims)
         else:
-            entry["shmrl"] = zoo.run_shmrl(f"slow_sim:{FACTORIES[env]}", seed, seconds, folder / "shmrl",
+            entry["shmrl"] = zoo.run_shmrl(f"gym:{env}", seed, seconds, folder / "shmrl",
                                            ["--sims", str(a.sims), *extra], env_vars=env_vars)
-        entry["shmrl"]["learner"] = learner_stats(shmrl_rows(folder / "shmrl"))
-    steps_at = [int(a.steps * f) for f in (0.25, 0.5, 1.0)]
+        entry["shmrl"]["learner"] = learner_stats(*read_logdir(folder / "shmrl" / "shmrl"))
+    steps_at = sorted({int(a.steps * f) for f in (0.25, 0.5, 1.0)} | {n for n in zoo.STEPS if n <= a.steps})
     times_at = [t for t in (30, 60, 120, 300, 600, 1200) if t <= seconds]
     for who in ("sb3", "shmrl"):
         if who in entry:
@@ -167,6 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=1000.0, help="env steps per second, all simulators together "
                                                              "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=100_000, help="env steps of each run (default: %(default)s)")
+    p.add_argument("--seconds", type=float, help="stop each run after this long even short of --steps (default: "
+                                                 "--steps / --rate x 4 + 60; more on a busy machine)")
     p.add_argument("--sims", type=int, default=4, help="shmrl's simulators, each at --rate / S (default: %(default)s)")
     p.add_argument("--clients", action="store_true",
                    help="shmrl's simulators are external clients (python -m shmrl.sim --connect), not its own")
@@ -188,8 +184,7 @@ def main(argv=None) -> int:
         for seed in a.seeds:
             with tempfile.TemporaryDirectory(prefix=f"shmrl-slow-{env}-") as tmp:
                 runs.append(one_seed(env, seed, a, py, Path(tmp)))
-            if not a.json:
-                print_run(env, runs[-1])
+            print_run(env, runs[-1], sys.stderr if a.json else sys.stdout)   # each seed's, as it ends
         results["envs"][env] = {"runs": runs, **medians(runs)}
     results["load_after"] = os.getloadavg()
     if a.plot:
@@ -205,17 +200,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def print_run(env: str, entry: dict) -> None:
+def print_run(env: str, entry: dict, out=sys.stdout) -> None:
     for who in ("sb3", "shmrl"):
         if who in entry:
             r = entry[who]
             steps = " ".join(f"{int(n) // 1000}k={zoo.fmt(v)}" for n, v in r["return_at_steps"].items())
             times = " ".join(f"{t}s={zoo.fmt(v)}" for t, v in r["return_at_s"].items())
             learner = r.get("learner", {})
-            extra = (f" | learner {100 * learner['learner_share_median']:.0f}% levels {learner['learn_levels']} "
+            profile = learner.get("profile") or {}
+            extra = (f" | {profile.get('name')} profile ({zoo.fmt(profile.get('sim_rate'))}/s at the first batch)"
+                     f" | learner {100 * learner['learner_share_median']:.0f}% levels {learner['learn_levels']} "
                      f"kl max {learner['approx_kl_max']:.3f} clip max {learner['clip_frac_max']:.2f}") if learner else ""
             print(f"{env} seed {entry['seed']} {who:5s}: {steps} | {times} | {zoo.fmt(r.get('env_steps'))} steps, "
-                  f"{zoo.fmt(r.get('env_steps_per_s'))}/s{extra}", flush=True)
+                  f"{zoo.fmt(r.get('env_steps_per_s'))}/s{extra}", file=out, flush=True)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import venvs  # tools/venvs.py: the baselines' virtualenvs
-from processes import popen_group, read_logdir  # tools/processes.py
+from processes import popen_group, read_logdir, wait_group_gone  # tools/processes.py
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
@@ -100,6 +100,7 @@ def stop_after(cmd: list, seconds: float, cwd: Path, log: Path, env_vars: dict |
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+            wait_group_gone(proc.pid)   # what it started (a fork server) ends a moment after it
     return t0
 
 
