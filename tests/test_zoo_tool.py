@@ -83,3 +83,13 @@ def test_the_recurrent_baseline_runs_recurrent_ppo_and_shmrl_and_plots_them(tmp_
     assert c["sb3_reached_target"] is False and c["speedup"] is None   # not in 10 s
     assert c["shmrl_wall_s_to_sb3_final"] is not None
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_run_cut_short_of_a_step_count_has_no_return_there():
+    zoo = load_tool("zoo")
+    curve = [{"env_steps": 50_000, "wall_s": 100.0, "return_mean": 10.0},
+             {"env_steps": 120_000, "wall_s": 900.0, "return_mean": 20.0}]
+    assert zoo.at_steps(curve, 100_000) == 10.0
+    assert zoo.at_steps(curve, 300_000) is None          # stopped by its time cap at 120k
+    assert zoo.at_steps(curve + [{"env_steps": 299_500, "wall_s": 950.0, "return_mean": 30.0}], 300_000) == 30.0
+    assert zoo.at_steps([], 1000) is None

@@ -103,7 +103,7 @@ def learner_stats(summary: dict, rows: list[dict]) -> dict:
 
 def summarize(run: dict, steps_at: list[int], times_at: list[float]) -> dict:
     curve = run["curve"]
-    return {"return_at_steps": {str(n): zoo.at(curve, "env_steps", n) for n in steps_at},
+    return {"return_at_steps": {str(n): zoo.at_steps(curve, n) for n in steps_at},
             "return_at_s": {str(int(t)): zoo.at(curve, "wall_s", t) for t in times_at},
             "final": curve[-1] if curve else None}
 

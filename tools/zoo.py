@@ -202,6 +202,13 @@ def at(curve: list[dict], key: str, limit: float) -> float | None:
     return points[-1]["return_mean"] if points else None
 
 
+def at_steps(curve: list[dict], steps: int) -> float | None:
+    """The return after ``steps`` env steps; None for a run that stopped short of them (a
+    time cap), whose last return is not the return at ``steps``."""
+    reached = curve and curve[-1]["env_steps"] >= steps * 0.99   # the last sample may end just short
+    return at(curve, "env_steps", steps) if reached else None
+
+
 def first_reaching(curve: list[dict], target: float) -> dict | None:
     return next((p for p in curve if p["return_mean"] >= target), None)
 
@@ -209,7 +216,7 @@ def first_reaching(curve: list[dict], target: float) -> dict | None:
 def summarize(run: dict, seconds: float) -> dict:
     curve = run["curve"]
     return {"return_at_s": {str(t): at(curve, "wall_s", t) for t in TIMES if t <= seconds},
-            "return_at_steps": {str(n): at(curve, "env_steps", n) for n in STEPS},
+            "return_at_steps": {str(n): at_steps(curve, n) for n in STEPS},
             "final": curve[-1] if curve else None}
 
 
