@@ -297,7 +297,10 @@ def test_on_takes_the_slow_profile_from_the_start(tmp_path, no_shm_leftovers):
 def test_a_fast_simulator_keeps_the_preset_profile(tmp_path, no_shm_leftovers):
     # Unthrottled MountainCar delivers thousands of env steps/s on a quiet machine, a few
     # hundred at a load of 20 (its simulators at nice 19): the bar is low for a loaded test machine.
-    rows, summary, out = slow_mountain_car(tmp_path, "--slow-rate", "100", steps_per_s=None)
+    # A budget of several batches: unthrottled simulators sampling on (--async) may deliver
+    # 4096 env steps before the learner's first update, and the run would end with none.
+    rows, summary, out = slow_mountain_car(tmp_path, "--slow-rate", "100", "--max-env-steps", "16384",
+                                           steps_per_s=None)
     assert summary["profile"]["name"] == "preset" and summary["profile"]["sim_rate"] >= 100, summary["profile"]
     assert "simulators fast (" in out
     assert summary["config"]["hidden"] == 64 and SWITCHED not in summary["env_steps_dropped"]
