@@ -181,17 +181,21 @@ def test_the_throttle_holds_a_process_to_its_rate(monkeypatch):
     assert 40 / 200 * 0.9 <= took < 40 / 200 * 3, took
 
 
-@pytest.mark.slow   # about 40 s on an idle machine: both trainers, throttled
+@pytest.mark.slow   # about 30 s on an idle machine: both trainers, throttled, at once
 @pytest.mark.skipif(not Path("~/.cache/shmrl/zoo-venv/bin/python").expanduser().exists(),
                     reason="no rl-zoo3 virtualenv: `python tools/zoo.py --setup` makes it")
 def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm_leftovers):
     pytest.importorskip("mujoco", reason="the mujoco extra is not installed (the test extra has it)")
     out = tmp_path / "curves.png"
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "slow_sims.py"), "--quick", "--json",
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "slow_sims.py"), "--quick", "--json", "--at-once",
                            "--plot", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (run,) = result["envs"]["InvertedPendulum-v5"]["runs"]
+    # --at-once: each on its own core, at the same time
+    assert result["at_once"] and run["sb3"]["core"] != run["shmrl"]["core"]
+    (sb3_start, sb3_end), (shmrl_start, shmrl_end) = run["sb3"]["span"], run["shmrl"]["span"]
+    assert sb3_start < shmrl_end and shmrl_start < sb3_end
     for who in ("shmrl", "sb3"):
         assert run[who]["curve"] and run[who]["env_steps"] >= 2000, who
         # throttled: neither samples faster than the rate (a little slack for the rate's clock)

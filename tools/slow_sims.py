@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """shmrl beside stable-baselines3 + rl-zoo3's tuned PPO on a slow simulator: both trainers'
-envs throttled to the same aggregate rate (tools/slow_sim.py), seed by seed, in turns.
+envs throttled to the same aggregate rate (tools/slow_sim.py), seed by seed, in turns (or
+--at-once: at the same time, each on its own core).
 Returns at given env steps and wall times, how busy shmrl's learner was and how far its
 policy moved per update (approx_kl, clip_frac), a plot of both curves, JSON.
 
@@ -8,6 +9,7 @@ policy moved per update (approx_kl, clip_frac), a plot of both curves, JSON.
     python tools/slow_sims.py --envs Hopper-v5 --steps 300000 --plot hopper.png
     python tools/slow_sims.py --no-sb3 --seeds 0 -- --learn-per-step off   # shmrl alone, flags of its own
     python tools/slow_sims.py --clients --no-sb3               # shmrl's simulators as external TCP clients
+    python tools/slow_sims.py --at-once --steps 1000000        # both at once, a core each: 1M steps in ~35 min a seed
     python tools/slow_sims.py --quick --json                   # seconds: InvertedPendulum-v5, one seed
 
 SB3 runs as tools/zoo.py runs it (rl-zoo3's own training script and ppo.yml entry of the
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import slow_sim  # noqa: F401  (tools/slow_sim.py: checked importable here before a trainer needs it)
@@ -111,34 +114,60 @@ def summarize(run: dict, steps_at: list[int], times_at: list[float]) -> dict:
 def one_seed(env: str, seed: int, a, py, folder: Path) -> dict:
     seconds = a.seconds or a.steps / a.rate * 4 + 60
     entry = {"seed": seed}
+    runs = {}
     if a.sb3:
-        (folder / "sb3").mkdir()
-        entry["sb3"] = zoo.run_sb3(py, "Throttled" + env, seed, seconds, folder / "sb3",
-                                   extra=("--gym-packages", "slow_sim", "-n", str(a.steps)),
-                                   env_vars={"PYTHONPATH": str(HERE), slow_sim.RATE_VAR: str(a.rate)},
-                                   entry_of=env)
+        runs["sb3"] = lambda: run_sb3(env, seed, a, py, seconds, folder / "sb3")
     if a.shmrl:
-        (folder / "shmrl").mkdir()
-        pythonpath = os.pathsep.join([str(HERE / "slow_site"), str(zoo.REPO),
-                                      os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        extra = ["--max-env-steps", str(a.steps), *a.extra]
-        env_vars = {"PYTHONPATH": pythonpath, slow_sim.RATE_VAR: str(a.rate / a.sims)}
-        if a.clients:   # each client's messages its share of a batch, as the local simulators' are
-            # (with --sims 0 a message would be a whole batch: 4 clients sending together with --async
-            # bring 4 batches at once, and half their steps were dropped as stale)
-            per_client = -(-smaller_batch(f"gym:{env}") // a.sims)
-            entry["shmrl"] = run_shmrl_clients(f"gym:{env}", seed, seconds, folder / "shmrl",
-                                               ["--env-steps-per-sample", str(per_client), *extra], env_vars, a.sims)
-        else:
-            entry["shmrl"] = zoo.run_shmrl(f"gym:{env}", seed, seconds, folder / "shmrl",
-                                           ["--sims", str(a.sims), *extra], env_vars=env_vars)
-        entry["shmrl"]["learner"] = learner_stats(*read_logdir(folder / "shmrl" / "shmrl"))
+        runs["shmrl"] = lambda: run_shmrl(env, seed, a, seconds, folder / "shmrl")
+    if a.at_once:   # each in a thread pinned to its own core: the processes it starts inherit that
+        cores = sorted(os.sched_getaffinity(0))
+        with ThreadPoolExecutor(len(runs)) as pool:
+            futures = {who: pool.submit(pinned, cores[k], run) for k, (who, run) in enumerate(runs.items())}
+            entry.update((who, f.result()) for who, f in futures.items())
+    else:
+        entry.update((who, run()) for who, run in runs.items())
     steps_at = sorted({int(a.steps * f) for f in (0.25, 0.5, 1.0)} | {n for n in zoo.STEPS if n <= a.steps})
     times_at = [t for t in (30, 60, 120, 300, 600, 1200) if t <= seconds]
     for who in ("sb3", "shmrl"):
         if who in entry:
             entry[who].update(summarize(entry[who], steps_at, times_at))
     return entry
+
+
+def pinned(core: int, run) -> dict:
+    """``run()`` with this thread, and so every process it starts, on ``core`` alone; the
+    result says which core, and when it ran (time.time())."""
+    os.sched_setaffinity(0, {core})
+    start = time.time()
+    return {**run(), "core": core, "span": [start, time.time()]}
+
+
+def run_sb3(env: str, seed: int, a, py, seconds: float, folder: Path) -> dict:
+    folder.mkdir()
+    return zoo.run_sb3(py, "Throttled" + env, seed, seconds, folder,
+                       extra=("--gym-packages", "slow_sim", "-n", str(a.steps)),
+                       env_vars={"PYTHONPATH": str(HERE), slow_sim.RATE_VAR: str(a.rate),
+                                 **({"OMP_NUM_THREADS": "1"} if a.at_once else {})},
+                       entry_of=env)
+
+
+def run_shmrl(env: str, seed: int, a, seconds: float, folder: Path) -> dict:
+    folder.mkdir()
+    pythonpath = os.pathsep.join([str(HERE / "slow_site"), str(zoo.REPO),
+                                  os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    extra = ["--max-env-steps", str(a.steps), *a.extra]
+    env_vars = {"PYTHONPATH": pythonpath, slow_sim.RATE_VAR: str(a.rate / a.sims)}
+    if a.clients:   # each client's messages its share of a batch, as the local simulators' are
+        # (with --sims 0 a message would be a whole batch: 4 clients sending together with --async
+        # bring 4 batches at once, and half their steps were dropped as stale)
+        per_client = -(-smaller_batch(f"gym:{env}") // a.sims)
+        result = run_shmrl_clients(f"gym:{env}", seed, seconds, folder,
+                                   ["--env-steps-per-sample", str(per_client), *extra], env_vars, a.sims)
+    else:
+        result = zoo.run_shmrl(f"gym:{env}", seed, seconds, folder, ["--sims", str(a.sims), *extra],
+                               env_vars=env_vars)
+    result["learner"] = learner_stats(*read_logdir(folder / "shmrl"))
+    return result
 
 
 def medians(runs: list[dict]) -> dict:
@@ -168,16 +197,22 @@ def main(argv=None) -> int:
                    help="shmrl's simulators are external clients (python -m shmrl.sim --connect), not its own")
     p.add_argument("--sb3", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--shmrl", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--at-once", action="store_true",
+                   help="run both trainers at the same time, each on its own CPU core (SB3 on the first, shmrl's "
+                        "learner and simulators on the second), instead of in turns: half the wall time on a 2-core "
+                        "machine, and neither takes the other's core")
     p.add_argument("--python", type=Path, help="a python with rl_zoo3 and mujoco (default: tools/zoo.py's venv)")
     p.add_argument("--plot", type=Path, help="write both trainers' curves to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="InvertedPendulum-v5, seed 0, 5000 steps at 1000/s")
     p.add_argument("extra", nargs="*", help="after --: extra arguments for shmrl.run")
     a = p.parse_args(argv)
+    if a.at_once and len(os.sched_getaffinity(0)) < a.sb3 + a.shmrl:
+        p.error(f"--at-once needs a CPU core for each trainer; this process may use {len(os.sched_getaffinity(0))}")
     if a.quick:
         a.envs, a.seeds, a.steps, a.rate, a.sims = ["InvertedPendulum-v5"], [0], 5000, 1000.0, 2
     py = (a.python or venvs.ZOO.ensure(venvs.ZOO.folder)) if a.sb3 else None
-    results = {"rate": a.rate, "steps": a.steps, "sims": a.sims, "clients": a.clients, "extra": a.extra, "load_before": os.getloadavg(),
+    results = {"rate": a.rate, "steps": a.steps, "sims": a.sims, "clients": a.clients, "at_once": a.at_once, "extra": a.extra, "load_before": os.getloadavg(),
                "sb3": a.sb3, "shmrl": a.shmrl, "envs": {}}
     for env in a.envs:
         runs = []
