@@ -184,6 +184,7 @@ def test_the_throttle_holds_a_process_to_its_rate(monkeypatch):
 @pytest.mark.slow   # about 30 s on an idle machine: both trainers, throttled, at once
 @pytest.mark.skipif(not Path("~/.cache/shmrl/zoo-venv/bin/python").expanduser().exists(),
                     reason="no rl-zoo3 virtualenv: `python tools/zoo.py --setup` makes it")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--at-once pins each trainer to a core: needs 2")
 def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm_leftovers):
     pytest.importorskip("mujoco", reason="the mujoco extra is not installed (the test extra has it)")
     out = tmp_path / "curves.png"
