@@ -207,8 +207,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="InvertedPendulum-v5, seed 0, 5000 steps at 1000/s")
     p.add_argument("extra", nargs="*", help="after --: extra arguments for shmrl.run")
     a = p.parse_args(argv)
-    if a.at_once and len(os.sched_getaffinity(0)) < a.sb3 + a.shmrl:
-        p.error(f"--at-once needs a CPU core for each trainer; this process may use {len(os.sched_getaffinity(0))}")
+    usable = len(os.sched_getaffinity(0))
+    if a.at_once and usable < a.sb3 + a.shmrl:
+        p.error(f"--at-once needs a CPU core for each trainer; this process may use {usable}")
     if a.quick:
         a.envs, a.seeds, a.steps, a.rate, a.sims = ["InvertedPendulum-v5"], [0], 5000, 1000.0, 2
     py = (a.python or venvs.ZOO.ensure(venvs.ZOO.folder)) if a.sb3 else None
