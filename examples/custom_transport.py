@@ -18,7 +18,7 @@ import threading
 
 import shmrl
 from shmrl.sim import run_simulator
-from shmrl.trainer import train_with_servers
+from shmrl.trainer.loop import train_with_servers
 from shmrl.transport.inproc import InProcServer
 from shmrl.transport.tcp import TcpServer
 

@@ -45,7 +45,7 @@ import time
 import numpy as np
 
 from shmrl import rllink
-from shmrl.conformance_rules import (S_ACT, S_CONVERSATION, S_HEARTBEAT, S_INFERENCE, S_REPLIES, S_STATE,
+from shmrl.checker.rules import (S_ACT, S_CONVERSATION, S_HEARTBEAT, S_INFERENCE, S_REPLIES, S_STATE,
                                      ActRules, EpisodeRules, read_frame)
 
 HEARTBEAT_S = 0.02          # asked of a binary client: short, so that sampling a message needs several
@@ -109,8 +109,8 @@ class Checker:
         """``spec``: the env's (a multi-agent env's: its agents', which share their spaces;
         ``multi``: its MultiAgentSpec, whose clients the checker covers with server-side
         inference only)."""
-        from shmrl.inference import space_config
-        from shmrl.sampler import Sampler
+        from shmrl.server.inference.single_agent import space_config
+        from shmrl.client.action_sampler import Sampler
 
         self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models), ActRules(spec, multi)
         self.multi = multi
@@ -405,8 +405,8 @@ class Checker:
 def make_models(spec, hidden: int = 32) -> tuple[dict, dict]:
     """Two versions of a policy for ``spec`` whose output 0 differ clearly: {version:
     OnnxPolicy}, {version: onnx_file}."""
-    from shmrl.net import PolicyNet
-    from shmrl.onnx_policy import OnnxPolicy, encode_onnx_file
+    from shmrl.model.net import PolicyNet
+    from shmrl.onnxio.policy import OnnxPolicy, encode_onnx_file
 
     net = PolicyNet(spec, hidden, "ReLU")
     models, files = {}, {}
@@ -423,11 +423,11 @@ def check_client(command: list[str], env: str = "CartPole-v1", reconnect: bool =
                  timeout: float = 60.0, hold_s: float = HOLD_S, out=sys.stdout) -> list[tuple[str, str]]:
     """Run the client ``command`` (``{port}`` replaced) against the scripted server; the
     violations it found. The client is stopped at the end, whatever happened."""
-    from shmrl.envs import env_spec
+    from shmrl.envs.make import env_spec
 
     spec, multi = env_spec(env), None
     if getattr(spec, "multiagent", False):   # its clients with server-side inference, agents of one policy
-        from shmrl.envspec import policy_mapper
+        from shmrl.envs.spec import policy_mapper
 
         multi, (spec,) = spec, spec.policy_specs(policy_mapper("shared")).values()
     models, files = make_models(spec)
@@ -459,7 +459,7 @@ def check_client(command: list[str], env: str = "CartPole-v1", reconnect: bool =
 
 
 def main(argv=None) -> int:
-    from shmrl.config import OneLineErrorParser
+    from shmrl.config.settings import OneLineErrorParser
 
     argv = sys.argv[1:] if argv is None else argv
     command = argv[argv.index("--") + 1:] if "--" in argv else []

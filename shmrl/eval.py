@@ -13,7 +13,7 @@ ends with a higher return than every other; against ``self``, the first seat's).
 
 The policy acts greedily by default (the most likely action; the mean of a Gaussian), as
 evaluations usually do; ``--stochastic`` samples as training did. The policy acts through
-``shmrl.actor.Actor``, as in the simulators; like them, this never imports torch: numpy
+``shmrl.client.actor.Actor``, as in the simulators; like them, this never imports torch: numpy
 and onnxruntime only.
 
 Exit status: 0 with the returns printed, 2 for a bad command line (one line ``error: ...``):
@@ -32,10 +32,10 @@ import sys
 
 import numpy as np
 
-from shmrl.actor import Actor
-from shmrl.envs import env_spec, make_vec_env
-from shmrl.multiagent import play
-from shmrl.onnx_policy import OnnxPolicy
+from shmrl.client.actor import Actor
+from shmrl.envs.make import env_spec, make_vec_env
+from shmrl.client.multi_agent import play
+from shmrl.onnxio.policy import OnnxPolicy
 
 
 def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: int = 0,
@@ -68,7 +68,7 @@ def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: in
 
 
 def main(argv=None) -> int:
-    from shmrl.config import OneLineErrorParser
+    from shmrl.config.settings import OneLineErrorParser
 
     p = OneLineErrorParser(prog="python -m shmrl.eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

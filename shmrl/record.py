@@ -35,8 +35,8 @@ import time
 
 import numpy as np
 
-from shmrl.config import EXIT_FAILED, EXIT_USAGE, Config, ConfigError, OneLineErrorParser, resolve_config
-from shmrl.dataset import Dataset, DatasetError
+from shmrl.config.settings import EXIT_FAILED, EXIT_USAGE, Config, ConfigError, OneLineErrorParser, resolve_config
+from shmrl.files.dataset import Dataset, DatasetError
 
 
 class FixedModel:
@@ -53,12 +53,12 @@ def serve(config: Config, policy: bytes | None, episodes: int | None, say_every:
     """Serve ``config``'s clients (TCP, local simulators) one fixed policy and record every
     episode to ``config.record`` until Ctrl-C, SIGTERM or ``episodes`` episodes; returns the
     exit status."""
-    from shmrl.actor import check_policy_fits
-    from shmrl.episode import EpisodeBatch
-    from shmrl.onnx_policy import OnnxPolicy
-    from shmrl.serving import open_transports
-    from shmrl.setup_run import make_serving, set_up
-    from shmrl.supervisor import Supervisor
+    from shmrl.client.actor import check_policy_fits
+    from shmrl.core.episode import EpisodeBatch
+    from shmrl.onnxio.policy import OnnxPolicy
+    from shmrl.server.serving import open_transports
+    from shmrl.trainer.setup import make_serving, set_up
+    from shmrl.launch.supervisor import Supervisor
 
     setup = set_up(config)
     config = setup.config
@@ -118,10 +118,10 @@ def serve(config: Config, policy: bytes | None, episodes: int | None, say_every:
 # ------------------------------------------------------------------ Minari
 
 def to_gym(space):
-    """A gymnasium space for a ``shmrl.spaces`` space, without the leaves shmrl leaves out."""
+    """A gymnasium space for a ``shmrl.core.spaces`` space, without the leaves shmrl leaves out."""
     import gymnasium as gym
 
-    from shmrl import spaces
+    from shmrl.core import spaces
 
     if isinstance(space, spaces.Box):
         low = np.broadcast_to(np.asarray(space.low, np.float64), space.shape) if len(space.low) == 1 \
@@ -144,7 +144,7 @@ def to_gym(space):
 
 def gym_obs(space, leaves, path: str = ""):
     """Observations in ``space``'s structure from shmrl's leaves (an array, or by leaf name)."""
-    from shmrl import spaces
+    from shmrl.core import spaces
 
     if isinstance(space, spaces.Dict):
         return {k: gym_obs(s, leaves, f"{path}.{k}" if path else k) for k, s in space.spaces
@@ -157,7 +157,7 @@ def gym_obs(space, leaves, path: str = ""):
 
 def gym_actions(space, actions: np.ndarray):
     """Actions as the env took them (one row per step), in ``space``'s structure."""
-    from shmrl import spaces
+    from shmrl.core import spaces
 
     layout = spaces.action_layout(space)
     if layout.single_discrete:
@@ -190,7 +190,7 @@ def gym_env_spaces(env_id: str, obs_space, action_space) -> tuple:
     nothing was left out, else the recorded ones."""
     import gymnasium as gym
 
-    from shmrl import spaces
+    from shmrl.core import spaces
 
     try:
         env = gym.spec(env_id.removeprefix("gym:")).id
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
         p.error("give --tcp-port for clients, or --sims N for local simulators")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from shmrl.envs import env_spec
+        from shmrl.envs.make import env_spec
 
         spec = env_spec(a.env)
         # Clients keep sampling with the one policy: no batch ever waits for an update.

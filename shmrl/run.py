@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from shmrl.config import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, EXIT_USAGE,  # noqa: F401
+from shmrl.config.settings import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, EXIT_USAGE,  # noqa: F401
                           Config, ConfigError, OneLineErrorParser, add_arguments, config_from_args,
                           config_from_saved, env_name, preset_values, resolve_config,
                           setting_origins, validate)
@@ -62,7 +62,7 @@ def train(config: Config, t_start: float | None = None, given: set[str] | None =
     validate(config)   # what can be checked before the env is made: nothing is started yet
     launcher = None
     if config.ray:
-        from shmrl.ray_launcher import RayLauncher
+        from shmrl.launch.ray_actors import RayLauncher
 
         try:
             launcher = RayLauncher(config.ray, sim_cpus=config.sim_cpus)
@@ -78,7 +78,7 @@ def train(config: Config, t_start: float | None = None, given: set[str] | None =
             config = dataclasses.replace(config, auth_token=secrets.token_urlsafe(24))
             log.info("--ray: the simulators' TCP connections use a generated auth token; give --auth-token "
                      "(or $SHMRL_AUTH_TOKEN) to let other clients in too")
-    from shmrl.trainer import train_run
+    from shmrl.trainer.loop import train_run
 
     plot_forced = config.plot is True
     try:
@@ -102,7 +102,7 @@ PLOT_MIN_WALL_S = 20.0   # the shortest run that draws its learning curves witho
 
 def build_parser(d: Config, spec=None, given: dict | None = None) -> argparse.ArgumentParser:
     """The command line, with ``d`` as the defaults (a resumed run's are its saved
-    configuration): one flag per setting of shmrl/config.py. ``given``: flags of the
+    configuration): one flag per setting of shmrl/config/settings.py. ``given``: flags of the
     command line, whose values --help shows as such."""
     sources = " + ".join(preset_values(d.env, spec)[1])
     origins = {} if d.resume else setting_origins(d.env, spec)
@@ -149,7 +149,7 @@ def parse_command_line(argv=None) -> tuple[Config, set[str]]:
     pre.add_argument("--sims", type=int, default=Config.sims)
     pre.add_argument("--resume")
     known, _ = pre.parse_known_args(argv)
-    from shmrl.envs import env_spec
+    from shmrl.envs.make import env_spec
 
     try:
         spec = env_spec(known.env)
@@ -157,7 +157,7 @@ def parse_command_line(argv=None) -> tuple[Config, set[str]]:
         OneLineErrorParser(prog="python -m shmrl.run").error(str(e))
     defaults = resolve_config(Config(env=known.env, sims=known.sims), spec)
     if known.resume:
-        from shmrl import checkpoint
+        from shmrl.files import checkpoint
 
         try:  # train() says which checkpoints it passed over, and why
             _, _, state, _ = checkpoint.load_latest(Path(known.resume))
@@ -172,7 +172,7 @@ def parse_command_line(argv=None) -> tuple[Config, set[str]]:
     except ConfigError as e:
         p.error(str(e))
     if getattr(spec, "multiagent", False):
-        from shmrl.envspec import policy_mapper
+        from shmrl.envs.spec import policy_mapper
 
         try:
             spec.policy_specs(policy_mapper(config.policy_map))
@@ -188,14 +188,14 @@ def flags_markdown() -> str:
     fails when the file is not what this gives."""
     import re
 
-    from shmrl.config import HELP_SECTIONS, flag_of
-    from shmrl.presets import all_tables
+    from shmrl.config.settings import HELP_SECTIONS, flag_of
+    from shmrl.config.presets import all_tables
 
     tables = [(f"family {name}", table) for name, table in all_tables()["family"].items()]
     tables += [(f"`{name}`", table) for name, table in all_tables()["env"].items()]
     shown = resolve_config(Config())
     out = ["# Flags of `python -m shmrl.run`", "",
-           "Generated from shmrl/config.py and shmrl/presets.toml by `python -m shmrl.run --flags-markdown` "
+           "Generated from shmrl/config/settings.py and shmrl/config/presets.toml by `python -m shmrl.run --flags-markdown` "
            "(tests/test_docs.py fails when it drifts). A preset setting's default is config.py's, then "
            "the env's family's, then the env's own table (presets.toml, where each value's reason is "
            "written); a flag given always wins. `python -m shmrl.run --env ID --help` shows the values "

@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from shmrl import rllink
-from shmrl.envs import make_env
-from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
+from shmrl.envs.make import make_env
+from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file
 
 BUGS = {   # bug -> the section of docs/RLLINK.md the checker must name
     "none": None,
@@ -177,8 +177,8 @@ def act_session(port: int, bug: str) -> None:
 
 def ma_session(port: int, bug: str) -> None:
     """Server-side inference for 2 connect_four games, the moves the server sends."""
-    from shmrl.envs import resolve_env
-    from shmrl.pz_envs import stepper
+    from shmrl.envs.make import resolve_env
+    from shmrl.envs.pettingzoo import stepper
 
     link = Link(port, bug)
     link.request({"type": "PING", "inference": "server"})

@@ -26,11 +26,12 @@ import psutil
 import pytest
 
 from shmrl import rllink
-from shmrl.envs import env_spec, make_env   # none of these imports torch: simulator processes import this module
-from shmrl.episode import Episode
-from shmrl.hub import Hub
-from shmrl.store import DEFAULT_POLICY, EpisodeStore
-from shmrl.transport.tcp import TcpClient, TcpServer
+from shmrl.envs.make import env_spec, make_env   # none of these imports torch: simulator processes import this module
+from shmrl.core.episode import Episode
+from shmrl.server.hub import Hub
+from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.transport.tcp import TcpServer
+from shmrl.transport.tcp_client import TcpClient
 
 
 def pytest_collection_modifyitems(config, items):
@@ -386,7 +387,7 @@ def run_beside_example_client(start_run, tmp_path, game: str, *run_args, timeout
 # env to step after ``armed`` exists creates ``hung`` and hangs for good.
 HANGING_ENV = """
 import os, time
-from shmrl.envs import make_env as _make
+from shmrl.envs.make import make_env as _make
 
 def make_env():
     env = _make("CartPole-v1")

@@ -1,4 +1,4 @@
-"""Server-side inference's hot path (shmrl/rllink_act.py, ``ActHeads`` and ``ActionsFrames``):
+"""Server-side inference's hot path (shmrl/rllink/act.py, ``ActHeads`` and ``ActionsFrames``):
 a binary ACT whose head was seen before decodes to exactly what ``rllink.decode_request``
 gives, and never accepts what it refuses; a binary ACTIONS is written byte for byte as
 ``rllink.encode`` writes it; and TCP clients are served through both."""
@@ -12,13 +12,13 @@ import pytest
 
 from conftest import FakeServer, recv_frame, wait_until
 from shmrl import rllink
-from shmrl.envs import env_spec
-from shmrl.hub import Hub
-from shmrl.net import PolicyNet
-from shmrl.onnx_policy import encode_onnx_file
+from shmrl.envs.make import env_spec
+from shmrl.server.hub import Hub
+from shmrl.model.net import PolicyNet
+from shmrl.onnxio.policy import encode_onnx_file
 from shmrl.rllink import ProtocolError
-from shmrl.rllink_act import ActHeads, ActionsFrames
-from shmrl.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.rllink.act import ActHeads, ActionsFrames
+from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.transport.tcp import TcpServer
 
 RNG = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""The actor (shmrl.actor): the action distribution's two sides agree (the client's numpy
+"""The actor (shmrl.client.actor): the action distribution's two sides agree (the client's numpy
 sampler and the learner's torch log-probability), greedy acting, and the recurrent state
 each env carries."""
 from __future__ import annotations
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from shmrl.actor import Actor
-from shmrl.envs import env_spec
-from shmrl.envspec import EnvSpec
-from shmrl.net import PolicyNet
-from shmrl.onnx_policy import OnnxPolicy, OnnxPublisher, init_mlp_weights
-from shmrl.ppo import PPO
-from shmrl.sampler import Sampler
-from shmrl.spaces import Box, Dict, Discrete, MultiDiscrete, Tuple, action_layout
+from shmrl.client.actor import Actor
+from shmrl.envs.make import env_spec
+from shmrl.envs.spec import EnvSpec
+from shmrl.model.net import PolicyNet
+from shmrl.onnxio.policy import OnnxPolicy, OnnxPublisher, init_mlp_weights
+from shmrl.model.ppo import PPO
+from shmrl.client.action_sampler import Sampler
+from shmrl.core.spaces import Box, Dict, Discrete, MultiDiscrete, Tuple, action_layout
 
 ACTION_SPACES = {
     "Discrete (few logits: sampled in plain Python)": Discrete(5),

@@ -1,4 +1,4 @@
-"""Learning per env step (shmrl/adapt.py): the slow profile a run switches to when its
+"""Learning per env step (shmrl/trainer/learn_per_step.py): the slow profile a run switches to when its
 simulators are slow (and not when they are fast, nor over a flag given), the ladder of
 levels, the policy that picks one from the learner's busy share, the KL bound that stops
 an update, and that a run turns it on for a slow simulator (a throttled one,
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import check_books, load_tool, metrics_rows, summary_of
-from shmrl.adapt import LearnPerStep, ladder, simulators_slow
-from shmrl.store import SWITCHED
+from shmrl.trainer.learn_per_step import LearnPerStep, ladder, simulators_slow
+from shmrl.server.store import SWITCHED
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,12 +107,12 @@ def test_the_flag_forces_a_level():
 def test_many_epochs_stop_at_the_kl_bound():
     """With a target KL an update of many epochs stops early, and moves the policy less;
     without, it runs every epoch."""
-    from shmrl.config import PPOSettings, with_defaults
-    from shmrl.envs import env_spec
-    from shmrl.episode import EpisodeBatch
+    from shmrl.config.settings import PPOSettings, with_defaults
+    from shmrl.envs.make import env_spec
+    from shmrl.core.episode import EpisodeBatch
     from test_ppo import bandit_chunks
-    from shmrl.net import PolicyNet
-    from shmrl.ppo import PPO
+    from shmrl.model.net import PolicyNet
+    from shmrl.model.ppo import PPO
 
     chunks = bandit_chunks()
     results = {}
@@ -210,8 +210,8 @@ def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path
 # ---------------------------------------------------------------- the slow profile
 
 def test_every_slow_table_changes_only_what_a_switch_may_change():
-    from shmrl.adapt import SLOW_SETTINGS
-    from shmrl.presets import all_tables
+    from shmrl.trainer.learn_per_step import SLOW_SETTINGS
+    from shmrl.config.presets import all_tables
 
     slow = all_tables()["slow"]
     tables = [*slow["family"].values(), *slow["env"].values()]
@@ -220,9 +220,9 @@ def test_every_slow_table_changes_only_what_a_switch_may_change():
 
 
 def test_the_slow_profile_keeps_what_is_given_and_sizes_messages_for_both():
-    from shmrl.adapt import slow_config
-    from shmrl.config import Config, resolve_config
-    from shmrl.envs import env_spec
+    from shmrl.trainer.learn_per_step import slow_config
+    from shmrl.config.settings import Config, resolve_config
+    from shmrl.envs.make import env_spec
 
     spec = env_spec("gym:MountainCarContinuous-v0")   # the continuous family: its slow table
     config = resolve_config(Config(env="gym:MountainCarContinuous-v0", sims=4), spec)
@@ -244,8 +244,8 @@ def test_slow_is_below_the_rate_and_says_so():
 
 
 def test_chunks_of_the_profile_before_are_dropped_not_trained():
-    from shmrl.episode import EpisodeBatch
-    from shmrl.store import EpisodeStore
+    from shmrl.core.episode import EpisodeBatch
+    from shmrl.server.store import EpisodeStore
     from test_ppo import bandit_chunks
 
     store = EpisodeStore()
@@ -316,11 +316,11 @@ def test_the_delivery_rate_leaves_each_clients_start_up_out(monkeypatch):
     """Two clients: one whose first message came after a slow start and then one a second
     (100 steps/s from then on), one that has sent a single message since its PING."""
     from conftest import FakeServer
-    from shmrl import hub as hub_module
+    from shmrl.server import hub as hub_module
     from shmrl import rllink
-    from shmrl.envs import env_spec
-    from shmrl.hub import Hub
-    from shmrl.store import DEFAULT_POLICY, EpisodeStore
+    from shmrl.envs.make import env_spec
+    from shmrl.server.hub import Hub
+    from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
     from test_flood import one_step_chunks
 
     now = [0.0]

@@ -15,11 +15,12 @@ import pytest
 
 import shmrl
 from conftest import descendants, metrics_rows, need, quick_cartpole, shm_entries, summary_of
-from shmrl import checkpoint
-from shmrl.logdir import finite_or_none
-from shmrl.envs import Box, Discrete, env_spec
-from shmrl.episode import Episode, EpisodeBatch
-from shmrl.hub import check_episodes
+from shmrl.files import checkpoint
+from shmrl.files.logdir import finite_or_none
+from shmrl.core.spaces import Box, Discrete
+from shmrl.envs.make import env_spec
+from shmrl.core.episode import Episode, EpisodeBatch
+from shmrl.server.hub import check_episodes
 from shmrl.run import parse_args
 
 gymnasium = need("gymnasium", "gym")
@@ -329,7 +330,7 @@ class Shifted:
 
 
 def test_a_discrete_space_with_a_start_gets_actions_of_its_own_range():
-    from shmrl.envs import make_vec_env
+    from shmrl.envs.make import make_vec_env
 
     assert env_spec(Shifted).action_space == Discrete(3, start=-1)   # the policy still has 3 outputs
     envs = make_vec_env(Shifted, 3, seed=0)

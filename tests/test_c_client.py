@@ -243,7 +243,7 @@ def test_onnx_file_decoding(tmp_path):
     import gzip
     import io
 
-    from shmrl.onnx_policy import encode_onnx_file
+    from shmrl.onnxio.policy import encode_onnx_file
 
     (tmp_path / "decode.c").write_text(DECODE_PROGRAM)
     exe, sanitize = str(tmp_path / "decode"), ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g"]

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from shmrl import checkpoint
-from shmrl.checkpoint import CheckpointError
+from shmrl.files import checkpoint
+from shmrl.files.checkpoint import CheckpointError
 
 
 def arrays(value: float = 0.5, size: int = 8) -> dict:

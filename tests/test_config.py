@@ -1,4 +1,4 @@
-"""shmrl/config.py: every setting once, the command line generated from it, and one
+"""shmrl/config/settings.py: every setting once, the command line generated from it, and one
 validate() for the command line and shmrl.train alike."""
 import dataclasses
 import json
@@ -13,11 +13,11 @@ import pytest
 
 import shmrl
 from conftest import descendants
-from shmrl.config import (Config, ConfigError, PPOSettings, config_from_saved, config_with, resolve_config,
+from shmrl.config.settings import (Config, ConfigError, PPOSettings, config_from_saved, config_with, resolve_config,
                           saved_config, validate, with_defaults)
-from shmrl.envs import env_spec
-from shmrl.logdir import dumps
-from shmrl.presets import PRESETS_FILE
+from shmrl.envs.make import env_spec
+from shmrl.files.logdir import dumps
+from shmrl.config.presets import PRESETS_FILE
 from shmrl.run import build_parser, parse_args
 
 # `python -m shmrl.run --help`'s option strings before config.py generated them (main at 2a7f2fc).
@@ -243,7 +243,7 @@ def test_help_says_where_each_value_came_from_for_the_env_chosen():
 
 def test_gym_ids_of_built_in_envs_take_the_built_in_preset():
     """gym:Pendulum-v1 is the built-in Pendulum-v1: one env, one preset (--async and all)."""
-    from shmrl.config import preset_values
+    from shmrl.config.settings import preset_values
     assert preset_values("gym:Pendulum-v1")[0] == preset_values("Pendulum-v1")[0]
     assert preset_values("gym:CartPole-v1")[0]["lr"] == preset_values("CartPole-v1")[0]["lr"]
 
@@ -257,8 +257,8 @@ def test_every_key_in_the_presets_file_is_a_preset_setting():
 
 
 def test_ppo_takes_the_house_defaults_not_other_ones():
-    from shmrl.net import PolicyNet
-    from shmrl.ppo import PPO
+    from shmrl.model.net import PolicyNet
+    from shmrl.model.ppo import PPO
 
     net = PolicyNet(env_spec("CartPole-v1"), 16)
     assert (PPO(net, with_defaults(PPOSettings)).config.lr, with_defaults(Config).lr) == (3e-4, 3e-4)

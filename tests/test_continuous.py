@@ -9,18 +9,21 @@ import pytest
 import torch
 
 import shmrl
-from shmrl.envs import Box, EnvSpec, Pendulum, env_spec
-from shmrl.episode import EpisodeBatch
+from shmrl.core.spaces import Box
+from shmrl.envs.builtin import Pendulum
+from shmrl.envs.make import env_spec
+from shmrl.envs.spec import EnvSpec
+from shmrl.core.episode import EpisodeBatch
 from shmrl.eval import evaluate
-from shmrl.serving import Serving
-from shmrl.store import DEFAULT_POLICY
-from shmrl.trainer import update
-from shmrl.net import PolicyNet
-from shmrl.onnx_policy import OnnxPolicy, init_mlp_weights, with_log_std
-from shmrl.sampler import Sampler
-from shmrl.spaces import action_layout
-from shmrl.config import Config, PPOSettings, with_defaults
-from shmrl.ppo import PPO
+from shmrl.server.serving import Serving
+from shmrl.server.store import DEFAULT_POLICY
+from shmrl.trainer.loop import update
+from shmrl.model.net import PolicyNet
+from shmrl.onnxio.policy import OnnxPolicy, init_mlp_weights, with_log_std
+from shmrl.client.action_sampler import Sampler
+from shmrl.core.spaces import action_layout
+from shmrl.config.settings import Config, PPOSettings, with_defaults
+from shmrl.model.ppo import PPO
 from shmrl.sim import run_simulator
 from shmrl.transport.inproc import InProcServer
 from conftest import need, step_beside_gymnasium

@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
-# A file of the repository, as the docs name them: shmrl/trainer.py, tests/test_layers.py, ...
+# A file of the repository, as the docs name them: shmrl/trainer/loop.py, tests/test_layers.py, ...
 REPO_PATH = re.compile(r"(?<![\w/.-])((?:shmrl|tests|tools|examples|docs|\.ci)/[\w./-]*\w)")
 # A name in code: shmrl.sim.run_simulator, sim.run_simulator, Serving.publish, Actor.act(obs)
 DOTTED = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(.*\))?$")

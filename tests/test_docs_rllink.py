@@ -24,7 +24,7 @@ import pytest
 
 from conftest import wait_until
 from shmrl import rllink
-from shmrl.onnx_policy import decode_onnx_file
+from shmrl.onnxio.policy import decode_onnx_file
 from shmrl.transport.tcp import TcpServer
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "RLLINK.md"

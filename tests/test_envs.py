@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from conftest import balancing_action, step_beside_gymnasium
-from shmrl.envs import CartPole, LoopVecEnv, VecCartPole, env_spec, make_env, make_vec_env
+from shmrl.envs.builtin import CartPole, VecCartPole
+from shmrl.envs.make import LoopVecEnv, env_spec, make_env, make_vec_env
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7])

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from shmrl import rllink
-from shmrl.episode import Episode, EpisodeBatch
-from shmrl.rollout import Rollout
+from shmrl.core.episode import Episode, EpisodeBatch
+from shmrl.client.rollout import Rollout
 
 
 def make_chunk(n_steps: int, start: float = 0.0) -> Episode:

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import balancing_action, need, quick_cartpole
 from shmrl import eval as shmrl_eval
-from shmrl.onnx_policy import OnnxPolicy, OnnxPublisher
+from shmrl.onnxio.policy import OnnxPolicy, OnnxPublisher
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [4, 2, 2, 2]  # CartPole: 4 observations, two hidden ReLU units, 2 logits

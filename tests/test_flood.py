@@ -18,13 +18,13 @@ import pytest
 
 from conftest import FakeServer, wait_until
 from shmrl import rllink
-from shmrl.config import Config
-from shmrl.envs import env_spec
-from shmrl.episode import EpisodeBatch
-from shmrl.hub import OVER_BUDGET, Hub
-from shmrl.net import PolicyNet
-from shmrl.serving import Serving, open_transports
-from shmrl.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.config.settings import Config
+from shmrl.envs.make import env_spec
+from shmrl.core.episode import EpisodeBatch
+from shmrl.server.hub import OVER_BUDGET, Hub
+from shmrl.model.net import PolicyNet
+from shmrl.server.serving import Serving, open_transports
+from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
 
 SPEC = env_spec("CartPole-v1")
 CODECS = ("json", "binary")

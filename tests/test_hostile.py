@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 from shmrl import rllink
-from shmrl.actor import SimulatorError, check_sample
-from shmrl.supervisor import describe_exit
-from shmrl.config import SIM_EXIT_POLICY_NOT_FINITE, Config, ConfigError, PPOSettings, with_defaults
-from shmrl.episode import EpisodeBatch
-from shmrl.net import PolicyNet
-from shmrl.ppo import PPO
-from shmrl.serving import Serving
-from shmrl.store import DEFAULT_POLICY, EpisodeStore
-from shmrl.trainer import update
+from shmrl.client.actor import SimulatorError, check_sample
+from shmrl.launch.supervisor import describe_exit
+from shmrl.config.settings import SIM_EXIT_POLICY_NOT_FINITE, Config, ConfigError, PPOSettings, with_defaults
+from shmrl.core.episode import EpisodeBatch
+from shmrl.model.net import PolicyNet
+from shmrl.model.ppo import PPO
+from shmrl.server.serving import Serving
+from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.trainer.loop import update
 from conftest import (SPEC, binary_episodes, binary_frame, conn_id_of, decode_frame, episodes_msg, recv_frame,
                       rllib_frame, wait_until)
 

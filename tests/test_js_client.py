@@ -11,7 +11,7 @@ import pytest
 
 from conftest import check_books, need, need_js_client, summary_of
 from shmrl import rllink
-from shmrl.episode import EpisodeBatch
+from shmrl.core.episode import EpisodeBatch
 
 
 def node(script: str, js) -> str:
@@ -97,8 +97,8 @@ def test_the_js_sampler_draws_actions_with_their_log_probabilities():
     """RLLINK.md 4.2, as the conformance checker computes it: each action's logp under the
     distribution inputs it was drawn from; categorical actions in range, all of them drawn."""
     js = need_js_client()
-    from shmrl.conformance_rules import log_probs
-    from shmrl.spaces import action_layout
+    from shmrl.checker.rules import log_probs
+    from shmrl.core.spaces import action_layout
 
     gym = need("gymnasium", "gym")
     out = json.loads(node(SAMPLE, js))

@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 
 import shmrl
-from shmrl.episode import EpisodeBatch
-from shmrl.net import PolicyNet
-from shmrl.config import Config, PPOSettings, with_defaults
-from shmrl.ppo import PPO
-from shmrl.serving import Serving
+from shmrl.core.episode import EpisodeBatch
+from shmrl.model.net import PolicyNet
+from shmrl.config.settings import Config, PPOSettings, with_defaults
+from shmrl.model.ppo import PPO
+from shmrl.server.serving import Serving
 from shmrl.sim import run_simulator
-from shmrl.sampler import Sampler
-from shmrl.spaces import Discrete, action_layout
-from shmrl.store import DEFAULT_POLICY, EpisodeStore
-from shmrl.trainer import train_with_servers, update
+from shmrl.client.action_sampler import Sampler
+from shmrl.core.spaces import Discrete, action_layout
+from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.trainer.loop import train_with_servers, update
 from shmrl.transport.inproc import InProcServer
 
 from conftest import SPEC, chunk, request_while_serving, serve_until

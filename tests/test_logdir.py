@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from shmrl import logdir
-from shmrl.config import ConfigError
-from shmrl.metrics import MetricsLog
+from shmrl.files import logdir
+from shmrl.config.settings import ConfigError
+from shmrl.files.metrics import MetricsLog
 
 
 def test_a_second_lock_is_refused_naming_the_holder(tmp_path):
@@ -30,7 +30,7 @@ def test_the_lock_dies_with_its_process_and_is_taken_over_with_a_message(tmp_pat
     file, and the next run says whose lock it took over."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from shmrl import logdir
+        from shmrl.files import logdir
         lock = logdir.take_lock({str(tmp_path)!r})
         print("locked", flush=True)
         time.sleep(60)
@@ -133,7 +133,7 @@ def test_plot_takes_null_returns(tmp_path):
 def test_eval_of_a_nan_policy_is_an_error_not_a_return(tmp_path):
     import numpy as np
 
-    from shmrl.onnx_policy import OnnxPublisher
+    from shmrl.onnxio.policy import OnnxPublisher
 
     z = np.zeros
     weights = [z((2, 4)), z(2), z((2, 2)), z(2), z((2, 2)), np.array([0.0, np.nan])]   # a NaN logit
@@ -251,7 +251,7 @@ def test_a_full_disk_ends_the_run_with_one_error_line(small_disk, tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = error_lines(proc)
     assert len(errors) == 1 and "No space left on device" in errors[0], proc.stderr
-    from shmrl import checkpoint
+    from shmrl.files import checkpoint
 
     path, _, _, _ = checkpoint.load_latest(small_disk)   # the newest intact checkpoint is there
     rows = logdir.read_rows(small_disk / "metrics.jsonl")

@@ -11,16 +11,18 @@ import torch
 
 from conftest import run_beside_example_client, summary_of
 from shmrl import rllink
-from shmrl.actor import Actor
-from shmrl.envs import Box, Discrete, EnvSpec, env_spec, make_vec_env
-from shmrl.episode import EpisodeBatch
-from shmrl.hub import check_episodes
-from shmrl.net import PolicyNet
-from shmrl.rollout import Rollout
-from shmrl.onnx_policy import OnnxPolicy
-from shmrl.config import PPOSettings, with_defaults
-from shmrl.ppo import PPO
-from shmrl.sampler import Sampler
+from shmrl.client.actor import Actor
+from shmrl.core.spaces import Box, Discrete
+from shmrl.envs.make import env_spec, make_vec_env
+from shmrl.envs.spec import EnvSpec
+from shmrl.core.episode import EpisodeBatch
+from shmrl.server.hub import check_episodes
+from shmrl.model.net import PolicyNet
+from shmrl.client.rollout import Rollout
+from shmrl.onnxio.policy import OnnxPolicy
+from shmrl.config.settings import PPOSettings, with_defaults
+from shmrl.model.ppo import PPO
+from shmrl.client.action_sampler import Sampler
 
 NOVEL = env_spec("CartPoleNoVel-v1")
 
@@ -214,7 +216,7 @@ class Recall:
 
 
 def test_a_memory_task_a_memoryless_policy_cannot_solve_is_solved():
-    from shmrl.envs import LoopVecEnv
+    from shmrl.envs.make import LoopVecEnv
 
     net = PolicyNet(Recall.spec, 32, "ReLU", layers=1, memory="gru", memory_size=16)
     ppo = PPO(net, with_defaults(PPOSettings, lr=3e-3, epochs=4, minibatch_size=128, max_seq_len=8, gamma=0.99), seed=0)

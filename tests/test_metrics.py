@@ -3,7 +3,7 @@ import pytest
 
 import shmrl
 from conftest import metrics_rows, need
-from shmrl.metrics import scalars
+from shmrl.files.metrics import scalars
 
 need("tensorboard", "tensorboard")
 from tensorboard.backend.event_processing import event_accumulator  # noqa: E402

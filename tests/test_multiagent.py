@@ -1,4 +1,4 @@
-"""Multi-agent training (shmrl.multiagent): the wire format, the simulator loop over
+"""Multi-agent training (shmrl.client.multi_agent): the wire format, the simulator loop over
 Parallel and turn-based PettingZoo envs, the policy map, per-policy learning, self-play
 evaluation and the league."""
 from __future__ import annotations
@@ -15,15 +15,15 @@ from pettingzoo import AECEnv, ParallelEnv  # noqa: E402
 
 import shmrl  # noqa: E402
 from shmrl import rllink  # noqa: E402
-from shmrl.envs import resolve_env  # noqa: E402
-from shmrl.episode import Episode, EpisodeBatch, MultiAgentBatch  # noqa: E402
-from shmrl.hub import Hub  # noqa: E402
-from shmrl.serving import Serving  # noqa: E402
-from shmrl.store import EpisodeStore  # noqa: E402
-from shmrl.multiagent import MultiAgentSampler, PolicySet, play, policy_mapper  # noqa: E402
-from shmrl.onnx_policy import encode_onnx_file  # noqa: E402
-from shmrl.config import Config, resolve_config  # noqa: E402
-from shmrl.setup_run import policy_net  # noqa: E402
+from shmrl.envs.make import resolve_env  # noqa: E402
+from shmrl.core.episode import Episode, EpisodeBatch, MultiAgentBatch  # noqa: E402
+from shmrl.server.hub import Hub  # noqa: E402
+from shmrl.server.serving import Serving  # noqa: E402
+from shmrl.server.store import EpisodeStore  # noqa: E402
+from shmrl.client.multi_agent import MultiAgentSampler, PolicySet, play, policy_mapper  # noqa: E402
+from shmrl.onnxio.policy import encode_onnx_file  # noqa: E402
+from shmrl.config.settings import Config, resolve_config  # noqa: E402
+from shmrl.trainer.setup import policy_net  # noqa: E402
 
 
 class Relay(ParallelEnv):

@@ -9,18 +9,18 @@ import torch
 
 import shmrl
 from conftest import metrics_rows, need
-from shmrl import checkpoint
-from shmrl.envs import env_spec
-from shmrl.episode import Episode, EpisodeBatch
-from shmrl.store import DEFAULT_POLICY, EpisodeStore
-from shmrl.net import OBS_CLIP, PolicyNet
-from shmrl.onnx_policy import OnnxPolicy
-from shmrl.config import PPOSettings, with_defaults
-from shmrl.ppo import PPO
-from shmrl.resume import restore_store, saved_policy
+from shmrl.files import checkpoint
+from shmrl.envs.make import env_spec
+from shmrl.core.episode import Episode, EpisodeBatch
+from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.model.net import OBS_CLIP, PolicyNet
+from shmrl.onnxio.policy import OnnxPolicy
+from shmrl.config.settings import PPOSettings, with_defaults
+from shmrl.model.ppo import PPO
+from shmrl.trainer.resume import restore_store, saved_policy
 from shmrl.run import parse_args, resolve_config
-from shmrl.setup_run import policy_net
-from shmrl.stats import RunningMeanStd, discounted_sums
+from shmrl.trainer.setup import policy_net
+from shmrl.core.stats import RunningMeanStd, discounted_sums
 
 
 def naive_discounted(x, discount, initial, reverse=False):

@@ -2,13 +2,13 @@ import numpy as np
 import pytest
 import torch
 
-from shmrl.episode import Episode, EpisodeBatch
-from shmrl.envs import env_spec
-from shmrl.net import PolicyNet
-from shmrl.onnx_policy import (INPUT_NAME, ONNX_ACTIVATIONS, OUTPUT_NAME, OnnxPolicy, OnnxPublisher,
+from shmrl.core.episode import Episode, EpisodeBatch
+from shmrl.envs.make import env_spec
+from shmrl.model.net import PolicyNet
+from shmrl.onnxio.policy import (INPUT_NAME, ONNX_ACTIVATIONS, OUTPUT_NAME, OnnxPolicy, OnnxPublisher,
                                decode_onnx_file, encode_onnx_file, init_mlp_weights)
-from shmrl.config import PPOSettings, with_defaults
-from shmrl.ppo import PPO
+from shmrl.config.settings import PPOSettings, with_defaults
+from shmrl.model.ppo import PPO
 
 CARTPOLE = env_spec("CartPole-v1")
 
@@ -162,7 +162,7 @@ def test_publish_rejects_wrong_shapes():
 
 
 def test_flat_adam_matches_torch_adam_with_clipping():
-    from shmrl.ppo import FlatAdam
+    from shmrl.model.ppo import FlatAdam
 
     def mlp(sizes, weights):
         layers = []

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from conftest import need, wait_until
-from shmrl import spaces
-from shmrl.dataset import Dataset, DatasetWriter, manifest_for, space_from_json, space_to_json
-from shmrl.envspec import EnvSpec
-from shmrl.episode import Episode, EpisodeBatch
-from shmrl.recorder import Recorder
-from shmrl.store import EpisodeStore
+from shmrl.core import spaces
+from shmrl.files.dataset import Dataset, DatasetWriter, manifest_for, space_from_json, space_to_json
+from shmrl.envs.spec import EnvSpec
+from shmrl.core.episode import Episode, EpisodeBatch
+from shmrl.server.recorder import Recorder
+from shmrl.server.store import EpisodeStore
 
 IMAGE_SPEC = EnvSpec("test-dict", spaces.Dict((("image", spaces.Box((0,), (255,), (5, 5, 3), "uint8")),
                                               ("vec", spaces.Box((-1.0,), (1.0,), (3,))))),
@@ -163,7 +163,7 @@ def test_a_writer_that_falls_behind_leaves_whole_episodes_out_never_a_hole(tmp_p
 
 
 def test_a_dataset_of_another_env_is_refused_before_anything_starts(tmp_path):
-    from shmrl.envs import env_spec
+    from shmrl.envs.make import env_spec
 
     DatasetWriter(tmp_path / "ds", manifest_for("Pendulum-v1", {"default": env_spec("Pendulum-v1")}))
     for flag in ("--record", "--pretrain"):
@@ -246,8 +246,8 @@ def test_a_dataset_recorded_by_one_run_pretrains_another(tmp_path):
 
 
 def policy_file(tmp_path, env: str):
-    from shmrl.envs import env_spec
-    from shmrl.net import PolicyNet
+    from shmrl.envs.make import env_spec
+    from shmrl.model.net import PolicyNet
 
     net = PolicyNet(env_spec(env), 16)
     path = tmp_path / f"{env}.onnx"

@@ -14,13 +14,13 @@ import pytest
 
 from conftest import (all_gone, alive, check_books, descendants, make_episode, metrics_rows, process_name,
                       process_state, read_to_eof, serve_until, shm_entries, summary_of, wait_until)
-from shmrl.config import Config
-from shmrl.envs import env_spec
-from shmrl.episode import EpisodeBatch
-from shmrl.serving import Serving
-from shmrl.store import DEFAULT_POLICY
-from shmrl.net import PolicyNet
-from shmrl.supervisor import Supervisor
+from shmrl.config.settings import Config
+from shmrl.envs.make import env_spec
+from shmrl.core.episode import EpisodeBatch
+from shmrl.server.serving import Serving
+from shmrl.server.store import DEFAULT_POLICY
+from shmrl.model.net import PolicyNet
+from shmrl.launch.supervisor import Supervisor
 from shmrl.transport.shm import ShmClient, ShmServer
 
 fork = multiprocess.get_context("fork")
@@ -128,7 +128,7 @@ def test_time_a_simulator_waits_for_a_cpu_is_not_taken_for_a_hang(monkeypatch):
     run for seconds: only the time it could have run without stepping counts as hung."""
     from types import SimpleNamespace
 
-    import shmrl.supervisor as supervisor
+    import shmrl.launch.supervisor as supervisor
 
     shm = SimpleNamespace(env_steps=lambda i: 7, client_pid=lambda i: 4321, request_unread=lambda i: False)
     launcher = SimpleNamespace(remote=False, exit_reason=lambda proc: None)
@@ -156,7 +156,7 @@ def test_time_a_simulator_waits_for_a_cpu_is_not_taken_for_a_hang(monkeypatch):
 
 
 def test_run_queue_wait_is_read_for_a_live_process_and_zero_for_none():
-    from shmrl.supervisor import run_queue_wait_s
+    from shmrl.launch.supervisor import run_queue_wait_s
 
     def waited_ns() -> int:         # the kernel's own count: schedstat's second field
         with open(f"/proc/{os.getpid()}/schedstat") as f:
@@ -302,9 +302,9 @@ def test_a_simulator_that_cannot_be_started_leaves_stop_working():
 def test_a_checkpoint_restores_weights_optimizer_and_rng_exactly(tmp_path):
     """What --resume rests on: PPO's state through checkpoint.save and load (npz + JSON)
     into a fresh PPO of another seed makes the next update the same one."""
-    from shmrl import checkpoint
-    from shmrl.config import PPOSettings, with_defaults
-    from shmrl.ppo import PPO
+    from shmrl.files import checkpoint
+    from shmrl.config.settings import PPOSettings, with_defaults
+    from shmrl.model.ppo import PPO
 
     net = PolicyNet(env_spec("CartPole-v1"), 64, normalize_obs=True)
 
@@ -401,7 +401,7 @@ def test_no_pickle_on_any_wire(net, caplog, tmp_path):
 def test_tcp_listens_on_loopback_unless_told_otherwise(start_run):
     """The learner's TCP port (--tcp-port, and --transport tcp for local simulators) is
     reachable from this machine only, unless --tcp-host says otherwise."""
-    from shmrl.config import Config
+    from shmrl.config.settings import Config
     from shmrl.run import parse_args
     from shmrl.transport.tcp import TcpServer
 
@@ -425,7 +425,7 @@ def test_sims_beyond_the_open_files_limit_are_refused_in_one_line(start_run, tmp
     """Each local simulator costs the learner a few open files: a --sims that the hard
     limit cannot hold is refused at start, naming the limit, instead of failing later with
     one traceback per simulator."""
-    from shmrl.supervisor import FILES_OF_THE_LEARNER, FILES_PER_SIM
+    from shmrl.launch.supervisor import FILES_OF_THE_LEARNER, FILES_PER_SIM
 
     need = FILES_OF_THE_LEARNER + FILES_PER_SIM * 16
     run = start_run("--sims", 16, "--logdir", tmp_path / "logs", preexec_fn=open_files_limit(need - 8, need - 8))
@@ -439,7 +439,7 @@ def test_sims_beyond_the_open_files_limit_are_refused_in_one_line(start_run, tmp
 
 
 def test_a_low_soft_open_files_limit_is_raised_to_the_hard_one(start_run, tmp_path):
-    from shmrl.supervisor import FILES_OF_THE_LEARNER, FILES_PER_SIM
+    from shmrl.launch.supervisor import FILES_OF_THE_LEARNER, FILES_PER_SIM
 
     soft = FILES_OF_THE_LEARNER + FILES_PER_SIM   # room for one simulator, not for two
     run = start_run("--sims", 2, "--max-env-steps", 2048, "--train-batch-size", 1024, "--logdir", tmp_path / "logs",
@@ -455,7 +455,7 @@ def test_a_simulator_is_not_hung_before_its_first_step_within_the_startup_grace(
     simulator gets --hang-timeout times the simulators per CPU, after it --hang-timeout."""
     from types import SimpleNamespace
 
-    import shmrl.supervisor as supervisor
+    import shmrl.launch.supervisor as supervisor
 
     monkeypatch.setattr(supervisor.os, "sched_getaffinity", lambda pid: {0, 1})
     steps, unread = {"now": 0}, {"now": False}

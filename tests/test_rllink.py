@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shmrl import rllink
-from shmrl.episode import EpisodeBatch
+from shmrl.core.episode import EpisodeBatch
 from shmrl.rllink import ProtocolError, decode, decode_reply, decode_request, validate
 
 from conftest import rllib_frame

@@ -46,7 +46,7 @@ def test_a_failure_in_the_serving_thread_ends_the_run_as_failed(monkeypatch, tmp
     """The learner's serving thread dying (a bug, a transport that broke) used to leave the
     run waiting forever for batches; now the run ends with exit 3 and says why."""
     import shmrl
-    from shmrl.store import EpisodeStore
+    from shmrl.server.store import EpisodeStore
 
     # In taking a batch, not in one client's message: an exception from a client's input
     # only closes that connection (tests/test_flood.py); this one is the run's own.
@@ -125,8 +125,8 @@ def test_simulators_never_import_torch(start_run):
     assert maps_torch(run.proc.pid)
     assert len(family) >= 2 and not any(maps_torch(p) for p in family)
     # And importing the simulator side never pulls torch in.
-    code = ("import sys, shmrl.sim, shmrl.transport.shm, shmrl.transport.inproc, shmrl.episode, shmrl.rollout,"
-            " shmrl.sampler;"
+    code = ("import sys, shmrl.sim, shmrl.transport.shm, shmrl.transport.inproc, shmrl.core.episode, shmrl.client.rollout,"
+            " shmrl.client.action_sampler;"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -167,7 +167,7 @@ def test_learner_killed_simulators_exit_and_next_run_sweeps_its_segments(start_r
 
 
 def test_a_training_batch_is_the_same_however_many_simulators_share_it():
-    from shmrl.config import Config, resolve_config
+    from shmrl.config.settings import Config, resolve_config
     from shmrl.run import parse_args
 
     for sims, per_message in ((8, 256), (4, 512), (3, 683), (0, 2048)):

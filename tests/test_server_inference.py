@@ -12,14 +12,14 @@ import pytest
 
 from conftest import FakeServer, decode_frame, read_to_eof, recv_frame, wait_until
 from shmrl import rllink
-from shmrl.envs import env_spec, make_vec_env
-from shmrl.hub import Hub
-from shmrl.net import PolicyNet
-from shmrl.onnx_policy import encode_onnx_file
+from shmrl.envs.make import env_spec, make_vec_env
+from shmrl.server.hub import Hub
+from shmrl.model.net import PolicyNet
+from shmrl.onnxio.policy import encode_onnx_file
 from shmrl.rllink import ProtocolError
-from shmrl.sim import run_server_inference
-from shmrl.store import DEFAULT_POLICY, EpisodeStore
-from shmrl.transport.tcp import TcpClient
+from shmrl.client.simulator import run_server_inference
+from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
+from shmrl.transport.tcp_client import TcpClient
 
 SPEC = env_spec("CartPole-v1")
 

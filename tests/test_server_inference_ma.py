@@ -20,16 +20,16 @@ from conftest import FakeServer, need, wait_until
 need("pettingzoo", "pettingzoo")
 from shmrl.conformance import check_client  # noqa: E402
 from shmrl import rllink  # noqa: E402
-from shmrl.envs import env_spec  # noqa: E402
-from shmrl.envspec import policy_mapper  # noqa: E402
-from shmrl.hub import Hub  # noqa: E402
-from shmrl.multiagent import act_loop  # noqa: E402
-from shmrl.net import PolicyNet  # noqa: E402
-from shmrl.onnx_policy import encode_onnx_file  # noqa: E402
+from shmrl.envs.make import env_spec  # noqa: E402
+from shmrl.envs.spec import policy_mapper  # noqa: E402
+from shmrl.server.hub import Hub  # noqa: E402
+from shmrl.client.multi_agent import act_loop  # noqa: E402
+from shmrl.model.net import PolicyNet  # noqa: E402
+from shmrl.onnxio.policy import encode_onnx_file  # noqa: E402
 from shmrl.rllink import ProtocolError  # noqa: E402
-from shmrl.sim import run_server_inference  # noqa: E402
-from shmrl.store import EpisodeStore  # noqa: E402
-from shmrl.transport.tcp import TcpClient  # noqa: E402
+from shmrl.client.simulator import run_server_inference  # noqa: E402
+from shmrl.server.store import EpisodeStore  # noqa: E402
+from shmrl.transport.tcp_client import TcpClient  # noqa: E402
 
 C4 = "pz:connect_four_v3"
 SPREAD = "pz:simple_spread_v3"

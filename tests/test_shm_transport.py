@@ -253,13 +253,13 @@ def test_corrupt_record_closes_its_connection_after_a_few_quick_looks(server, ca
 def test_rings_take_every_frame_of_the_run(env, hidden, envs_per_sim, steps):
     """A SET_STATE the reply ring cannot hold, or an EPISODES message the request ring
     cannot, used to stall a run (--hidden 512 hung, --env-steps-per-sample 16384 crashed)."""
-    from shmrl.envs import env_spec, make_vec_env
-    from shmrl.rollout import Rollout
-    from shmrl.onnx_policy import encode_onnx_file
-    from shmrl.config import Config, resolve_config
-    from shmrl.serving import ring_bytes
-    from shmrl.setup_run import policy_net
-    from shmrl.sim import make_sampler
+    from shmrl.envs.make import env_spec, make_vec_env
+    from shmrl.client.rollout import Rollout
+    from shmrl.onnxio.policy import encode_onnx_file
+    from shmrl.config.settings import Config, resolve_config
+    from shmrl.server.serving import ring_bytes
+    from shmrl.trainer.setup import policy_net
+    from shmrl.client.simulator import make_sampler
     from shmrl.transport.ring import Ring
 
     spec = env_spec(env)

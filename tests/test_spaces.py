@@ -11,17 +11,17 @@ import torch
 
 from conftest import need, request_while_serving
 from shmrl import rllink
-from shmrl.envs import EnvSpec
-from shmrl.episode import Episode, EpisodeBatch
-from shmrl.hub import check_episodes
-from shmrl.serving import Serving
-from shmrl.store import DEFAULT_POLICY
-from shmrl.net import MASKED_LOGIT, PolicyNet
-from shmrl.onnx_policy import OnnxPolicy
-from shmrl.config import Config, PPOSettings, with_defaults
-from shmrl.ppo import PPO
-from shmrl.sampler import Sampler
-from shmrl.spaces import action_layout, from_gym, obs_layout
+from shmrl.envs.spec import EnvSpec
+from shmrl.core.episode import Episode, EpisodeBatch
+from shmrl.server.hub import check_episodes
+from shmrl.server.serving import Serving
+from shmrl.server.store import DEFAULT_POLICY
+from shmrl.model.net import MASKED_LOGIT, PolicyNet
+from shmrl.onnxio.policy import OnnxPolicy
+from shmrl.config.settings import Config, PPOSettings, with_defaults
+from shmrl.model.ppo import PPO
+from shmrl.client.action_sampler import Sampler
+from shmrl.core.spaces import action_layout, from_gym, obs_layout
 from shmrl.transport.inproc import InProcServer
 
 gs = need("gymnasium", "gym").spaces
@@ -287,10 +287,10 @@ def test_image_and_dict_environments_train_end_to_end(env, inputs, tmp_path, cap
     import logging
 
     import shmrl
-    from shmrl import envspec
+    from shmrl.envs import spec as envspec
 
     monkeypatch.setattr(envspec, "_SKIPPED_SAID", set())   # said once per process: this test's process
-    caplog.set_level(logging.INFO, logger="shmrl.envs")
+    caplog.set_level(logging.INFO, logger="shmrl.envs.make")
 
     pytest.importorskip("minigrid" if "MiniGrid" in env else "minatar", reason="its extra is not installed")
     summary = shmrl.train(env=env, sims=2, envs_per_sim=2, max_env_steps=6000, train_batch_size=1024,
@@ -309,7 +309,7 @@ def test_an_atari_game_is_preprocessed_and_trains_end_to_end(tmp_path, no_shm_le
     budget: the suite checks that it runs, tools/zoo.py measures how well."""
     pytest.importorskip("ale_py", reason="the atari extra is not installed (the test extra has it)")
     import shmrl
-    from shmrl.envs import env_spec, make_env
+    from shmrl.envs.make import env_spec, make_env
 
     env = make_env("gym:ALE/Breakout-v5", seed=0)
     try:
@@ -333,7 +333,7 @@ def test_what_is_left_out_is_said_once_without_setting_logging_up():
     """The learner warns (Python prints a WARNING with no logging set up); making the env's
     spec, as every simulator does, says nothing."""
     pytest.importorskip("minigrid", reason="the minigrid extra is not installed")
-    code = ("from shmrl.envs import env_spec; from shmrl.envspec import say_left_out\n"
+    code = ("from shmrl.envs.make import env_spec; from shmrl.envs.spec import say_left_out\n"
             "spec = env_spec('gym:MiniGrid-DoorKey-5x5-v0'); env_spec('gym:MiniGrid-DoorKey-5x5-v0')\n"
             "print('made', flush=True); say_left_out(spec); say_left_out(spec)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -13,13 +13,14 @@ import time
 
 import pytest
 
-from shmrl.config import Config
+from shmrl.config.settings import Config
 from shmrl import rllink
-from shmrl.serving import Serving
-from shmrl.store import DEFAULT_POLICY
-from shmrl.net import PolicyNet
+from shmrl.server.serving import Serving
+from shmrl.server.store import DEFAULT_POLICY
+from shmrl.model.net import PolicyNet
 from shmrl.transport.inproc import InProcServer
-from shmrl.transport.tcp import ConnectionClosed, TcpClient
+from shmrl.transport import ConnectionClosed
+from shmrl.transport.tcp_client import TcpClient
 from conftest import (HANGING_ENV, SPEC, binary_episodes, binary_frame, check_books, chunk, decode_frame, episodes_msg,
                       log_lines, read_to_eof, recv_frame, rllib_frame, state_frame, summary_of, wait_until)
 

@@ -15,10 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmrl.envs import env_spec
-from shmrl.inference import space_config
+from shmrl.envs.make import env_spec
+from shmrl.server.inference.single_agent import space_config
 from shmrl.rllink import ProtocolError
-from shmrl.transport.tcp import ConnectionClosed, TcpClient, TcpServer, parse_address
+from shmrl.transport import ConnectionClosed
+from shmrl.transport.tcp import TcpServer
+from shmrl.transport.tcp_client import TcpClient, parse_address
 
 from conftest import (Net, conn_id_of, episodes_msg, log_lines, read_to_eof, recv_exactly, recv_frame, rllib_episodes,
                       rllib_frame, state_frame, wait_until)

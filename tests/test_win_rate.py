@@ -1,4 +1,4 @@
-"""A self-play run's win rate against a random legal player (--eval-every, shmrl.win_rate):
+"""A self-play run's win rate against a random legal player (--eval-every, shmrl.trainer.win_rate):
 evaluated while it trains, in the metrics; the stop rule on it (--stop-win-rate); the best
 policy evaluated is the one written, whatever ends the run; and the time budget
 (--max-seconds)."""
@@ -12,13 +12,13 @@ import pytest
 from conftest import need
 need("pettingzoo", "pettingzoo")
 import shmrl  # noqa: E402
-from shmrl.config import ConfigError  # noqa: E402
-from shmrl.win_rate import WinRateEval  # noqa: E402
+from shmrl.config.settings import ConfigError  # noqa: E402
+from shmrl.trainer.win_rate import WinRateEval  # noqa: E402
 from test_multiagent import FirstWins, model_for  # noqa: E402
 
 
 class ScriptedPlay:
-    """``shmrl.multiagent.play`` that answers the win rates of ``rates`` in turn, one per
+    """``shmrl.client.multi_agent.play`` that answers the win rates of ``rates`` in turn, one per
     model (the last one from then on; a model played again gets its rate again, or the
     next of ``again`` where given), and keeps the models it was given, and the calls."""
 
@@ -38,7 +38,7 @@ class ScriptedPlay:
 
 def test_the_best_model_is_kept_and_the_stop_rule_reads_the_latest(monkeypatch):
     play = ScriptedPlay([0.5, 0.9, 0.7, 0.95])
-    monkeypatch.setattr("shmrl.multiagent.play", play)
+    monkeypatch.setattr("shmrl.client.multi_agent.play", play)
     judge = WinRateEval(FirstWins, ["shared"], every=5, games=10, stop_at=0.92)
     assert [u for u in range(1, 21) if judge.due(u)] == [5, 10, 15, 20] and not judge.solved()
     assert WinRateEval(FirstWins, ["shared"], every=0, games=10, stop_at=0.9).due(0) is False
@@ -57,7 +57,7 @@ def test_a_lucky_evaluation_is_played_again_and_pooled(monkeypatch):
     again: here 0.96 then 0.88 (0.92: the best so far, short of the stop rate); 0.6, below
     both, is not played again."""
     play = ScriptedPlay([0.8, 0.96, 0.6], again=[0.8, 0.88])
-    monkeypatch.setattr("shmrl.multiagent.play", play)
+    monkeypatch.setattr("shmrl.client.multi_agent.play", play)
     judge = WinRateEval(FirstWins, ["shared"], every=1, games=10, stop_at=0.95)
     rates = [judge.evaluate({"shared": bytes([u])}, u)["win_rate"] for u in (1, 2, 3)]
     assert rates == [0.8, pytest.approx(0.92), 0.6] and play.calls == 5 and not judge.solved()
@@ -65,7 +65,7 @@ def test_a_lucky_evaluation_is_played_again_and_pooled(monkeypatch):
 
 
 def test_several_policies_stop_only_when_every_one_reaches_the_win_rate(monkeypatch):
-    monkeypatch.setattr("shmrl.multiagent.play", ScriptedPlay([0.95, 0.5, 0.96, 0.97]))
+    monkeypatch.setattr("shmrl.client.multi_agent.play", ScriptedPlay([0.95, 0.5, 0.96, 0.97]))
     judge = WinRateEval(FirstWins, ["a", "b"], every=1, games=10, stop_at=0.9)
     row = judge.evaluate({"a": b"a1", "b": b"b1"}, 1)
     assert row["win_rate_by_policy"] == {"a": 0.95, "b": 0.5} and row["win_rate"] == pytest.approx(0.725)
@@ -85,7 +85,7 @@ def test_a_real_evaluation_plays_the_random_player():
 def test_an_env_the_learner_cannot_play_ends_the_evaluations_not_the_run(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("spaces only")
-    monkeypatch.setattr("shmrl.multiagent.play", broken)
+    monkeypatch.setattr("shmrl.client.multi_agent.play", broken)
     judge = WinRateEval(FirstWins, ["shared"], every=2, games=10, stop_at=0.9)
     assert judge.evaluate({"shared": b"m"}, 2) == {} and not judge.due(4) and not judge.solved()
     assert judge.summary() == {} and "no more evaluations" in caplog.text and "spaces only" in caplog.text
@@ -97,7 +97,7 @@ RUN = dict(env=FirstWins, sims=1, envs_per_sim=4, train_batch_size=256, minibatc
 
 def test_a_budget_leaves_the_best_policy_evaluated_not_the_last(tmp_path, monkeypatch, capsys):
     play = ScriptedPlay([0.3, 0.8, 0.4, 0.6])
-    monkeypatch.setattr("shmrl.multiagent.play", play)
+    monkeypatch.setattr("shmrl.client.multi_agent.play", play)
     summary = shmrl.train(**RUN, max_env_steps=5 * 256, stop_win_rate=0.9, logdir=str(tmp_path))
     assert summary["exit_status"] == 1 and summary["updates"] >= 3
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -115,7 +115,7 @@ def test_a_budget_leaves_the_best_policy_evaluated_not_the_last(tmp_path, monkey
 
 def test_a_budget_evaluates_the_updates_since_the_last_evaluation(tmp_path, monkeypatch):
     play = ScriptedPlay([0.3, 0.9])
-    monkeypatch.setattr("shmrl.multiagent.play", play)
+    monkeypatch.setattr("shmrl.client.multi_agent.play", play)
     summary = shmrl.train(**{**RUN, "eval_every": 3}, max_env_steps=5 * 256, stop_win_rate=0.95,
                           logdir=str(tmp_path))
     updates = summary["updates"]
@@ -128,7 +128,7 @@ def test_a_budget_evaluates_the_updates_since_the_last_evaluation(tmp_path, monk
 
 def test_the_stop_win_rate_ends_the_run_solved(tmp_path, monkeypatch):
     play = ScriptedPlay([0.2, 0.5, 0.93])
-    monkeypatch.setattr("shmrl.multiagent.play", play)
+    monkeypatch.setattr("shmrl.client.multi_agent.play", play)
     summary = shmrl.train(**RUN, max_env_steps=100_000, stop_win_rate=0.9, logdir=str(tmp_path))
     assert summary["exit_status"] == 0 and summary["solved"] and summary["updates"] == 3
     assert summary["win_rate"] == 0.93 and (tmp_path / "policy-shared.onnx").read_bytes() == play.models[2]

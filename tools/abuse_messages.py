@@ -42,7 +42,7 @@ import numpy as np
 from abuse import GoodClient, RssSampler, Server, recv_exactly
 from bench import median, percentile
 from shmrl import rllink
-from shmrl.episode import EpisodeBatch
+from shmrl.core.episode import EpisodeBatch
 
 TOKEN = "abuse-messages-token"
 # --quick: only checks that the tool works (its figures are not ones to quote).

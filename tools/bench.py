@@ -91,9 +91,9 @@ def print_method(result: dict) -> None:
 def run_policy(env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: int = 256):
     """The env's spec, shmrl.run's configuration of it (its preset) and the policy network
     that shmrl.run publishes for it (numpy and the ONNX template only: no torch)."""
-    from shmrl.envs import env_spec
-    from shmrl.config import Config, resolve_config
-    from shmrl.setup_run import policy_net
+    from shmrl.envs.make import env_spec
+    from shmrl.config.settings import Config, resolve_config
+    from shmrl.trainer.setup import policy_net
 
     spec = env_spec(env)
     config = resolve_config(Config(env=env, envs_per_sim=envs_per_sim,
@@ -140,10 +140,10 @@ class Pipeline:
                  transport: str = "shm"):
         """``transport``: "shm" (rings) or "tcp-binary" (loopback TCP, the simulators
         agreeing on the binary codec as shmrl.run's do with --transport tcp)."""
-        from shmrl.hub import Hub
-        from shmrl.serving import heartbeat_period, ring_bytes
-        from shmrl.store import DEFAULT_POLICY, EpisodeStore
-        from shmrl.supervisor import Supervisor
+        from shmrl.server.hub import Hub
+        from shmrl.server.serving import heartbeat_period, ring_bytes
+        from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
+        from shmrl.launch.supervisor import Supervisor
         from shmrl.transport.shm import ShmServer
         from shmrl.transport.tcp import TcpServer
 
@@ -178,8 +178,8 @@ class Pipeline:
     def publish(self, weights: dict[str, np.ndarray] | None = None) -> int:
         """What the learner does after an update: patch the weights into the ONNX graph,
         gzip+base64 it, hand it to the Hub (which releases waiting simulators)."""
-        from shmrl.onnx_policy import encode_onnx_file
-        from shmrl.store import DEFAULT_POLICY
+        from shmrl.onnxio.policy import encode_onnx_file
+        from shmrl.server.store import DEFAULT_POLICY
 
         weights = weights if weights is not None else self.new_weights()
         t0 = time.perf_counter()
@@ -265,7 +265,7 @@ def throughput(args) -> dict:
     result = started(
         "throughput",
         f"Pipeline: ShmServer(n) (--transport shm) or a loopback TcpServer whose clients agree on "
-        f"the binary codec (tcp-binary) + n simulators started by shmrl.supervisor.Supervisor (forkserver), "
+        f"the binary codec (tcp-binary) + n simulators started by shmrl.launch.supervisor.Supervisor (forkserver), "
         f"{args.env} with {policy_text(args.env)} as ONNX; in this process a Hub with "
         f"on_policy=False answers each EPISODES_AND_GET_STATE at once and the chunks are "
         f"drained (no training). Env steps received per second: after every simulator has sent "
@@ -359,9 +359,9 @@ def in_process_limit(weights, args) -> dict:
 def limit_worker(args) -> int:
     """Hidden: the in-process loop of one core. Mirrors shmrl.sim's stepping (the same
     vectorized envs, policy and sampler), minus the recording and the transport."""
-    from shmrl.envs import env_spec, make_vec_env
-    from shmrl.onnx_policy import OnnxPolicy
-    from shmrl.sim import make_sampler
+    from shmrl.envs.make import env_spec, make_vec_env
+    from shmrl.onnxio.policy import OnnxPolicy
+    from shmrl.client.simulator import make_sampler
 
     k = args.envs_per_sim
     policy = OnnxPolicy(Path(args.model).read_bytes())
@@ -503,7 +503,7 @@ def transport_message(steps: int, seq: int = 1, env: str | None = None) -> dict:
                "action_dist_inputs": logits, "action_logp": logp.astype(np.float32),
                "is_terminated": True, "is_truncated": False,
                "episode_id": "bench-0", "weights_seq_no": seq}
-    from shmrl.episode import EpisodeBatch
+    from shmrl.core.episode import EpisodeBatch
 
     return {"type": "EPISODES_AND_GET_STATE", "episodes": EpisodeBatch.from_episodes([episode]),
             "timesteps": steps}
@@ -513,9 +513,9 @@ def recorded_message(env: str, steps: int, seq: int) -> dict:
     """One ``steps``-step chunk of ``env``'s observations in its stored form (uint8 images stay
     uint8), actions from shmrl's sampler on flat distribution inputs. Episode ends inside the
     chunk are ignored: it is the bytes per step that are measured."""
-    from shmrl.envs import env_spec, make_vec_env
-    from shmrl.episode import EpisodeBatch
-    from shmrl.sim import make_sampler
+    from shmrl.envs.make import env_spec, make_vec_env
+    from shmrl.core.episode import EpisodeBatch
+    from shmrl.client.simulator import make_sampler
 
     spec = env_spec(env)
     envs = make_vec_env(env, 1, 0)
@@ -571,7 +571,7 @@ def transport_client(args) -> int:
     """Hidden: the client side of ``transport``. Prints per-variant, per-repetition medians."""
     from shmrl import rllink
     from shmrl.transport.shm import ShmClient
-    from shmrl.transport.tcp import TcpClient, parse_address
+    from shmrl.transport.tcp_client import TcpClient, parse_address
 
     msg = transport_message(args.steps, env=args.env)
     clients = {"shm-binary": ShmClient(args.shm_binary, codec="binary", timeout=WAIT_S),
@@ -669,7 +669,7 @@ def print_solve(r: dict) -> None:
 # ---------------------------------------------------------------- sync
 
 def sync(args) -> dict:
-    from shmrl.onnx_policy import OnnxPolicy, decode_onnx_file
+    from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file
 
     result = started(
         "sync",

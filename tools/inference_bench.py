@@ -53,13 +53,13 @@ class DrainServer:
 
     def __init__(self, env: str, env_steps_per_sample: int = 256, server_side: bool = True):
         sys.path.insert(0, str(ROOT))
-        from shmrl.config import Config, resolve_config
-        from shmrl.envs import env_spec
-        from shmrl.hub import Hub
-        from shmrl.onnx_policy import encode_onnx_file
-        from shmrl.serving import heartbeat_period
-        from shmrl.setup_run import policy_net
-        from shmrl.store import DEFAULT_POLICY, EpisodeStore
+        from shmrl.config.settings import Config, resolve_config
+        from shmrl.envs.make import env_spec
+        from shmrl.server.hub import Hub
+        from shmrl.onnxio.policy import encode_onnx_file
+        from shmrl.server.serving import heartbeat_period
+        from shmrl.trainer.setup import policy_net
+        from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
         from shmrl.transport.tcp import TcpServer
 
         spec = env_spec(env)
@@ -262,7 +262,7 @@ def probe(port: int, envs: int, seconds: float) -> int:
 
     sys.path.insert(0, str(ROOT))
     from shmrl import rllink
-    from shmrl.envs import make_vec_env
+    from shmrl.envs.make import make_vec_env
 
     stopped = []
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))

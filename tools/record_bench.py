@@ -106,7 +106,7 @@ def pretrain(a) -> dict:
                f"{expert['wall_s']:.1f} s")
         if not (dataset / "manifest.json").exists():   # likewise its recording
             record(a, expert_dir, dataset)
-        from shmrl.dataset import Dataset
+        from shmrl.files.dataset import Dataset
 
         episodes = list(Dataset(dataset).episodes())
         whole = [float(ep.rewards.sum()) for ep in episodes if not ep.stopped]

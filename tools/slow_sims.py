@@ -45,9 +45,9 @@ FACTORIES = {base: name for name, base in slow_sim.BASE_IDS.items()}
 def smaller_batch(env: str) -> int:
     """The smaller train batch of the env's preset and its slow profile (presets.toml): what
     each external client's messages are a share of, as shmrl's own simulators' are."""
-    from shmrl.adapt import slow_config
-    from shmrl.config import Config, resolve_config
-    from shmrl.envs import env_spec
+    from shmrl.trainer.learn_per_step import slow_config
+    from shmrl.config.settings import Config, resolve_config
+    from shmrl.envs.make import env_spec
 
     spec = env_spec(env)
     fast = resolve_config(Config(env=env), spec)

@@ -43,7 +43,7 @@ static int ort_ok(policy *p, OrtStatus *status, const char *what) {
 }
 
 /* One thread, no graph optimization: a 64x64 MLP runs in microseconds, and a client is one
-   of many small processes (shmrl.onnx_policy's settings). The tensors wrap obs and dist,
+   of many small processes (shmrl.onnxio.policy's settings). The tensors wrap obs and dist,
    so a run reads the envs' observations where they are and writes output 0 in place. */
 static int policy_init(policy *p, int k, float *obs) {
     const OrtApiBase *base = OrtGetApiBase();

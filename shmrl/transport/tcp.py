@@ -41,10 +41,9 @@ import threading
 import time
 
 from shmrl import rllink
-from shmrl.rllink_act import ActHeads, ActionsFrames
-from shmrl.transport.base import Closeable, ConnectionClosed, ReplyEncoder, WakePipe  # noqa: F401 (as before)
+from shmrl.rllink.act import ActHeads, ActionsFrames
+from shmrl.transport.base import Closeable, ReplyEncoder, WakePipe
 from shmrl.transport.tcp_conn import Connection, conn_id_of
-from shmrl.transport.tcp_client import TcpClient, parse_address  # noqa: F401 (the client side, as before)
 
 log = logging.getLogger("shmrl.transport")
 

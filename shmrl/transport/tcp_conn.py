@@ -8,7 +8,7 @@ import logging
 import socket
 import time
 
-from shmrl.rllink_codec import HEADER_LEN
+from shmrl.rllink.codec import HEADER_LEN
 
 
 def conn_id_of(peer) -> str:

@@ -1,0 +1,1 @@
+"""The conformance checker: a scripted RLlink server and its rules for a client under test."""

@@ -1,0 +1,111 @@
+"""The client's side of the action distribution, in numpy: ``Sampler`` draws an action per
+row of ``action_dist_inputs`` (the policy's output 0, laid out as ``shmrl.core.spaces``
+describes: logits per categorical part, then means and log-stds per Gaussian part), gives
+its log-probability, and the greedy action for evaluation.
+
+The learner's side (log-probabilities and entropy in torch) is ``shmrl.model.ppo.PPO.log_prob``;
+tests/test_actor.py checks that the two agree. Used by ``shmrl.client.actor`` in every simulator
+and by eval; like every client module, this never imports torch.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from shmrl.core.spaces import ActionLayout
+
+HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+class Sampler:
+    """Samples an action per row of ``action_dist_inputs`` and gives its log-probability.
+
+    A single Discrete with few logits is sampled in plain Python from a block of uniform
+    numbers (numpy's per-call cost is more than a CartPole step); anything else with
+    numpy: Gumbel-max per categorical part, a draw per Gaussian part. Masked actions
+    arrive with logits of -1e9 (the graph applies the mask), so they are never drawn.
+    """
+
+    SMALL = 64  # logits up to this many numbers are sampled row by row in plain Python
+
+    def __init__(self, layout: ActionLayout, rng: np.random.Generator, block: int = 4096):
+        self.layout, self.rng, self.block = layout, rng, block
+        self._u, self._i = rng.random(block).tolist(), 0
+
+    def _uniform(self) -> float:
+        if self._i == self.block:
+            self._u, self._i = self.rng.random(self.block).tolist(), 0
+        u = self._u[self._i]
+        self._i += 1
+        return u
+
+    def sample(self, dist_inputs: np.ndarray):
+        """(actions, log-probabilities): a list of ints and of floats for a single Discrete,
+        else arrays in the stored action form."""
+        layout = self.layout
+        if layout.single_discrete and dist_inputs.size <= self.SMALL:
+            return self._categorical_small(dist_inputs)
+        if layout.single_box:
+            return self._gaussian(dist_inputs)
+        n = len(dist_inputs)
+        actions = np.zeros((n, layout.action_size), layout.action_dtype)
+        logp = np.zeros(n)
+        for part, dist, cols in layout.slices():
+            x = dist_inputs[:, dist]
+            if part.kind == "categorical":
+                a, lp = self._categorical(x)
+                actions[:, cols.start] = a
+            else:
+                a, lp = self._gaussian(x)
+                actions[:, cols] = a
+            logp += lp
+        if layout.single_discrete:
+            return actions[:, 0].tolist(), logp.tolist()
+        return actions, logp
+
+    def _categorical_small(self, logits: np.ndarray):
+        # A handful of numbers: plain Python beats numpy, whose every call costs
+        # microseconds (about 12 us for 4 envs x 2 actions here, against about 45).
+        actions, logps = [], []
+        for row in logits.tolist():
+            m = max(row)
+            exps = [math.exp(v - m) for v in row]
+            total = sum(exps)
+            threshold, acc, action = self._uniform() * total, 0.0, len(row) - 1
+            for i, e in enumerate(exps):
+                acc += e
+                if threshold < acc:
+                    action = i
+                    break
+            actions.append(action)
+            logps.append(row[action] - m - math.log(total))
+        return actions, logps
+
+    def _categorical(self, logits: np.ndarray):
+        gumbel = -np.log(-np.log(self.rng.random(logits.shape)))
+        actions = np.argmax(logits + gumbel, axis=1)
+        m = logits.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
+        return actions, logits[np.arange(len(logits)), actions] - lse
+
+    def _gaussian(self, dist_inputs: np.ndarray):
+        """All means, then all log-stds (RLlib's DiagGaussian layout); actions unclipped."""
+        d = dist_inputs.shape[1] // 2
+        mean, log_std = dist_inputs[:, :d], dist_inputs[:, d:]
+        noise = self.rng.standard_normal(mean.shape, dtype=np.float32)
+        actions = mean + np.exp(log_std) * noise
+        logp = (-0.5 * noise * noise - log_std).sum(axis=1) - d * HALF_LOG_2PI
+        return actions, logp
+
+    def greedy(self, dist_inputs: np.ndarray):
+        """The most likely action of every part (a categorical's argmax, a Gaussian's mean)."""
+        layout = self.layout
+        actions = np.zeros((len(dist_inputs), layout.action_size), layout.action_dtype)
+        for part, dist, cols in layout.slices():
+            x = dist_inputs[:, dist]
+            if part.kind == "categorical":
+                actions[:, cols.start] = x.argmax(axis=1)
+            else:
+                actions[:, cols] = x[:, :part.size]
+        return actions[:, 0] if layout.single_discrete else actions

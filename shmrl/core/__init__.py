@@ -1,0 +1,1 @@
+"""What both sides share: spaces, episode chunks and running statistics (numpy only)."""

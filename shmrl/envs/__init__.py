@@ -1,0 +1,1 @@
+"""Environments: specs, the built-in ones, gymnasium's and PettingZoo's."""

@@ -1,0 +1,132 @@
+"""What the learner and the simulators know about an env: its spaces, as an ``EnvSpec``
+(one agent) or a ``MultiAgentSpec`` (one EnvSpec per agent), and the map from agents to
+the policies that play them (``--policy-map``).
+
+The lowest module of the env adapters: ``shmrl.envs.make`` (the registry), ``shmrl.envs.pettingzoo``
+(PettingZoo) and everything above them build specs from here; it imports only
+``shmrl.core.spaces``.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shmrl.core import spaces
+
+SHARED_POLICY = "shared"
+POLICY_MAPS = ("shared", "per-agent")
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What the learner needs to know about an environment to check clients' data: its
+    spaces (``shmrl.core.spaces``) and how observations and actions are laid out."""
+    env_id: str
+    observation_space: object
+    action_space: object
+    reward_threshold: float | None = None  # the return at which it counts as solved, if known
+
+    @functools.cached_property
+    def obs(self) -> spaces.ObsLayout:
+        return spaces.obs_layout(self.observation_space)
+
+    @functools.cached_property
+    def actions(self) -> spaces.ActionLayout:
+        return spaces.action_layout(self.action_space)
+
+    @property
+    def obs_shape(self) -> tuple:
+        """The shape of a flat observation (the only leaf of a non-structured space)."""
+        return self.obs.leaves[0].shape
+
+    @property
+    def continuous(self) -> bool:
+        """A single Box action (a diagonal Gaussian policy)."""
+        return self.actions.single_box
+
+    @property
+    def policy_outputs(self) -> int:
+        """Size of the policy's output: logits, means and log-stds of every action part."""
+        return self.actions.dist_size
+
+
+def space_spec(env_id: str, observation_space, action_space, threshold: float | None = None) -> EnvSpec:
+    """The EnvSpec of these spaces, checked (an action mask must fit the actions)."""
+    spec = EnvSpec(env_id, spaces.from_gym(observation_space), spaces.from_gym(action_space),
+                   None if threshold is None else float(threshold))
+    try:
+        layout, actions = spec.obs, spec.actions
+    except ValueError as e:
+        raise ValueError(f"{env_id}: {e}") from None
+    mask = layout.mask
+    if mask is not None and mask.shape != (len(actions.mask_columns),):
+        raise ValueError(f"{env_id}: the observation's action_mask has shape {mask.shape}; it must have one "
+                         f"entry per value of every Discrete action part ({len(actions.mask_columns)})")
+    return spec
+
+
+def say_left_out(spec) -> None:
+    """Warn, once per env and observation leaf in this process, of what the env observes
+    that shmrl leaves out (MiniGrid's ``mission``). The learner says it: a WARNING, which
+    Python prints even where logging is not set up; simulators say nothing."""
+    for agent_spec in spec.agent_specs.values() if getattr(spec, "multiagent", False) else [spec]:
+        for path, why in agent_spec.obs.skipped:
+            if (agent_spec.env_id, path) not in _SKIPPED_SAID:
+                _SKIPPED_SAID.add((agent_spec.env_id, path))
+                logging.getLogger("shmrl.envs.make").warning("%s: observation %r is left out: %s",
+                                                        agent_spec.env_id, path, why)
+
+
+_SKIPPED_SAID: set = set()   # (env, leaf) already said to be left out
+
+
+@dataclass(frozen=True)
+class MultiAgentSpec:
+    """A multi-agent env's spaces: one EnvSpec per possible agent."""
+    env_id: str
+    agents: tuple
+    agent_specs: dict = field(hash=False)
+    turn_based: bool = False
+    reward_threshold: float | None = None
+    multiagent = True
+
+    def policy_specs(self, mapper: Callable) -> dict:
+        """policy id -> the EnvSpec of its agents, which must agree in their spaces."""
+        out, first = {}, {}
+        for agent in self.agents:
+            pid, spec = mapper(agent), self.agent_specs[agent]
+            if pid in out and (out[pid].obs, out[pid].actions) != (spec.obs, spec.actions):
+                raise ValueError(f"{self.env_id}: agents {first[pid]!r} and {agent!r} map to policy {pid!r} but "
+                                 f"have different spaces")
+            out.setdefault(pid, spec)
+            first.setdefault(pid, agent)
+        return out
+
+
+def load_function(flag: str, value: str, what: str) -> Callable:
+    """The function ``package.module:name`` names (a user's env factory or policy map), or
+    a ValueError that names the flag and why it cannot be loaded; ``what``: what the
+    function is for, said when the name is not a function."""
+    module, _, name = value.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{flag} {value}: cannot load {name} from {module}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"{flag} {value}: {name} is a {type(fn).__name__}, not a function {what}")
+    return fn
+
+
+def policy_mapper(policy_map: str) -> Callable:
+    """agent_id -> policy_id for ``shared``, ``per-agent`` or ``package.module:fn``."""
+    if policy_map == "shared":
+        return lambda agent: SHARED_POLICY
+    if policy_map == "per-agent":
+        return str
+    if not policy_map.partition(":")[2]:
+        raise ValueError(f"--policy-map {policy_map!r}: shared, per-agent or package.module:fn")
+    fn = load_function("--policy-map", policy_map, "of an agent id")
+    return lambda agent: str(fn(agent))

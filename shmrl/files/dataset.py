@@ -1,0 +1,322 @@
+"""Recorded episodes on disk: shmrl's offline dataset format (docs/RECORDING.md).
+
+A dataset is a folder::
+
+    manifest.json            format and version, the env, each policy's spaces
+    shard-000001.npz         whole episodes of one policy, appended by one writer
+    shard-000002.npz         ...
+
+A shard is written to a hidden temporary name, fsynced and renamed, so a reader (and a
+writer that appends later) only ever sees whole shards: a kill at any moment leaves a
+dataset that reads. Shards hold plain arrays (``np.load(allow_pickle=False)`` reads them):
+
+| key | rows | what |
+|---|---|---|
+| ``policy_id`` | () | the policy whose episodes these are |
+| ``lengths`` | episodes | steps of each episode |
+| ``terminated``, ``truncated`` | episodes | how it ended |
+| ``stopped`` | episodes | it had not ended when the recording stopped or its client went away (``truncated`` is set too) |
+| ``agent_id``, ``episode_id``, ``source`` | episodes | strings ('' where none): the agent (multi-agent), the client's episode id, the connection |
+| ``obs`` or ``obs/<leaf>`` | steps + episodes | observations, one more per episode than steps (``shmrl.core.spaces`` leaves: uint8 images stay uint8) |
+| ``actions``, ``rewards``, ``action_logp``, ``action_dist_inputs``, ``weights_seq_no`` | steps | as the client sent them (actions in shmrl's layout: Discrete from 0, Box unclipped) |
+
+This module is numpy and the standard library only.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shmrl.core import spaces
+from shmrl.core.episode import EpisodeBatch, obs_concat
+
+FORMAT, VERSION = "shmrl-dataset", 1
+MANIFEST = "manifest.json"
+SHARD = re.compile(r"^shard-(\d+)\.npz$")
+STEP_KEYS = ("actions", "rewards", "action_logp", "action_dist_inputs", "weights_seq_no")
+EPISODE_KEYS = ("lengths", "terminated", "truncated", "stopped", "agent_id", "episode_id", "source")
+
+log = logging.getLogger("shmrl.files.dataset")
+
+
+class DatasetError(ValueError):
+    """A folder that is not a dataset, or one that does not fit what is asked of it."""
+
+
+# ------------------------------------------------------------------ spaces as JSON
+
+def _num(x):
+    x = float(x)
+    return x if np.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def space_to_json(space) -> dict:
+    """A ``shmrl.core.spaces`` space as JSON (infinite bounds as "inf" and "-inf")."""
+    if isinstance(space, spaces.Box):
+        return {"type": "Box", "low": [_num(v) for v in space.low], "high": [_num(v) for v in space.high],
+                "shape": [int(d) for d in space.shape], "dtype": str(space.dtype)}
+    if isinstance(space, spaces.Discrete):
+        return {"type": "Discrete", "n": int(space.n), "start": int(space.start)}
+    if isinstance(space, spaces.MultiDiscrete):
+        return {"type": "MultiDiscrete", "nvec": [int(n) for n in space.nvec], "start": [int(n) for n in space.start]}
+    if isinstance(space, spaces.MultiBinary):
+        return {"type": "MultiBinary", "n": int(space.n)}
+    if isinstance(space, spaces.Dict):
+        return {"type": "Dict", "spaces": [[k, space_to_json(s)] for k, s in space.spaces]}
+    if isinstance(space, spaces.Tuple):
+        return {"type": "Tuple", "spaces": [space_to_json(s) for s in space.spaces]}
+    return {"type": "Unsupported", "what": space.what}
+
+
+def space_from_json(d: dict):
+    kind = d["type"]
+    if kind == "Box":
+        return spaces.Box(tuple(float(v) for v in d["low"]), tuple(float(v) for v in d["high"]),
+                          tuple(d["shape"]), d["dtype"])
+    if kind == "Discrete":
+        return spaces.Discrete(d["n"], d.get("start", 0))
+    if kind == "MultiDiscrete":
+        return spaces.MultiDiscrete(tuple(d["nvec"]), tuple(d.get("start", ())))
+    if kind == "MultiBinary":
+        return spaces.MultiBinary(d["n"])
+    if kind == "Dict":
+        return spaces.Dict(tuple((k, space_from_json(s)) for k, s in d["spaces"]))
+    if kind == "Tuple":
+        return spaces.Tuple(tuple(space_from_json(s) for s in d["spaces"]))
+    return spaces.Unsupported(d.get("what", "?"))
+
+
+def manifest_for(env_id: str, policy_specs: dict, agents=None) -> dict:
+    """The manifest of a dataset of ``policy_specs``' episodes (policy id -> EnvSpec)."""
+    return {"format": FORMAT, "version": VERSION, "env": env_id,
+            "agents": None if agents is None else [str(a) for a in agents],
+            "policies": {pid: {"observation_space": space_to_json(s.observation_space),
+                               "action_space": space_to_json(s.action_space)} for pid, s in policy_specs.items()}}
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: not a dataset (no {MANIFEST})") from None
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"{path}/{MANIFEST}: cannot read it: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise DatasetError(f"{path}: not a shmrl dataset ({MANIFEST} says format {manifest.get('format')!r})")
+    if manifest.get("version", 0) > VERSION:
+        raise DatasetError(f"{path}: dataset format version {manifest['version']}; this shmrl reads up to {VERSION}")
+    return manifest
+
+
+# ------------------------------------------------------------------ writing
+
+def _write_whole(path: Path, write) -> None:
+    """``write(file)`` into a hidden temporary file beside ``path``, fsynced, then renamed
+    to ``path`` and the folder fsynced: ``path`` is whole or absent."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_appendable(path, manifest: dict) -> dict | None:
+    """The manifest of the dataset at ``path`` (None if there is none yet), if episodes of
+    ``manifest`` may be appended to it; else a DatasetError that says why not."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DatasetError(f"{path}: not a folder")
+    if not (path / MANIFEST).exists():
+        if path.exists() and any(not n.startswith(".") for n in os.listdir(path)):
+            raise DatasetError(f"{path}: a folder that is not empty and not a dataset (no {MANIFEST})")
+        return None
+    old = read_manifest(path)
+    for key in ("env", "agents"):
+        if old.get(key) != manifest.get(key):
+            raise DatasetError(f"{path}: its episodes are of {key} {old.get(key)!r}, not {manifest.get(key)!r}")
+    for pid, p in manifest["policies"].items():
+        if pid in old["policies"] and old["policies"][pid] != p:
+            raise DatasetError(f"{path}: policy {pid!r} was recorded with other spaces")
+    return old
+
+
+class DatasetWriter:
+    """Appends shards of whole episodes to a dataset folder (made, with its manifest, if
+    new; an existing one must hold the same env and spaces). One writer per folder at a
+    time; shards are numbered on from the last one there."""
+
+    def __init__(self, path, manifest: dict):
+        self.path = Path(path)
+        old = check_appendable(self.path, manifest)
+        self.path.mkdir(parents=True, exist_ok=True)
+        if old is not None:
+            if set(manifest["policies"]) - set(old["policies"]):
+                _write_whole(self.path / MANIFEST, lambda f: f.write(json.dumps(
+                    {**old, "policies": {**manifest["policies"], **old["policies"]}}, indent=1).encode()))
+        else:
+            _write_whole(self.path / MANIFEST,
+                         lambda f: f.write(json.dumps({**manifest, "created": time.time()}, indent=1).encode()))
+        self.next_shard = 1 + max((int(m.group(1)) for m in map(SHARD.match, os.listdir(self.path)) if m),
+                                  default=0)
+        self.episodes = self.steps = 0
+
+    def write(self, policy_id: str, arrays: dict) -> Path:
+        """One shard of ``arrays`` (the keys of the module docstring, but ``policy_id``)."""
+        path = self.path / f"shard-{self.next_shard:06d}.npz"
+        self.next_shard += 1
+        _write_whole(path, lambda f: np.savez(f, policy_id=np.array(policy_id), **arrays))
+        self.episodes += len(arrays["lengths"])
+        self.steps += int(np.sum(arrays["lengths"]))
+        return path
+
+
+def _strings(values) -> np.ndarray:
+    return np.array(["" if v is None else str(v) for v in values], dtype=str)
+
+
+def shard_arrays(episodes: list) -> dict:
+    """The arrays of a shard of ``episodes``: each a list of pieces (batch, chunk index), the
+    chunks of one episode in order (a continuation's first observation, the previous
+    chunk's last, is kept once), with per episode (stopped, source)."""
+    obs, steps = [], {k: [] for k in STEP_KEYS}
+    lengths, term, trunc, stopped, agents, ids, sources = [], [], [], [], [], [], []
+    for pieces, was_stopped, source in episodes:
+        n = 0
+        for j, (b, i) in enumerate(pieces):
+            lo, hi = int(b.offsets[i]), int(b.offsets[i + 1])
+            first = int(b.obs_first[i]) + (1 if j else 0)
+            last = int(b.obs_last[i]) + 1
+            obs.append({k: v[first:last] for k, v in b.obs.items()} if isinstance(b.obs, dict) else b.obs[first:last])
+            steps["actions"].append(b.actions[lo:hi])
+            steps["rewards"].append(b.rewards[lo:hi])
+            steps["action_logp"].append(b.action_logp[lo:hi])
+            steps["action_dist_inputs"].append(b.action_dist_inputs[lo:hi])
+            steps["weights_seq_no"].append(np.full(hi - lo, b.weights_seq_no[i], np.int64))
+            n += hi - lo
+        b, i = pieces[-1]
+        lengths.append(n)
+        term.append(bool(b.is_terminated[i]) and not was_stopped)
+        trunc.append(bool(b.is_truncated[i]) or was_stopped)
+        stopped.append(was_stopped)
+        b0, i0 = pieces[0]
+        agents.append(b0.agent_ids[i0] if b0.agent_ids is not None else None)
+        ids.append(b0.episode_ids[i0] if b0.episode_ids is not None else None)
+        sources.append(source)
+    out = {"lengths": np.array(lengths, np.int64), "terminated": np.array(term, bool),
+           "truncated": np.array(trunc, bool), "stopped": np.array(stopped, bool), "agent_id": _strings(agents),
+           "episode_id": _strings(ids), "source": _strings(sources)}
+    stacked = obs_concat(obs)
+    if isinstance(stacked, dict):
+        out.update({f"obs/{k}": v for k, v in stacked.items()})
+    else:
+        out["obs"] = stacked
+    out.update({k: np.concatenate(v) for k, v in steps.items()})
+    out["rewards"] = out["rewards"].astype(np.float32, copy=False)
+    return out
+
+
+# ------------------------------------------------------------------ reading
+
+@dataclass
+class Episode:
+    """One recorded episode: ``obs`` has one row more than the step fields (an array, or a
+    dict of leaf arrays)."""
+    policy_id: str
+    obs: object
+    actions: np.ndarray
+    rewards: np.ndarray
+    terminated: bool
+    truncated: bool
+    action_logp: np.ndarray
+    action_dist_inputs: np.ndarray
+    weights_seq_no: np.ndarray
+    agent_id: str | None = None
+    episode_id: str | None = None
+    source: str = ""
+    stopped: bool = False
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+
+class Dataset:
+    """A dataset folder, read: ``manifest``, ``env``, ``policy_specs`` (policy id ->
+    (observation space, action space) as ``shmrl.core.spaces``), ``episodes()`` and
+    ``batch()``. Temporary files are passed over; so is a shard that cannot be read
+    (said once)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.env = self.manifest["env"]
+        self.policy_spaces = {pid: (space_from_json(p["observation_space"]), space_from_json(p["action_space"]))
+                              for pid, p in self.manifest["policies"].items()}
+
+    def shards(self) -> list[Path]:
+        found = sorted((int(m.group(1)), name) for name in os.listdir(self.path) if (m := SHARD.match(name)))
+        return [self.path / name for _, name in found]
+
+    def shard_arrays(self):
+        """(path, arrays) of every shard that reads, in order."""
+        for path in self.shards():
+            try:
+                with np.load(path, allow_pickle=False) as z:
+                    arrays = {k: z[k] for k in z.files}
+            except (OSError, ValueError, KeyError, EOFError) as e:   # a damaged file (not one shmrl left)
+                log.warning("%s: passed over, it cannot be read: %s", path, e)
+                continue
+            yield path, arrays
+
+    def episodes(self, policy_id: str | None = None):
+        """Every episode (of ``policy_id``, if given), in the order recorded."""
+        for _, a in self.shard_arrays():
+            pid = str(a["policy_id"])
+            if policy_id is not None and pid != policy_id:
+                continue
+            obs = {k[4:]: v for k, v in a.items() if k.startswith("obs/")} or a["obs"]
+            lengths = a["lengths"]
+            steps = np.concatenate([[0], np.cumsum(lengths)])
+            rows = steps + np.arange(len(steps))
+            for e, n in enumerate(lengths.tolist()):
+                s, r = slice(steps[e], steps[e + 1]), slice(rows[e], rows[e] + n + 1)
+                yield Episode(
+                    pid, {k: v[r] for k, v in obs.items()} if isinstance(obs, dict) else obs[r],
+                    a["actions"][s], a["rewards"][s], bool(a["terminated"][e]), bool(a["truncated"][e]),
+                    a["action_logp"][s], a["action_dist_inputs"][s], a["weights_seq_no"][s],
+                    str(a["agent_id"][e]) or None, str(a["episode_id"][e]) or None, str(a["source"][e]),
+                    bool(a["stopped"][e]))
+
+    def batch(self, policy_id: str, episodes: int | None = None) -> EpisodeBatch:
+        """The first ``episodes`` (default: all) of ``policy_id``'s episodes as one
+        EpisodeBatch, one chunk each (what PPO's ``make_batch`` takes)."""
+        eps = []
+        for ep in self.episodes(policy_id):
+            if episodes is not None and len(eps) >= episodes:
+                break
+            eps.append(ep)
+        if not eps:
+            raise DatasetError(f"{self.path}: no episodes of policy {policy_id!r}")
+        return EpisodeBatch(
+            obs=obs_concat([e.obs for e in eps]), actions=np.concatenate([e.actions for e in eps]),
+            rewards=np.concatenate([e.rewards for e in eps]),
+            action_dist_inputs=np.concatenate([e.action_dist_inputs for e in eps]),
+            action_logp=np.concatenate([e.action_logp for e in eps]), lengths=[len(e) for e in eps],
+            is_terminated=[e.terminated for e in eps], is_truncated=[e.truncated for e in eps],
+            weights_seq_no=[int(e.weights_seq_no[0]) if len(e) else -1 for e in eps],
+            agent_ids=None if all(e.agent_id is None for e in eps) else [e.agent_id for e in eps])

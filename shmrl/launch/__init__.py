@@ -1,0 +1,1 @@
+"""Starting and restarting simulators: the fork server's supervisor and Ray actors."""

@@ -1,0 +1,1 @@
+"""The learner's networks and algorithms, in torch."""

@@ -1,0 +1,216 @@
+"""RLlink messages: their types and schema validation (the bytes are ``codec``'s, the
+episodes' fields ``episodes``', the shared field checks ``fields``').
+
+See docs/RLLINK.md for the protocol. After validation, the ``episodes`` of a request are
+always an ``EpisodeBatch`` (or ``MultiAgentBatch``), whichever form and codec they came in.
+
+This module knows nothing of sockets, shared memory or torch.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from shmrl.core.episode import EpisodeBatch, MultiAgentBatch
+from shmrl.rllink.codec import Columns, MultiColumns, ProtocolError, decode, show
+from shmrl.rllink.act import act_request, actions_reply, inference_mode
+from shmrl.rllink.episodes import columns_batch, episode_fields, episodes_batch
+from shmrl.rllink.fields import count, is_bool, module_id, require
+
+
+class MessageType(str, enum.Enum):
+    PING = "PING"
+    PONG = "PONG"
+    GET_CONFIG = "GET_CONFIG"
+    SET_CONFIG = "SET_CONFIG"
+    GET_STATE = "GET_STATE"
+    SET_STATE = "SET_STATE"
+    EPISODES = "EPISODES"
+    EPISODES_AND_GET_STATE = "EPISODES_AND_GET_STATE"
+    # shmrl's extension: a client that offered codecs in its PING sends this (no reply) at
+    # least every PONG["heartbeat_s"] seconds while it samples, with the env steps it has
+    # stepped so far; the server closes a connection that falls silent (RLlib's client never
+    # offers codecs, so it is never asked for one).
+    HEARTBEAT = "HEARTBEAT"
+    # shmrl's extension, server-side inference (a client that asked for it in its PING):
+    # ACT carries K envs' observations and their last step's outcome, ACTIONS K actions.
+    ACT = "ACT"
+    ACTIONS = "ACTIONS"
+
+
+_T = MessageType
+REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE,
+                           _T.HEARTBEAT, _T.ACT})
+_MAX_CODECS = 16   # offered in a PING
+REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE, _T.ACTIONS})
+_REQUEST_FIELDS = {
+    _T.PING: frozenset({"type", "auth_token", "codecs", "client_name", "inference"}),
+    _T.GET_CONFIG: frozenset({"type"}),
+    _T.GET_STATE: frozenset({"type"}),
+    _T.EPISODES: frozenset({"type", "episodes", "timesteps", "env_steps"}),
+    _T.EPISODES_AND_GET_STATE: frozenset({"type", "episodes", "timesteps", "env_steps"}),
+    _T.HEARTBEAT: frozenset({"type", "env_steps"}),
+}
+
+
+@dataclass(frozen=True)
+class MessageLimits:
+    """The most chunks and env steps one EPISODES message may carry (a server's bound on
+    the work and memory of one message); None: no bound."""
+    max_chunks: int | None = None
+    max_steps: int | None = None
+
+
+def decode_request(body, limits: MessageLimits | None = None) -> dict:
+    return validate(decode(body), "request", limits)
+
+
+def decode_reply(body) -> dict:
+    return validate(decode(body), "reply")
+
+
+def _request(msg: dict, t: MessageType, limits: MessageLimits | None = None) -> dict:
+    if t is _T.ACT:
+        return act_request(msg)
+    for key in msg:
+        if key not in _REQUEST_FIELDS[t]:
+            raise ProtocolError(f"{t.value}: unexpected field {show(key)}")
+    out = {"type": t.value}
+    if t is _T.PING and "auth_token" in msg:
+        if not isinstance(msg["auth_token"], str):
+            raise ProtocolError(f"PING: 'auth_token' must be a string, got {type(msg['auth_token']).__name__}")
+        out["auth_token"] = msg["auth_token"]
+    if t is _T.PING and "codecs" in msg:
+        codecs = msg["codecs"]
+        if (type(codecs) is not list or len(codecs) > _MAX_CODECS
+                or not all(isinstance(c, str) and len(c) <= 32 for c in codecs)):
+            raise ProtocolError(f"PING: 'codecs' must be a list of at most {_MAX_CODECS} short strings, "
+                                f"got {show(codecs)}")
+        out["codecs"] = codecs  # unknown ones are not an error: the server picks one it knows
+    if t is _T.PING and "client_name" in msg:
+        name = msg["client_name"]
+        if not (isinstance(name, str) and 0 < len(name) <= 64 and name.isprintable()):
+            raise ProtocolError(f"PING: 'client_name' must be a printable string of 1 to 64 characters, "
+                                f"got {show(name)}")
+        out["client_name"] = name
+    if t is _T.PING and "inference" in msg:
+        out["inference"] = inference_mode(msg, "PING")
+    if t is _T.HEARTBEAT:
+        out["env_steps"] = count(msg, "env_steps", t.value) if "env_steps" in msg else None
+        return out
+    if t not in (_T.EPISODES, _T.EPISODES_AND_GET_STATE):
+        return out
+    episodes = require(msg, "episodes", t.value)
+    counts = {k: count(msg, k, t.value) for k in ("timesteps", "env_steps") if k in msg}
+    if len(set(counts.values())) > 1:
+        raise ProtocolError(f"{t.value}: 'timesteps' = {counts['timesteps']} and 'env_steps' = "
+                            f"{counts['env_steps']} disagree")
+    if limits is not None and limits.max_chunks is not None and _chunks(episodes) > limits.max_chunks:
+        raise ProtocolError(f"{t.value}: {_chunks(episodes)} chunks in one message, over the server's limit of "
+                            f"{limits.max_chunks}")
+    with np.errstate(all="ignore"):  # overflow in float32 casts is reported as non-finite
+        if isinstance(episodes, (Columns, EpisodeBatch)):
+            batch = columns_batch(episodes if isinstance(episodes, Columns) else episodes.columns(), t.value)
+        elif isinstance(episodes, (MultiColumns, MultiAgentBatch)):
+            modules = episodes if isinstance(episodes, MultiColumns) else episodes.policies
+            batch = MultiAgentBatch({})
+            for module, cols in modules.items():
+                where = f"{t.value} module {module_id(module, t.value)!r}"
+                if isinstance(cols, EpisodeBatch):
+                    cols = cols.columns()
+                elif not isinstance(cols, Columns):
+                    raise ProtocolError(f"{where}: episodes must be columns, got {type(cols).__name__}")
+                batch.policies[module] = columns_batch(cols, where, multi=True)
+        elif isinstance(episodes, (list, tuple)):
+            batch = episodes_batch([episode_fields(ep, i) for i, ep in enumerate(episodes)], t.value)
+        else:
+            raise ProtocolError(f"{t.value}: 'episodes' must be a list, got {type(episodes).__name__}")
+    out["episodes"] = batch
+    steps = batch.num_steps
+    if limits is not None and limits.max_steps is not None and steps > limits.max_steps:
+        raise ProtocolError(f"{t.value}: {steps} env steps in one message, over the server's limit of "
+                            f"{limits.max_steps}")
+    for key, said in counts.items():
+        if said != steps:
+            raise ProtocolError(f"{t.value}: {key!r} = {said} but the episodes hold {steps} steps "
+                                f"(lengths that disagree)")
+    out["timesteps"] = steps
+    return out
+
+
+def _chunks(episodes) -> int:
+    """How many chunks ``episodes`` holds, as far as can be told before validating them."""
+    if isinstance(episodes, (EpisodeBatch, MultiAgentBatch)):
+        return episodes.num_chunks
+    if isinstance(episodes, (list, tuple)):
+        return len(episodes)
+    modules = episodes.values() if isinstance(episodes, MultiColumns) else [episodes]
+    return sum(len(cols["lengths"]) for cols in modules
+               if isinstance(cols, dict) and isinstance(cols.get("lengths"), np.ndarray) and cols["lengths"].ndim)
+
+
+def _reply(msg: dict, t: MessageType) -> dict:
+    out = dict(msg)  # servers may add fields: keep them
+    out["type"] = t.value
+    if t is _T.SET_CONFIG:
+        require(msg, "env_steps_per_sample", t.value)
+        out["env_steps_per_sample"] = count(msg, "env_steps_per_sample", t.value, minimum=1)
+        if not is_bool(require(msg, "force_on_policy", t.value)):
+            raise ProtocolError(f"SET_CONFIG: 'force_on_policy' must be true or false, "
+                                f"got {show(msg['force_on_policy'])}")
+        out["force_on_policy"] = bool(msg["force_on_policy"])
+    elif t is _T.PONG and "inference" in msg:
+        out["inference"] = inference_mode(msg, "PONG")
+    elif t is _T.ACTIONS:
+        out = actions_reply(out)
+    elif t is _T.SET_STATE:
+        if "policies" in msg:   # multi-agent: one model per policy
+            out["policies"] = _policies(msg["policies"])
+        elif not isinstance(require(msg, "onnx_file", t.value), (str, bytes)):
+            raise ProtocolError(f"SET_STATE: 'onnx_file' must be a string (or bytes), "
+                                f"got {type(msg['onnx_file']).__name__}")
+        require(msg, "weights_seq_no", t.value)
+        out["weights_seq_no"] = count(msg, "weights_seq_no", t.value)
+    return out
+
+
+def _policies(policies) -> dict:
+    """SET_STATE's ``policies``: module_id -> {onnx_file, weights_seq_no[, frozen]}."""
+    if not isinstance(policies, dict) or not policies:
+        raise ProtocolError("SET_STATE: 'policies' must be a non-empty object of module_id -> model")
+    out = {}
+    for module, entry in policies.items():
+        where = f"SET_STATE policy {module_id(module, 'SET_STATE')!r}"
+        if not isinstance(entry, dict):
+            raise ProtocolError(f"{where}: must be an object, got {type(entry).__name__}")
+        if not isinstance(require(entry, "onnx_file", where), (str, bytes)):
+            raise ProtocolError(f"{where}: 'onnx_file' must be a string (or bytes)")
+        require(entry, "weights_seq_no", where)
+        out[module] = {**entry, "weights_seq_no": count(entry, "weights_seq_no", where)}
+        if "frozen" in entry and not is_bool(entry["frozen"]):
+            raise ProtocolError(f"{where}: 'frozen' must be true or false")
+    return out
+
+
+def validate(msg: dict, role: str | None = None, limits: MessageLimits | None = None) -> dict:
+    """A normalized copy of `msg`; role "request", "reply" or None (either); ``limits``
+    bound a request's episodes."""
+    if role not in ("request", "reply", None):
+        raise ValueError(f"role must be 'request', 'reply' or None, not {role!r}")
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"a message must be an object, got {type(msg).__name__}")
+    if "type" not in msg:
+        raise ProtocolError("message has no 'type'")
+    t = msg["type"]
+    if not isinstance(t, str) or t not in MessageType.__members__:
+        raise ProtocolError(f"unknown message type {show(t)}")
+    t = MessageType(t)
+    if t in REQUEST_TYPES:
+        if role == "reply":
+            raise ProtocolError(f"{t.value!r} is a request type, not a reply")
+        return _request(msg, t, limits)
+    if role == "request":
+        raise ProtocolError(f"{t.value!r} is a reply type, not a request")
+    return _reply(msg, t)

@@ -1,0 +1,246 @@
+"""A run before anything starts: its settings resolved against the env, its set of
+policies (networks, first weights, or those of the checkpoint it resumes), and the serving
+side and PPO built from them. Everything here may refuse the run (ConfigError) before a
+process is started or a file written; ``shmrl.trainer.loop`` then runs it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+
+from shmrl.trainer.learn_per_step import SLOW_SETTINGS, given_settings, slow_config
+from shmrl.config.settings import ConfigError, env_name, resolve_config, saved_config, validate
+from shmrl.trainer.resume import (load_resume_checkpoint, policy_arrays, policy_prefix, ppo_state, restore_store,
+                          saved_policy)
+from shmrl.server.serving import Serving, check_policy_fits_a_frame
+from shmrl.server.store import DEFAULT_POLICY
+
+
+def policy_net(config, spec):
+    """The published policy of this run's configuration."""
+    from shmrl.model.net import PolicyNet
+
+    return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
+                     log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn,
+                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size,
+                     ortho_init=config.ortho_init)
+
+
+@dataclass
+class Setup:
+    """A run before anything starts: its settings resolved, its env, its set of policies
+    (by policy id; a single-agent run's one policy is ``DEFAULT_POLICY``)."""
+    config: object
+    spec: object
+    multiagent: bool             # the env has agents, the clients send RLlib's multi-agent messages
+    policy_specs: dict           # policy id -> EnvSpec of its agents
+    nets: dict                   # policy id -> PolicyNet
+    first_weights: dict          # policy id -> its weights to publish first
+    first_seq: int
+    resumed: tuple | None        # (path, arrays, state) of the checkpoint it goes on from
+    pretrained: dict | None = None   # --pretrain: policy id -> ((arrays, values) of its PPO, reward stats)
+    slow: SlowProfile | None = None  # what it may switch to (--learn-per-step auto), until it decides
+    profile: dict | None = None      # the profile it trains with and why (summary.json's "profile")
+
+    def ring_nets(self) -> dict:
+        """Per policy, the larger of its network and its slow profile's: the rings carry either."""
+        if self.slow is None:
+            return self.nets
+        return {pid: max(net, self.slow.nets[pid], key=parameters) for pid, net in self.nets.items()}
+
+
+@dataclass
+class SlowProfile:
+    """The env's slow profile (presets.toml) as a run may switch to it: its settings, with
+    those the command line gave kept, its networks, and the tables it came from."""
+    config: object
+    nets: dict
+    sources: list
+
+
+def parameters(net) -> int:
+    return sum(math.prod(shape) for shape in net.template.shapes.values())
+
+
+def set_up(config, servers_given: bool = False, given: set[str] | None = None) -> Setup:
+    """Everything that can refuse the run (ConfigError) short of opening its transports.
+    ``given``: the settings the command line gave (default: those ``config`` does not
+    leave None), which the env's slow profile leaves as they are."""
+    from shmrl.envs.make import env_spec
+    from shmrl.envs.spec import say_left_out
+
+    spec = env_spec(config.env)
+    say_left_out(spec)
+    given = given_settings(config) if given is None else given
+    config = resolve_config(config, spec)
+    validate(config, spec, servers_given)
+    multiagent = getattr(spec, "multiagent", False)
+    slow, profile = None, {"name": "preset", "why": f"--learn-per-step {config.learn_per_step}"}
+    if config.learn_per_step != "off" and not (config.resume or config.pretrain or multiagent):
+        config, slow_settings, sources = slow_config(config, spec, given)
+        if slow_settings is None:
+            profile["why"] = "no slow profile for this env in presets.toml (or the flags given are it)"
+        else:
+            validate(slow_settings, spec, servers_given)
+            slow = SlowProfile(slow_settings, {}, sources)
+            if config.learn_per_step == "on":   # from the start: nothing to measure or switch
+                config, slow = slow_settings, None
+                profile = {"name": "slow", "why": "--learn-per-step on", "tables": sources}
+    policy_specs = {DEFAULT_POLICY: spec}
+    if multiagent:
+        from shmrl.envs.spec import policy_mapper
+
+        try:
+            policy_specs = spec.policy_specs(policy_mapper(config.policy_map))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if config.eval_every and not symmetric_game(spec):
+        raise ConfigError(f"--eval-every: the evaluated policy takes every seat in turn, so the env must be a "
+                          f"multi-agent env whose agents all have the same spaces; {env_name(config.env)} is not")
+    if config.stop_return is None:  # the env's threshold; without one, train to the step budget
+        config.stop_return = spec.reward_threshold if spec.reward_threshold is not None else math.inf
+    if config.logdir is None:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
+        config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
+    check_policy_fits_a_frame(config, nets, multiagent)
+    if slow is not None:
+        slow.nets = {pid: policy_net(slow.config, s) for pid, s in policy_specs.items()}
+        check_policy_fits_a_frame(slow.config, slow.nets, multiagent)
+    resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent,
+                                     saved_config(config))
+               if config.resume else None)
+    if resumed:
+        first_weights = {pid: saved_policy(resumed[1], policy_prefix(pid, multiagent)) for pid in nets}
+        first_seq = resumed[2]["weights_seq_no"] + 1
+    else:
+        first_weights = {pid: net.initial_weights(config.seed + i) for i, (pid, net) in enumerate(nets.items())}
+        first_seq = 1
+    pretrained = None
+    if config.pretrain and not resumed:   # the clone is what the clients are served first
+        from shmrl.trainer.pretrain import pretrain_policies
+
+        pretrained = pretrain_policies(config, nets, first_weights)
+        first_weights = {pid: saved_policy(state[0][0], "") for pid, state in pretrained.items()}
+    if config.record:
+        check_recording(config, spec, policy_specs)
+    from shmrl.files.metrics import tensorboard_available
+
+    if config.tensorboard is None:
+        config.tensorboard = tensorboard_available()
+    elif config.tensorboard and not tensorboard_available():
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' in "
+                          "shmrl's clone")
+    if config.plot is None or config.plot:
+        import importlib.util
+
+        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+        if config.plot and not has_matplotlib:
+            raise ConfigError("--plot needs matplotlib: pip install matplotlib")
+        config.plot = has_matplotlib
+    if slow is not None:   # the settings decided here (the stop return, the log folder) are the slow profile's too
+        slow.config = dataclasses.replace(config, **{k: getattr(slow.config, k) for k in SLOW_SETTINGS})
+    return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained,
+                 slow, profile)
+
+
+def symmetric_game(spec) -> bool:
+    """A multi-agent env whose agents all have the same spaces (one policy could take any seat)."""
+    if not getattr(spec, "multiagent", False):
+        return False
+    try:
+        spec.policy_specs(lambda agent: "any")
+    except ValueError:
+        return False
+    return True
+
+
+def recording_manifest(config, spec, policy_specs) -> dict:
+    from shmrl.files.dataset import manifest_for
+
+    return manifest_for(env_name(config.env), policy_specs, spec.agents if getattr(spec, "multiagent", False) else None)
+
+
+def check_recording(config, spec, policy_specs) -> None:
+    """--record into a dataset of another env or other spaces: refused before anything starts."""
+    from shmrl.files.dataset import DatasetError, check_appendable
+
+    try:
+        check_appendable(config.record, recording_manifest(config, spec, policy_specs))
+    except DatasetError as e:
+        raise ConfigError(f"--record {e}") from None
+
+
+def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
+    """The serving side, its first weights published (before torch is even imported)."""
+    config = setup.config
+    serving = Serving(servers, config, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
+                      setup.first_weights, multiagent=setup.multiagent, first_weights_seq_no=setup.first_seq,
+                      housekeeping=supervisor.check if supervisor else None,
+                      state_size=max(net.state_size for net in setup.nets.values()),
+                      agents=setup.spec.agents if setup.multiagent else None,
+                      extra_config=None if not setup.multiagent else {
+                          "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
+    if config.record:
+        from shmrl.files.dataset import DatasetWriter
+        from shmrl.server.recorder import Recorder
+
+        serving.store.record(Recorder(DatasetWriter(config.record, recording_manifest(config, setup.spec,
+                                                                                       setup.policy_specs))))
+    for pid, (_, reward_stats) in (setup.pretrained or {}).items():
+        if reward_stats is not None and serving.store.policies[pid].reward_stats is not None:
+            serving.store.policies[pid].reward_stats.set_state(reward_stats, "reward_stats")
+    if setup.resumed:
+        path, arrays, state = setup.resumed
+        restore_store(serving.store, state, arrays, setup.multiagent)
+        serving.updates = state["update"]
+        print(f"resuming from {path} (update {state['update']}, {serving.store.steps_received} env steps, "
+              f"weights {setup.first_seq - 1})", flush=True)
+    return serving
+
+
+def make_ppos(setup: Setup) -> dict:
+    """One PPO per policy (policy id -> PPO), from the checkpoint when resuming."""
+    import torch
+
+    from shmrl.model.ppo import PPO
+
+    config = setup.config
+    # 0: every core, for strict on-policy runs whose update dominates (the simulators
+    # wait through it, so the learner may take their cores).
+    torch.set_num_threads(config.torch_threads or os.cpu_count() or 1)
+    ppos = {pid: PPO(net, config, seed=config.seed + i, initial_weights=setup.first_weights[pid])
+            for i, (pid, net) in enumerate(setup.nets.items())}
+    for pid, ((arrays, values), _) in (setup.pretrained or {}).items():
+        ppos[pid].set_state(arrays, values)
+    if setup.resumed:
+        _, arrays, state = setup.resumed
+        for pid, ppo in ppos.items():
+            ppo.set_state(policy_arrays(arrays, policy_prefix(pid, setup.multiagent)),
+                          ppo_state(state, pid, setup.multiagent))
+    return ppos
+
+
+def switch_to_slow(setup: Setup, serving: Serving, chunks: dict, rate: float) -> dict:
+    """The run goes on with its slow profile (the simulators delivered ``rate`` env steps
+    per second): its networks, first weights and PPOs, published at once; the batch it
+    measured them on (``chunks``, by policy id) and every chunk sampled before is dropped
+    (they count in env_steps), their observations kept in the new policies' statistics.
+    Returns the new PPOs."""
+    from shmrl.core.episode import EpisodeBatch
+
+    slow, setup.slow = setup.slow, None
+    setup.config, setup.nets = slow.config, slow.nets
+    setup.first_weights = {pid: net.initial_weights(slow.config.seed + i) for i, (pid, net) in enumerate(slow.nets.items())}
+    ppos = make_ppos(setup)
+    chunks = {pid: EpisodeBatch.concat(batches) for pid, batches in chunks.items()}
+    for pid, batch in chunks.items():
+        ppos[pid].update_obs_stats(batch)
+    serving.switch(slow.config, {pid: net.template for pid, net in slow.nets.items()},
+                   {pid: ppo.published_weights() for pid, ppo in ppos.items()}, chunks)
+    setup.profile = {"name": "slow", "why": f"simulators slow: {rate:.0f} env steps/s < --slow-rate "
+                     f"{slow.config.slow_rate:g}", "sim_rate": rate, "tables": slow.sources,
+                     "switched_at_env_steps": serving.store.steps_received}
+    return ppos
