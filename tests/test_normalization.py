@@ -143,7 +143,7 @@ def test_a_preset_is_picked_up_and_a_flag_overrides_it():
     assert (given.normalize_obs, given.lr, given.hidden, given.normalize_reward) == (False, 1e-4, 16, True)
     shown = subprocess.run([sys.executable, "-m", "shmrl.run", "--env", "gym:HalfCheetah-v5", "--help"],
                            capture_output=True, text=True, timeout=60).stdout
-    assert "config.py + family.continuous + env.\"gym:HalfCheetah-v5\" in" in shown and "presets.toml" in shown
+    assert "settings.py + family.continuous + env.\"gym:HalfCheetah-v5\" in" in shown and "presets.toml" in shown
     assert "(default: True, from family.continuous in presets.toml)" in " ".join(shown.split("\n  --normalize-obs")[1].split("\n  --")[0].split())
 
 

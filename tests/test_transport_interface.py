@@ -9,6 +9,7 @@ import pytest
 
 from shmrl import rllink
 from shmrl.transport import base, inproc, shm, tcp
+from shmrl.transport.tcp_client import TcpClient
 from shmrl.transport.base import (ClientTransport, ConnectionClosed, ReplyEncoder, ServerTransport,
                                   WakePipe)
 from shmrl.transport.doorbell import PeerGone
@@ -24,7 +25,7 @@ def ends():
     shm_server = shm.ShmServer(1, request_ring_bytes=4096, reply_ring_bytes=4096)
     made["shm"] = (shm_server, shm.ShmClient(shm_server.address(0), timeout=10), "shm:0")
     tcp_server = tcp.TcpServer("127.0.0.1", 0)
-    tcp_client = tcp.TcpClient(*tcp_server.address, timeout=10)
+    tcp_client = TcpClient(*tcp_server.address, timeout=10)
     made["tcp"] = (tcp_server, tcp_client, None)  # the conn_id is known once the server polls
     inproc_server = inproc.InProcServer()
     inproc_client = inproc_server.connect(timeout=10)
@@ -77,7 +78,7 @@ def test_a_half_made_end_is_not_the_protocol():
 
 
 def test_one_connection_closed_class():
-    assert shm.ConnectionClosed is tcp.ConnectionClosed is base.ConnectionClosed
+    assert shm.ConnectionClosed is base.ConnectionClosed
     assert issubclass(ConnectionClosed, ConnectionError)
     assert issubclass(PeerGone, ConnectionClosed)  # the learner's death closes the connection too
 
