@@ -290,7 +290,7 @@ def test_image_and_dict_environments_train_end_to_end(env, inputs, tmp_path, cap
     from shmrl.envs import spec as envspec
 
     monkeypatch.setattr(envspec, "_SKIPPED_SAID", set())   # said once per process: this test's process
-    caplog.set_level(logging.INFO, logger="shmrl.envs.make")
+    caplog.set_level(logging.INFO, logger="shmrl.envs")
 
     pytest.importorskip("minigrid" if "MiniGrid" in env else "minatar", reason="its extra is not installed")
     summary = shmrl.train(env=env, sims=2, envs_per_sim=2, max_env_steps=6000, train_batch_size=1024,

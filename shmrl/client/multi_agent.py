@@ -34,7 +34,7 @@ from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file, encode_onnx_file
 from shmrl.envs.pettingzoo import stepper
 from shmrl.core.spaces import MASK_KEY
 
-log = logging.getLogger("shmrl.client.multi_agent")
+log = logging.getLogger("shmrl.multiagent")
 T = rllink.MessageType
 
 

@@ -72,7 +72,7 @@ def _log_mujoco_warnings() -> None:
     def warn(message: str) -> None:
         if message not in seen:
             seen.add(message)
-            logging.getLogger("shmrl.envs.make").debug("MuJoCo: %s", message)
+            logging.getLogger("shmrl.envs").debug("MuJoCo: %s", message)
 
     mujoco.set_mju_user_warning(warn)
 

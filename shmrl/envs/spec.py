@@ -76,7 +76,7 @@ def say_left_out(spec) -> None:
         for path, why in agent_spec.obs.skipped:
             if (agent_spec.env_id, path) not in _SKIPPED_SAID:
                 _SKIPPED_SAID.add((agent_spec.env_id, path))
-                logging.getLogger("shmrl.envs.make").warning("%s: observation %r is left out: %s",
+                logging.getLogger("shmrl.envs").warning("%s: observation %r is left out: %s",
                                                         agent_spec.env_id, path, why)
 
 

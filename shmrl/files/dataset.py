@@ -43,7 +43,7 @@ SHARD = re.compile(r"^shard-(\d+)\.npz$")
 STEP_KEYS = ("actions", "rewards", "action_logp", "action_dist_inputs", "weights_seq_no")
 EPISODE_KEYS = ("lengths", "terminated", "truncated", "stopped", "agent_id", "episode_id", "source")
 
-log = logging.getLogger("shmrl.files.dataset")
+log = logging.getLogger("shmrl.dataset")
 
 
 class DatasetError(ValueError):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shmrl.files.logdir import append_line, dumps, open_lines, write_error
 
-log = logging.getLogger("shmrl.files.metrics")
+log = logging.getLogger("shmrl.metrics")
 
 # Where each scalar goes in TensorBoard's sidebar.
 _GROUPS = {"return_mean": "rollout", "episodes": "rollout", "win_rate": "rollout", "best_win_rate": "rollout",

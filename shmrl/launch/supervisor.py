@@ -36,7 +36,7 @@ from collections import deque
 
 from shmrl.config.settings import SIM_EXIT_REASONS, ConfigError
 
-log = logging.getLogger("shmrl.launch.supervisor")
+log = logging.getLogger("shmrl.supervisor")
 
 # Files the learner holds open for each local simulator (measured: its segment's mapping,
 # its reply FIFO, its process's sentinel and one more pipe), and for itself (its log

@@ -23,7 +23,7 @@ from collections import deque
 
 from shmrl.files.dataset import DatasetWriter, shard_arrays
 
-log = logging.getLogger("shmrl.server.recorder")
+log = logging.getLogger("shmrl.recorder")
 
 
 class Recorder:
