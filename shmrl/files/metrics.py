@@ -3,9 +3,9 @@ as TensorBoard scalars in the log folder when the ``tensorboard`` package is ins
 (``pip install -e '.[tensorboard]' in shmrl's clone``; then ``tensorboard --logdir runs``).
 
 The scalars go through TensorBoard's own event-file writer. Each update becomes one event
-holding every scalar (one protobuf, about 0.1 ms), not one event per scalar as
-``SummaryWriter.add_scalar`` writes them (about 1.5 ms for 25). Importing the writer
-(about 0.1 s, protobuf) and writing happen in a thread of their own, so the training loop
+holding every scalar (one protobuf), not one event per scalar as
+``SummaryWriter.add_scalar`` writes them (an order of magnitude slower). Importing the writer
+(protobuf) and writing happen in a thread of their own, so the training loop
 only puts a dict in a queue. The x-axis is env steps received, as in stable-baselines3 and
 CleanRL; nested counters become ``name/key`` (``env_steps_by_client/shm:3``).
 """

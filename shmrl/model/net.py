@@ -23,7 +23,7 @@ and the heads, shared by actor and critic (the critic's state is then the actor'
 is what the simulators carry). The graph takes the state before the step as inputs
 ``state_in.<i>`` and gives the state after it as outputs ``state_out.<i>``, float32
 [batch, memory_size] each: for an LSTM 0 is h and 1 is c, for a GRU 0 is h. Zeros start
-an episode. The graph without ``memory`` is byte for byte what it was before.
+an episode. A net without ``memory`` has no state inputs or outputs at all.
 
 This module imports torch only inside ``*_torch`` functions: simulators import it to
 build nothing but the graph's inputs, never torch.

@@ -64,7 +64,7 @@ class TcpServer(Closeable):
     RECV_BYTES = 256 << 10   # one read, so also what may arrive beyond MAX_UNPOLLED
     MAX_ACCEPTS = 64         # per wake-up: a burst of connections cannot starve the clients
     ACCEPT_PAUSE_S = 0.5     # out of file descriptors: try accepting again after this long
-    # A connection whose frame took the IO thread t seconds to decode (JSON: ~2 ms per 64 KB)
+    # A connection whose frame took the IO thread t seconds to decode (JSON is the slow one)
     # is not read again for REST_FACTOR * t: one client, flooding, gets at most 1/(1 +
     # REST_FACTOR) of the thread (and of the GIL it holds meanwhile), and the rest is left to
     # the others' requests and replies. Cheaper frames (binary, PINGs) never rest.
@@ -216,7 +216,7 @@ class TcpServer(Closeable):
     def batched(self):
         """The replies of this block (the ACTIONS of one forward pass) go out together at its
         end: the IO thread is woken once, not at the first to take the GIL in turns with the
-        thread still replying (half the server's CPU per ACT at 64 clients, measured)."""
+        thread still replying (which costs much of the server's CPU per ACT with many clients)."""
         self._batching = True
         try:
             yield
@@ -301,9 +301,9 @@ class TcpServer(Closeable):
         ready = self._selector.select(0.0 if self._resting else timeout)
         if self._resting and not ready and len(self._conns) <= 1:
             # Nobody else to make room for: a rest would only slow the client that earned it
-            # (one JSON client sending flat out ran at half its speed). With others connected
+            # (one JSON client sending flat out would run at a fraction of its speed). With others connected
             # it holds, idle or not: a request may arrive any moment, and must not find the
-            # thread in a flooder's next decode (5x an honest PING's round trip, measured).
+            # thread in a flooder's next decode (which would hold an honest PING up many times over).
             self._wake_rested(math.inf)
             return
         if self._resting and not ready:

@@ -34,7 +34,7 @@ class TcpClient(Closeable):
 
     ``codec="binary"``: its PING offers the binary codec (and ``client_name``, a name for
     the server's logs); a server that takes it (shmrl's) gets binary frames and
-    HEARTBEATs from then on, one that ignores it (RLlib's) JSON as before. ``"json"``:
+    HEARTBEATs from then on, one that ignores it (RLlib's) JSON throughout. ``"json"``:
     offers nothing, like RLlib's own client."""
 
     def __init__(self, host: str, port: int, *, timeout: float = 30.0, max_frame_bytes: int = 256 << 20,
