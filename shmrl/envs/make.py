@@ -197,7 +197,7 @@ def make_vec_env(env, num_envs: int, seed: int | None = None):
     if isinstance(env, str) and env in VECTORIZED and num_envs >= MIN_VECTORIZED_ENVS:
         return VECTORIZED[env](num_envs, seed)
     factory, spec = resolve_env(env)
-    if getattr(spec, "multiagent", False):
+    if spec.multiagent:
         raise ValueError(f"{spec.env_id} is a multi-agent env, which a single-agent policy cannot play "
                          f"(train it with python -m shmrl.run --env {spec.env_id})")
     return LoopVecEnv(factory, num_envs, seed, spec)

@@ -28,6 +28,7 @@ class EnvSpec:
     observation_space: object
     action_space: object
     reward_threshold: float | None = None  # the return at which it counts as solved, if known
+    multiagent = False   # a MultiAgentSpec's is True: one spec type or the other, asked the same way
 
     @functools.cached_property
     def obs(self) -> spaces.ObsLayout:
@@ -72,7 +73,7 @@ def say_left_out(spec) -> None:
     """Warn, once per env and observation leaf in this process, of what the env observes
     that shmrl leaves out (MiniGrid's ``mission``). The learner says it: a WARNING, which
     Python prints even where logging is not set up; simulators say nothing."""
-    for agent_spec in spec.agent_specs.values() if getattr(spec, "multiagent", False) else [spec]:
+    for agent_spec in spec.agent_specs.values() if spec.multiagent else [spec]:
         for path, why in agent_spec.obs.skipped:
             if (agent_spec.env_id, path) not in _SKIPPED_SAID:
                 _SKIPPED_SAID.add((agent_spec.env_id, path))
