@@ -178,7 +178,7 @@ def act_session(port: int, bug: str) -> None:
 def ma_session(port: int, bug: str) -> None:
     """Server-side inference for 2 connect_four games, the moves the server sends."""
     from shmrl.envs.make import resolve_env
-    from shmrl.envs.pettingzoo import stepper
+    from shmrl.envs.pettingzoo_envs import stepper
 
     link = Link(port, bug)
     link.request({"type": "PING", "inference": "server"})

@@ -47,9 +47,16 @@ def table(text: str, header_start: str) -> list[list[str]]:
 
 def module_files() -> dict[str, Path]:
     """Every module of shmrl/ by its name under shmrl ("sim", "transport.tcp", "__init__"
-    for the package, "transport" for shmrl/transport/__init__.py)."""
+    for the package, "transport" for shmrl/transport/__init__.py). A folder's ``__init__``
+    that holds only its docstring is the folder, not a module of its own."""
     return {("__init__" if name == "shmrl" else name.removeprefix("shmrl.")): path
-            for name, path in all_modules().items()}
+            for name, path in all_modules().items() if not only_a_docstring(path)}
+
+
+def only_a_docstring(path: Path) -> bool:
+    body = ast.parse(path.read_text()).body
+    return path.name == "__init__.py" and all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                                              for node in body)
 
 
 # ---------------------------------------------------------------- the layers and the modules
@@ -127,8 +134,11 @@ class Code:
         self.names = {name: top_level_names(tree) for name, tree in self.modules.items()}
         by_short: dict = {}
         for name in self.modules:
-            by_short.setdefault(name.rsplit(".", 1)[-1], []).append(name)
-        # "sim" -> "sim", "tcp" -> "transport.tcp"; full names too ("transport.tcp").
+            parts = name.split(".")
+            for i in range(1, len(parts)):
+                by_short.setdefault(".".join(parts[i:]), []).append(name)
+        # "sim" -> "sim", "tcp" -> "transport.tcp", "inference.base" -> "server.inference.base";
+        # full names too ("transport.tcp").
         self.module_of = {short: names[0] for short, names in by_short.items() if len(names) == 1}
         self.module_of.update({name: name for name in self.modules})
         classes: dict = {}

@@ -1,6 +1,6 @@
 """Many agents in one simulator: the multi-agent simulator loop and the self-play
 evaluation (``play``). The envs themselves (``--env pz:NAME``, their specs, stepping
-Parallel and turn-based envs) are the PettingZoo adapter's, ``shmrl.envs.pettingzoo``; the
+Parallel and turn-based envs) are the PettingZoo adapter's, ``shmrl.envs.pettingzoo_envs``; the
 agent-to-policy map is ``shmrl.envs.spec.policy_mapper``.
 
 Each agent's steps go into chunks of their own (``agent_id``) under the policy that
@@ -31,7 +31,7 @@ from shmrl.envs.make import resolve_env
 from shmrl.envs.spec import MultiAgentSpec, policy_mapper
 from shmrl.core.episode import Episode, EpisodeBatch, MultiAgentBatch, new_episode_id
 from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file, encode_onnx_file
-from shmrl.envs.pettingzoo import stepper
+from shmrl.envs.pettingzoo_envs import stepper
 from shmrl.core.spaces import MASK_KEY
 
 log = logging.getLogger("shmrl.multiagent")

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from shmrl.envs import pettingzoo as pz_envs
+from shmrl.envs import pettingzoo_envs as pz_envs
 from shmrl.envs.builtin import ENVS, MIN_VECTORIZED_ENVS, VECTORIZED
 from shmrl.envs.spec import EnvSpec, load_function, space_spec
 
@@ -79,7 +79,7 @@ def _log_mujoco_warnings() -> None:
 
 def spec_of(env, env_id: str):
     """The spec of a live env object: its spaces, and gymnasium's reward threshold if any;
-    a MultiAgentSpec for a PettingZoo env (``shmrl.envs.pettingzoo``)."""
+    a MultiAgentSpec for a PettingZoo env (``shmrl.envs.pettingzoo_envs``)."""
     if isinstance(getattr(env, "spec", None), EnvSpec):
         return env.spec
     if pz_envs.is_multiagent(env):

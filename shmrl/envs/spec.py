@@ -2,7 +2,7 @@
 (one agent) or a ``MultiAgentSpec`` (one EnvSpec per agent), and the map from agents to
 the policies that play them (``--policy-map``).
 
-The lowest module of the env adapters: ``shmrl.envs.make`` (the registry), ``shmrl.envs.pettingzoo``
+The lowest module of the env adapters: ``shmrl.envs.make`` (the registry), ``shmrl.envs.pettingzoo_envs``
 (PettingZoo) and everything above them build specs from here; it imports only
 ``shmrl.core.spaces``.
 """
