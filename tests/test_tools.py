@@ -507,3 +507,15 @@ def test_record_bench_pretrain_quick(tool, tmp_path):
     assert result["dataset"]["whole_episodes"] >= 5 and result["expert_return"] >= 60
     assert {r["exit"] for v in result["runs"].values() for r in v} <= {0, 1}
     assert result["env_steps_ratio"] > 0 and result["wall_ratio"] > 0
+
+
+def test_a_tool_runs_as_its_file_from_any_folder_and_as_a_module(tmp_path):
+    """``python tools/solve.py`` from another folder goes through tools/run_as_module.py and
+    runs as tools.solve; ``python -m tools.solve`` from the root does the same directly."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(REPO)}
+    as_file = subprocess.run([sys.executable, str(TOOLS / "solve.py"), "--help"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=60)
+    as_module = subprocess.run([sys.executable, "-m", "tools.solve", "--help"], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=60)
+    for proc in (as_file, as_module):
+        assert proc.returncode == 0 and "--seeds" in proc.stdout, proc.stderr[-3000:]

@@ -594,7 +594,7 @@ def print_transport(r: dict) -> None:
 # ---------------------------------------------------------------- solve
 
 def solve_bench(args) -> dict:
-    from solve import solve  # tools/solve.py: one timed `python -m shmrl.run` per seed
+    from tools.solve import solve  # one timed `python -m shmrl.run` per seed
 
     command = " ".join(["python -m shmrl.run", "--sims", str(args.sims), "--seed S --logdir TMP", *args.extra])
     result = started(

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     if a.setup:
         print(f"stable-baselines3 virtualenv ready: {shared.SB3.ensure(a.venv)}")
         return 0
-    from solve import solve  # tools/solve.py: one timed `python -m shmrl.run` per seed
+    from tools.solve import solve  # one timed `python -m shmrl.run` per seed
 
     signal.signal(signal.SIGTERM, _terminate)
     py = shared.SB3.ensure(a.venv)
