@@ -5,7 +5,6 @@ metrics, the process and /dev/shm checks, a full disk (``small_disk``), ``need``
 optional env families and CartPole beside gymnasium's, and RLlink messages as RLlib
 writes them (and in binary, as shmrl's simulators do) with the ``net`` fixture (TCP
 servers, a hub loop, sockets and threads, all closed in teardown)."""
-import importlib.util
 import json
 import logging
 import os
@@ -45,20 +44,6 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
-
-
-def load_tool(name: str):
-    """tools/NAME.py as a module (tools/ is not a package: each tool is a script). tools/
-    goes on sys.path, as python puts a script's folder there: tools import their siblings."""
-    tools = Path(__file__).resolve().parents[1] / "tools"
-    if str(tools) not in sys.path:
-        sys.path.insert(0, str(tools))
-    path = tools / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"shmrl_tools_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would: dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def wait_until(condition, timeout: float, what: str, interval: float = 0.02):

@@ -2,7 +2,7 @@
 client that never reads its SET_STATE, against the real TcpServer and Hub, while a good
 client's round trips are timed side by side with an unloaded window.
 
-The abusers are tools/abuse.py's own (that tool measures the same against a whole
+The abusers are tests/harness/abuse.py's own (that tool measures the same against a whole
 ``python -m shmrl.run``, with the command line's timeouts); here the server's limits are
 scaled down so that every abuser is dropped within seconds.
 """
@@ -13,9 +13,8 @@ import time
 import numpy as np
 import psutil
 
-from conftest import conn_id_of, episodes_msg, load_tool, log_lines, recv_frame, rllib_frame
-
-abuse_tool = load_tool("abuse")
+from conftest import conn_id_of, episodes_msg, log_lines, recv_frame, rllib_frame
+from harness import abuse as abuse_tool
 
 FRAME_TIMEOUT = 1.0
 MAX_FRAME = 4 << 20

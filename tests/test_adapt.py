@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import check_books, load_tool, metrics_rows, summary_of
+from conftest import check_books, metrics_rows, summary_of
 from shmrl.trainer.learn_per_step import LearnPerStep, ladder, simulators_slow
 from shmrl.server.store import SWITCHED
 
@@ -127,8 +127,9 @@ def test_many_epochs_stop_at_the_kl_bound():
 
 
 def run_shmrl(tmp_path, *args, steps_per_s=None, timeout=120, name="run") -> list[dict]:
-    """``python -m shmrl.run`` with tools/ on the path (and a throttle); its metrics rows."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "tools"), str(REPO)]))
+    """``python -m shmrl.run`` with the repository on the path, for tools.slow_sim (and a throttle); its
+    metrics rows."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     if steps_per_s:
         env["SLOW_SIM_STEPS_PER_S"] = str(steps_per_s)
     logdir = tmp_path / name
@@ -149,7 +150,7 @@ def run_shmrl(tmp_path, *args, steps_per_s=None, timeout=120, name="run") -> lis
 
 def test_a_slow_simulator_gets_more_learning_per_env_step(tmp_path, no_shm_leftovers):
     # 500 env steps/s in all; an update of one epoch costs little next to a batch's 0.5 s
-    rows = run_shmrl(tmp_path, "--env", "slow_sim:cart_pole", "--sims", "2", "--train-batch-size", "256",
+    rows = run_shmrl(tmp_path, "--env", "tools.slow_sim:cart_pole", "--sims", "2", "--train-batch-size", "256",
                      "--epochs", "1", "--max-env-steps", "4000", "--stop-return", "inf", steps_per_s=250)
     assert all(0 <= r["learner_share"] <= 1 for r in rows)
     assert max(r["learn_level"] for r in rows) > 0, [(r["learner_share"], r["learn_level"]) for r in rows]
@@ -166,7 +167,8 @@ def test_a_fast_simulator_keeps_the_preset(tmp_path, no_shm_leftovers):
 
 
 def test_the_throttle_holds_a_process_to_its_rate(monkeypatch):
-    slow_sim = load_tool("slow_sim")
+    from tools import slow_sim
+
     monkeypatch.setenv(slow_sim.RATE_VAR, "200")
     monkeypatch.setattr(slow_sim, "_pace", None)
     env = slow_sim.cart_pole()
@@ -261,7 +263,7 @@ def test_chunks_of_the_profile_before_are_dropped_not_trained():
 
 def slow_mountain_car(tmp_path, *flags, name="run", steps_per_s=500):
     """A continuous env of the family's slow table on 2 simulators at ``steps_per_s`` each."""
-    rows = run_shmrl(tmp_path, "--env", "slow_sim:mountain_car", "--sims", "2", "--max-env-steps", "4096",
+    rows = run_shmrl(tmp_path, "--env", "tools.slow_sim:mountain_car", "--sims", "2", "--max-env-steps", "4096",
                      "--stop-return", "inf", *flags, steps_per_s=steps_per_s, name=name)
     return rows, summary_of(tmp_path / name), (tmp_path / name / "out.txt").read_text()
 

@@ -326,10 +326,10 @@ def test_the_learners_memory_stays_bounded_while_a_client_floods(start_run):
 
 @pytest.mark.slow   # a whole run, torch and all, and a window per attack
 def test_abuse_messages_reports_memory_and_round_trips_under_each_attack(tmp_path):
-    tools = Path(__file__).resolve().parents[1] / "tools"
-    out = subprocess.run([sys.executable, str(tools / "abuse.py"), "messages", "--seconds", "1", "--json",
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "tests.harness.abuse_messages", "--seconds", "1", "--json",
                           "--only", "huge-json", "surrogate", "empty"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         capture_output=True, text=True, timeout=300, cwd=repo)
     assert out.returncode in (0, 1), out.stderr[-3000:]   # 1: a gate failed on a loaded machine
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert list(result["rows"]) == ["quiet", "busy", "huge-json", "surrogate", "empty"]

@@ -1,6 +1,9 @@
 """The tools in tools/ run, in their --quick modes, and say what they measured: each test
 parses a tool's --json output and checks its fields, and that the tool stopped every
-process it started and left no /dev/shm/shmrl_* file.
+process it started and left no /dev/shm/shmrl_* file. The pass/fail harnesses of
+tests/harness/ run here too, marked slow. Tools are imported as the package they are
+(``from tools import bench``: ``python -m pytest`` from the repository's root has it on
+sys.path) and run as the commands docs name (``python tools/NAME.py``).
 
 The stable-baselines3 and RLlib tests need those libraries' own virtualenvs, which
 ``.ci/run`` creates before the tests (``python tools/sb3_baseline.py --setup``,
@@ -19,12 +22,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import load_tool
+from tools import bench, shared
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tools"
-SB3_PYTHON = load_tool("venvs").SB3.folder / "bin" / "python"
-RLLIB_PYTHON = load_tool("venvs").RLLIB.folder / "bin" / "python"
+SB3_PYTHON = shared.SB3.folder / "bin" / "python"
+RLLIB_PYTHON = shared.RLLIB.folder / "bin" / "python"
 MARK = "SHMRL_TOOLS_TEST_MARK"   # in the environment of every process a tool starts
 
 
@@ -49,8 +52,14 @@ class Tool:
         self.cwd, self.mark, self.procs = cwd, uuid.uuid4().hex, []
 
     def __call__(self, script: str, *args, timeout: float) -> tuple[int, str, str]:
+        """``script``: tools/NAME.py as the file it is, or a harness module (tests.harness.NAME)."""
         env = dict(os.environ, **{MARK: self.mark})
-        proc = subprocess.Popen([sys.executable, str(TOOLS / script), *map(str, args)], cwd=self.cwd, env=env,
+        if script.endswith(".py"):
+            cmd = [sys.executable, str(TOOLS / script)]
+        else:
+            cmd = [sys.executable, "-m", script]
+            env = shared.repo_on_pythonpath(env)
+        proc = subprocess.Popen([*cmd, *map(str, args)], cwd=self.cwd, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.procs.append(proc)
         try:
@@ -76,7 +85,7 @@ class Tool:
 
 @pytest.fixture
 def tool(tmp_path, no_shm_leftovers):
-    """A runner for tools/*.py; afterwards, no process the tool started may be left running
+    """A runner for tools/*.py and tests/harness/*.py; afterwards, no process the tool started may be left running
     (no_shm_leftovers: nor any /dev/shm/shmrl_* file)."""
     runner = Tool(tmp_path)
     yield runner
@@ -95,19 +104,19 @@ def positive(x) -> bool:
 
 
 def test_bench_median_and_percentile_take_any_iterable():
-    bench = load_tool("bench")
     assert bench.median(x for x in [3.0, 1.0, 2.0]) == 2.0          # a generator, as throughput passes
     assert bench.median([4, 1, 3, 2]) == 2.5
+    assert bench.median is shared.median   # the report frame is shared, not copied
     assert bench.percentile((x for x in range(101)), 90) == 90.0
     assert math.isnan(bench.median(x for x in [])) and math.isnan(bench.percentile(iter(()), 50))
 
 
 def test_a_baseline_virtualenv_is_reused_when_complete_and_remade_when_not(tmp_path):
-    """tools/venvs.py: a folder whose python has the modules and the pinned versions is used
+    """tools/shared.py's virtualenvs: a folder whose python has the modules and the pinned versions is used
     as it is (no pip); a missing module or another pinned version makes it build again."""
     import numpy as np
 
-    venvs = load_tool("venvs")
+    venvs = shared
     folder = tmp_path / "venv"
     (folder / "bin").mkdir(parents=True)
     python = folder / "bin" / "python"
@@ -281,17 +290,16 @@ def test_a_run_gets_ctrl_c_even_when_the_tool_was_started_ignoring_sigint():
     """A background job of a script (``nohup python tools/solve.py &``) starts with SIGINT
     ignored, and so would every Python it starts: interrupt_group's Ctrl-C then did nothing,
     and a run past its --timeout ended only by the SIGKILL 15 s later."""
-    processes = load_tool("processes")
     child = ("import time\ntry:\n    print('ready', flush=True); time.sleep(120)\n"
              "except KeyboardInterrupt:\n    raise SystemExit(130)\n")
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        proc = processes.popen_group([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+        proc = shared.popen_group([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
     finally:
         signal.signal(signal.SIGINT, previous)
     try:
         assert proc.stdout.readline() == "ready\n"            # in its try: Ctrl-C now raises there
-        assert processes.interrupt_group(proc, timeout=30) == 130   # not -9, the SIGKILL 30 s later
+        assert shared.interrupt_group(proc, timeout=30) == 130   # not -9, the SIGKILL 30 s later
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -309,8 +317,9 @@ def test_solve_stops_a_run_that_outlives_its_timeout(tool):
     assert run["solved"] is False and run["exit"] is None and run["env_steps"] is None
 
 
+@pytest.mark.slow   # a harness (tests/harness/abuse.py): a whole run under abuse
 def test_abuse_quick(tool):
-    rc, out, err = tool("abuse.py", "--quick", "--json", timeout=180)
+    rc, out, err = tool("tests.harness.abuse", "--quick", "--json", timeout=180)
     assert rc in (0, 1), err[-3000:]                # 1: a gate failed on a loaded machine, still a report
     r = last_json(out)
     assert r["subcommand"] == "abuse" and r["ok"] == (rc == 0) and r["torch_imported"] is False
@@ -334,8 +343,9 @@ def test_abuse_quick(tool):
     assert c["server_exit_code"] == 143 and c["shm_files_left"] == [] and c["server_group_alive"] is False
 
 
+@pytest.mark.slow   # a harness (tests/harness/abuse_messages.py): a whole run under hostile messages
 def test_abuse_messages_quick(tool):
-    rc, out, err = tool("abuse_messages.py", "--quick", "--json", timeout=180)
+    rc, out, err = tool("tests.harness.abuse_messages", "--quick", "--json", timeout=180)
     assert rc in (0, 1), err[-3000:]                # 1: a gate failed on a loaded machine, still a report
     r = last_json(out)
     assert list(r["rows"]) == ["quiet", "busy", "empty", "surrogate", "agent-ids"]
@@ -400,8 +410,8 @@ def test_rllib_client_against_shmrl_quick(tool):
 
 
 @pytest.mark.slow   # among the suite's longest (25-40 s)
-def test_multiagent_quick(tool):
-    rc, out, err = tool("multiagent.py", "--quick", "--json", timeout=180)
+def test_multiagent_bench_quick(tool):
+    rc, out, err = tool("multiagent_bench.py", "--quick", "--json", timeout=180)
     assert rc == 0, err[-2000:]
     r = json.loads(out)
     assert r["quick"] is True
@@ -444,10 +454,11 @@ def test_inference_bench_quick(tool):
     assert positive(last["server_cpu_us_per_step"]), last
 
 
-def test_the_readme_commands_tool_runs_each_command_quickly():
-    """tools/readme_commands.py --quick: every command of the README parses (its --help), and
+@pytest.mark.slow   # a harness (tests/harness/readme_commands.py)
+def test_the_readme_commands_harness_runs_each_command_quickly():
+    """tests/harness/readme_commands.py --quick: every command of the README parses (its --help), and
     its Python block compiles, in a copy of the repository."""
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "readme_commands.py"), "--quick"],
+    proc = subprocess.run([sys.executable, "-m", "tests.harness.readme_commands", "--quick"], cwd=REPO,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "$ python -m shmrl.run --sims 8 --max-env-steps 4000 --help" in proc.stdout
@@ -456,7 +467,7 @@ def test_the_readme_commands_tool_runs_each_command_quickly():
 
 @pytest.mark.slow
 def test_the_readme_commands_run_as_written_with_short_budgets():
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "readme_commands.py")], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tests.harness.readme_commands"], cwd=REPO, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -496,3 +507,15 @@ def test_record_bench_pretrain_quick(tool, tmp_path):
     assert result["dataset"]["whole_episodes"] >= 5 and result["expert_return"] >= 60
     assert {r["exit"] for v in result["runs"].values() for r in v} <= {0, 1}
     assert result["env_steps_ratio"] > 0 and result["wall_ratio"] > 0
+
+
+def test_a_tool_runs_as_its_file_from_any_folder_and_as_a_module(tmp_path):
+    """``python tools/solve.py`` from another folder goes through tools/run_as_module.py and
+    runs as tools.solve; ``python -m tools.solve`` from the root does the same directly."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(REPO)}
+    as_file = subprocess.run([sys.executable, str(TOOLS / "solve.py"), "--help"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=60)
+    as_module = subprocess.run([sys.executable, "-m", "tools.solve", "--help"], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=60)
+    for proc in (as_file, as_module):
+        assert proc.returncode == 0 and "--seeds" in proc.stdout, proc.stderr[-3000:]

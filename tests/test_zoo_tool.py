@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_tool
+from tools import zoo
 
 REPO = Path(__file__).resolve().parents[1]
 ZOO_PYTHON = Path("~/.cache/shmrl/zoo-venv/bin/python").expanduser()
@@ -19,7 +19,6 @@ def test_a_trainer_is_stopped_at_its_time_even_when_this_tool_was_started_ignori
     """A background job of a script (``nohup python tools/zoo.py &``) starts with SIGINT
     ignored, and so would every Python it starts: rl-zoo3 then trained on until the SIGKILL
     a minute later, and its curve ran past --seconds. The trainer must still get Ctrl-C."""
-    zoo = load_tool("zoo")
     trainer = ("import time\ntry:\n    print('training', flush=True); time.sleep(120)\n"
                "except KeyboardInterrupt:\n    print('interrupted: saving', flush=True)\n")
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -86,7 +85,6 @@ def test_the_recurrent_baseline_runs_recurrent_ppo_and_shmrl_and_plots_them(tmp_
 
 
 def test_a_run_cut_short_of_a_step_count_has_no_return_there():
-    zoo = load_tool("zoo")
     curve = [{"env_steps": 50_000, "wall_s": 100.0, "return_mean": 10.0},
              {"env_steps": 120_000, "wall_s": 900.0, "return_mean": 20.0}]
     assert zoo.at_steps(curve, 100_000) == 10.0

@@ -20,6 +20,10 @@ torch would only take memory here).
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/bench.py`: run as tools.bench
+    import run_as_module
+    run_as_module.run(__file__)
+
 # Only the standard library and numpy at module level (psutil where it is used): the fork
 # server that starts the simulators imports this file as __mp_main__, and its children
 # should carry no more than shmrl.run's simulators do.
@@ -30,19 +34,17 @@ import os
 import queue
 import selectors
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-# tools/processes.py: stopping what a tool starts, and what processes cost (psutil)
-from processes import cpu_s, interrupt_group, own_shm_files, popen_group, process_tree, read_logdir, stop_process
+from tools.shared import (cpu_s, finished, interrupt_group, median, own_shm_files, percentile, popen_group,
+                          print_method, process_tree, read_logdir, started, stop_process)
 
 ENV_ID = "CartPole-v1"         # the default --env of throughput and transport; the one of sync and memory
 WAIT_S = 60.0                 # the longest any single wait may take before the bench gives up
@@ -50,43 +52,6 @@ HERE = Path(__file__).resolve()
 
 
 # ---------------------------------------------------------------- small helpers
-
-def median(xs) -> float:
-    """The median of any iterable of numbers (a list, a generator), NaN when it is empty."""
-    xs = list(xs)
-    return float(statistics.median(xs)) if xs else math.nan
-
-
-def percentile(xs, q: float) -> float:
-    """The q-th percentile of any iterable of numbers, NaN when it is empty."""
-    xs = list(xs)
-    return float(np.percentile(np.asarray(xs, dtype=float), q)) if xs else math.nan
-
-
-def host_info() -> dict:
-    return {"cpus": len(os.sched_getaffinity(0)), "loadavg": [round(x, 2) for x in os.getloadavg()],
-            "python": sys.version.split()[0]}
-
-
-def started(name: str, method: str, **params) -> dict:
-    """The head of every result: what, how, when, and on what a machine in what state."""
-    return {"subcommand": name, "method": method, "params": params,
-            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host_before": host_info()}
-
-
-def finished(result: dict) -> dict:
-    result["host_after"] = host_info()
-    result["torch_imported"] = "torch" in sys.modules  # must stay False: the bench is light
-    return result
-
-
-def print_method(result: dict) -> None:
-    """The foot of every table: how it was measured, when, and the machine's load."""
-    print(textwrap.fill(f"method: {result['method']}", width=110, initial_indent="  ",
-                        subsequent_indent="    ", break_on_hyphens=False))
-    print(f"  measured {result['when']}; load average before {result['host_before']['loadavg']}, "
-          f"after {result['host_after']['loadavg']} on {result['host_after']['cpus']} cpus")
-
 
 def run_policy(env: str = ENV_ID, envs_per_sim: int = 1, env_steps_per_sample: int = 256):
     """The env's spec, shmrl.run's configuration of it (its preset) and the policy network
@@ -629,7 +594,7 @@ def print_transport(r: dict) -> None:
 # ---------------------------------------------------------------- solve
 
 def solve_bench(args) -> dict:
-    from solve import solve  # tools/solve.py: one timed `python -m shmrl.run` per seed
+    from tools.solve import solve  # one timed `python -m shmrl.run` per seed
 
     command = " ".join(["python -m shmrl.run", "--sims", str(args.sims), "--seed S --logdir TMP", *args.extra])
     result = started(

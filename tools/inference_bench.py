@@ -26,6 +26,10 @@ samples received, so they need windows of many updates (``--seconds 20``).
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/inference_bench.py`: run as tools.inference_bench
+    import run_as_module
+    run_as_module.run(__file__)
+
 import argparse
 import json
 import os
@@ -39,8 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tools.shared import repo_on_pythonpath
+
 HERE = Path(__file__).resolve()
-ROOT = HERE.parents[1]
 DEFAULT_CLIENT = "{python} -m shmrl.sim --connect 127.0.0.1:{port} --server-inference --envs-per-sim {envs} --seed {seed}"
 CLIENT_SIDE = "{python} -m shmrl.sim --connect 127.0.0.1:{port} --envs-per-sim {envs} --seed {seed}"
 QUICK = {"clients": [1, 2], "seconds": 1.5, "envs": 1}
@@ -52,7 +57,6 @@ class DrainServer:
     (one forward pass per poll round), with a learner that only drains the store."""
 
     def __init__(self, env: str, env_steps_per_sample: int = 256, server_side: bool = True):
-        sys.path.insert(0, str(ROOT))
         from shmrl.config.settings import Config, resolve_config
         from shmrl.envs.make import env_spec
         from shmrl.server.hub import Hub
@@ -143,8 +147,7 @@ class RunServer:
                                       "--async", "--stop-return", "inf", "--log-every", "0",
                                       "--logdir", str(self.dir / "run"), *run_args],
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}"
-                                                                      f"{os.environ.get('PYTHONPATH', '')}"})
+                                     env=repo_on_pythonpath())
         self.serve_until(lambda: self._port() is not None, START_S, "the run's TCP port")
         self.port = self._port()
 
@@ -207,7 +210,7 @@ def rss_mb() -> float:
 
 
 def start_clients(template: str, n: int, port: int, envs: int) -> list[subprocess.Popen]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = repo_on_pythonpath()
     return [subprocess.Popen(shlex.split(template.format(python=shlex.quote(sys.executable), port=port, envs=envs,
                                                          seed=i)),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for i in range(n)]
@@ -260,7 +263,6 @@ def probe(port: int, envs: int, seconds: float) -> int:
     until SIGTERM or ``seconds``, then prints p50 and p99 (ms) of the last 5 s of them."""
     import signal
 
-    sys.path.insert(0, str(ROOT))
     from shmrl import rllink
     from shmrl.envs.make import make_vec_env
 

@@ -22,6 +22,10 @@ Every run has its own process group and is stopped if it outlives ``--timeout``.
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/record_bench.py`: run as tools.record_bench
+    import run_as_module
+    run_as_module.run(__file__)
+
 import argparse
 import contextlib
 import json
@@ -33,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from processes import popen_group, read_logdir, run_shmrl, stop_process  # tools/processes.py
+from tools.shared import popen_group, read_logdir, run_shmrl, stop_process
 
 QUICK = {"pretrain": dict(seeds=[0], sims=1, expert_return=60.0, episodes=5, target=80.0, timeout=120.0,
                           pretrain_steps=50),

@@ -21,6 +21,10 @@ when shmrl first reached it.
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/recurrent_baseline.py`: run as tools.recurrent_baseline
+    import run_as_module
+    run_as_module.run(__file__)
+
 import argparse
 import json
 import os
@@ -29,8 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import venvs  # tools/venvs.py: the baselines' virtualenvs (rl-zoo3's has sb3-contrib)
-import zoo  # tools/zoo.py: the zoo runner, the curves and the plot
+from tools import shared, zoo  # zoo: the zoo runner, the curves and the plot; rl-zoo3's virtualenv has sb3-contrib
 
 TARGETS = {"CartPoleNoVel-v1": 475.0, "PendulumNoVel-v1": -300.0}
 QUICK = {"envs": ["CartPoleNoVel-v1"], "seeds": [0], "seconds": 10.0}
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--envs", nargs="+", default=list(TARGETS), help="default: %(default)s")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--seconds", type=float, default=300.0, help="wall time of each run at most (default: %(default)s)")
-    p.add_argument("--venv", type=Path, default=venvs.ZOO.folder, help="rl-zoo3 virtualenv (default: %(default)s)")
+    p.add_argument("--venv", type=Path, default=shared.ZOO.folder, help="rl-zoo3 virtualenv (default: %(default)s)")
     p.add_argument("--python", type=Path, help="a python that has rl_zoo3 and sb3_contrib, instead of --venv")
     p.add_argument("--plot", type=Path, help="write both curves of every run to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.envs, a.seeds, a.seconds = QUICK["envs"], QUICK["seeds"], QUICK["seconds"]
-    py = a.python or venvs.ZOO.ensure(a.venv)
+    py = a.python or shared.ZOO.ensure(a.venv)
     if a.setup:
         print(f"rl-zoo3 virtualenv ready: {py}")
         return 0

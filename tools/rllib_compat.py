@@ -40,6 +40,10 @@ each session is sent SIGTERM, then SIGKILL, together with every descendant still
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/rllib_compat.py`: run as tools.rllib_compat
+    import run_as_module
+    run_as_module.run(__file__)
+
 import argparse
 import json
 import os
@@ -54,11 +58,9 @@ import threading
 import time
 from pathlib import Path
 
-import venvs  # tools/venvs.py: the baselines' virtualenvs
-from processes import read_logdir  # tools/processes.py
-from venvs import SetupError
+from tools import shared
+from tools.shared import REPO, SetupError, read_logdir
 
-REPO = Path(__file__).resolve().parents[1]
 MARK = "RLLIB_COMPAT "          # prefix of the machine-readable lines of the ray-side driver
 CAPTURE_PORT_OFFSET = 100       # with --capture, the server listens on P + 100 behind a proxy on P
 QUICK = {"client": {"stop_return": 100.0, "timeout": 180.0},
@@ -475,7 +477,7 @@ def rllib_client_main(a) -> int:
 
 def run_client(a, kids: Children, work: Path) -> dict:
     """shmrl's learner (TCP, no local simulators) <- RLlib's own _dummy_client."""
-    py = venvs.RLLIB.ensure(a.venv)
+    py = shared.RLLIB.ensure(a.venv)
     port = a.port
     server_port = port + CAPTURE_PORT_OFFSET if a.capture else port
     for p in {port, server_port}:
@@ -584,7 +586,7 @@ class DriverLog:
 
 def run_rllib_server(a, kids: Children, work: Path, client_kind: str) -> dict:
     """RLlib 2.48's PPO TCP server <- shmrl.sim (``server``) or RLlib's _dummy_client (``baseline``)."""
-    py = venvs.RLLIB.ensure(a.venv)
+    py = shared.RLLIB.ensure(a.venv)
     port = a.port
     server_port = port + CAPTURE_PORT_OFFSET if a.capture else port
     for p in {port, server_port, server_port - 1}:
@@ -714,7 +716,7 @@ def build_parser():
         s.add_argument("--quick", action="store_true",
                        help="seconds, not minutes: low targets and budgets (see above); flags given still win")
         s.add_argument("--port", type=int, default=5600, help="TCP port the client connects to (default: %(default)s)")
-        s.add_argument("--venv", type=Path, default=venvs.RLLIB.folder, help="RLlib 2.48 virtualenv (default: %(default)s)")
+        s.add_argument("--venv", type=Path, default=shared.RLLIB.folder, help="RLlib 2.48 virtualenv (default: %(default)s)")
         s.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default: %(default)s)")
         s.add_argument("--stop-return", type=float, default=450.0, help="target mean return (default: %(default)s)")
         s.add_argument("--json", action="store_true", help="print one JSON object instead of a table line")
@@ -748,10 +750,10 @@ def main(argv=None) -> int:
     if argv[:1] == ["--setup"]:  # python tools/rllib_compat.py --setup [--venv DIR]
         s = argparse.ArgumentParser(prog="python tools/rllib_compat.py --setup")
         s.add_argument("--setup", action="store_true")
-        s.add_argument("--venv", type=Path, default=venvs.RLLIB.folder, help="RLlib 2.48 virtualenv (default: %(default)s)")
+        s.add_argument("--venv", type=Path, default=shared.RLLIB.folder, help="RLlib 2.48 virtualenv (default: %(default)s)")
         v = s.parse_args(argv).venv
         try:
-            print(f"RLlib 2.48 virtualenv ready: {venvs.RLLIB.ensure(v)}")
+            print(f"RLlib 2.48 virtualenv ready: {shared.RLLIB.ensure(v)}")
         except (SetupError, subprocess.CalledProcessError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -26,6 +26,10 @@ at most 50,000 env steps for each (shmrl.run --max-env-steps); flags given still
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/sb3_baseline.py`: run as tools.sb3_baseline
+    import run_as_module
+    run_as_module.run(__file__)
+
 import argparse
 import json
 import os
@@ -36,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-import venvs  # tools/venvs.py: the baselines' virtualenvs
+from tools import shared
 
 HERE = Path(__file__).resolve()
 ZOO_STEPS = 100_000
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--sims", type=int, default=8, help="shmrl.run --sims (default: %(default)s)")
     p.add_argument("--stop-return", type=float, default=475.0)
-    p.add_argument("--venv", type=Path, default=venvs.SB3.folder, help="SB3 virtualenv (default: %(default)s)")
+    p.add_argument("--venv", type=Path, default=shared.SB3.folder, help="SB3 virtualenv (default: %(default)s)")
     p.add_argument("--max-env-steps", type=int, default=ZOO_STEPS,
                    help="env steps after which a run counts as not solved, for each (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
@@ -113,12 +117,12 @@ def main(argv=None) -> int:
         p.set_defaults(**QUICK)
     a = p.parse_args(argv)
     if a.setup:
-        print(f"stable-baselines3 virtualenv ready: {venvs.SB3.ensure(a.venv)}")
+        print(f"stable-baselines3 virtualenv ready: {shared.SB3.ensure(a.venv)}")
         return 0
-    from solve import solve  # tools/solve.py: one timed `python -m shmrl.run` per seed
+    from tools.solve import solve  # one timed `python -m shmrl.run` per seed
 
     signal.signal(signal.SIGTERM, _terminate)
-    py = venvs.SB3.ensure(a.venv)
+    py = shared.SB3.ensure(a.venv)
     extra = ["--stop-return", str(a.stop_return), "--max-env-steps", str(a.max_env_steps), *a.extra]
     runs = {"sb3": [], "shmrl": []}
     for seed in a.seeds:  # in turns, so that both see the machine in the same state

@@ -8,18 +8,18 @@ each step waits for its slot, 1/rate after the last one's, and a process that st
 gets no burst afterwards. S processes (S simulators, or S ``python -m shmrl.sim --connect``
 clients) throttled to N/S hold N env steps per second in all; tools/slow_sims.py sets it.
 
-    SLOW_SIM_STEPS_PER_S=250 PYTHONPATH=tools python -m shmrl.run --env slow_sim:half_cheetah --sims 4
-    SLOW_SIM_STEPS_PER_S=1000 PYTHONPATH=tools python -m rl_zoo3.train --gym-packages slow_sim \\
+    SLOW_SIM_STEPS_PER_S=250 PYTHONPATH=. python -m shmrl.run --env tools.slow_sim:half_cheetah --sims 4
+    SLOW_SIM_STEPS_PER_S=1000 PYTHONPATH=. python -m rl_zoo3.train --gym-packages tools.slow_sim \\
         --env ThrottledHalfCheetah-v5 ...
 
-shmrl takes the factories below (``--env slow_sim:half_cheetah``); gymnasium (and so
-rl-zoo3, ``--gym-packages slow_sim``) the ids ``Throttled<ID>`` this module registers. With
+shmrl takes the factories below (``--env tools.slow_sim:half_cheetah``); gymnasium (and so
+rl-zoo3, ``--gym-packages tools.slow_sim``) the ids ``Throttled<ID>`` this module registers. With
 tools/slow_site on PYTHONPATH (its sitecustomize.py calls ``throttle_base_ids``) the base
 ids themselves are throttled in every process that has $SLOW_SIM_STEPS_PER_S: shmrl then
 trains ``--env gym:HalfCheetah-v5`` with that env's own presets and slow profile, as it
 would a slow engine of that env (tools/slow_sims.py does so).
 
-    SLOW_SIM_STEPS_PER_S=250 PYTHONPATH=tools/slow_site python -m shmrl.run --env gym:Hopper-v5 --sims 4
+    SLOW_SIM_STEPS_PER_S=250 PYTHONPATH=tools/slow_site:. python -m shmrl.run --env gym:Hopper-v5 --sims 4
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import time
 import gymnasium
 
 RATE_VAR = "SLOW_SIM_STEPS_PER_S"
-# shmrl's factory (--env slow_sim:NAME) -> the gymnasium env it throttles.
+# shmrl's factory (--env tools.slow_sim:NAME) -> the gymnasium env it throttles.
 BASE_IDS = {"half_cheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "cart_pole": "CartPole-v1",
             "inverted_pendulum": "InvertedPendulum-v5", "mountain_car": "MountainCarContinuous-v0"}
 
@@ -80,7 +80,7 @@ def make(base_id: str, **kwargs):
     return Throttled(gymnasium.make(base_id, **kwargs))
 
 
-# shmrl's factories (--env slow_sim:half_cheetah), plain functions: they pickle by name.
+# shmrl's factories (--env tools.slow_sim:half_cheetah), plain functions: they pickle by name.
 def half_cheetah():
     return make("HalfCheetah-v5")
 

@@ -21,6 +21,10 @@ Each stops at --steps env steps or after --seconds (default: --steps / --rate x 
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/slow_sims.py`: run as tools.slow_sims
+    import run_as_module
+    run_as_module.run(__file__)
+
 import argparse
 import json
 import os
@@ -33,10 +37,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import slow_sim  # noqa: F401  (tools/slow_sim.py: checked importable here before a trainer needs it)
-import venvs
-import zoo
-from processes import interrupt_group, popen_group, read_logdir
+from tools import shared, slow_sim, zoo  # slow_sim: checked importable here before a trainer needs it
+from tools.shared import REPO, interrupt_group, popen_group, read_logdir
 
 HERE = Path(__file__).resolve().parent
 FACTORIES = {base: name for name, base in slow_sim.BASE_IDS.items()}
@@ -66,7 +68,7 @@ def run_shmrl_clients(env: str, seed: int, seconds: float, folder: Path, extra: 
            "--stop-return", "inf", "--log-every", "30", "--sims", "0", "--tcp-port", "0", *extra]
     start, sims = time.monotonic(), []
     with open(log, "w") as out:
-        learner = popen_group(cmd, cwd=zoo.REPO, stdout=out, stderr=subprocess.STDOUT, env=environ)
+        learner = popen_group(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=environ)
         try:
             port = None
             while port is None and learner.poll() is None and time.monotonic() - start < 120:
@@ -76,7 +78,7 @@ def run_shmrl_clients(env: str, seed: int, seconds: float, folder: Path, extra: 
             if port is None:
                 raise RuntimeError(f"shmrl did not listen; its log:\n{log.read_text()[-3000:]}")
             sims = [popen_group([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--env", env,
-                                 "--seed", str(seed * 1000 + k)], cwd=zoo.REPO, env=environ,
+                                 "--seed", str(seed * 1000 + k)], cwd=REPO, env=environ,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for k in range(clients)]
             learner.wait(timeout=max(seconds - (time.monotonic() - start), 1))
         except subprocess.TimeoutExpired:
@@ -145,15 +147,15 @@ def pinned(core: int, run) -> dict:
 def run_sb3(env: str, seed: int, a, py, seconds: float, folder: Path) -> dict:
     folder.mkdir()
     return zoo.run_sb3(py, "Throttled" + env, seed, seconds, folder,
-                       extra=("--gym-packages", "slow_sim", "-n", str(a.steps)),
-                       env_vars={"PYTHONPATH": str(HERE), slow_sim.RATE_VAR: str(a.rate),
+                       extra=("--gym-packages", "tools.slow_sim", "-n", str(a.steps)),
+                       env_vars={"PYTHONPATH": str(REPO), slow_sim.RATE_VAR: str(a.rate),
                                  **({"OMP_NUM_THREADS": "1"} if a.at_once else {})},
                        entry_of=env)
 
 
 def run_shmrl(env: str, seed: int, a, seconds: float, folder: Path) -> dict:
     folder.mkdir()
-    pythonpath = os.pathsep.join([str(HERE / "slow_site"), str(zoo.REPO),
+    pythonpath = os.pathsep.join([str(HERE / "slow_site"), str(REPO),
                                   os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     extra = ["--max-env-steps", str(a.steps), *a.extra]
     env_vars = {"PYTHONPATH": pythonpath, slow_sim.RATE_VAR: str(a.rate / a.sims)}
@@ -212,7 +214,7 @@ def main(argv=None) -> int:
         p.error(f"--at-once needs a CPU core for each trainer; this process may use {usable}")
     if a.quick:
         a.envs, a.seeds, a.steps, a.rate, a.sims = ["InvertedPendulum-v5"], [0], 5000, 1000.0, 2
-    py = (a.python or venvs.ZOO.ensure(venvs.ZOO.folder)) if a.sb3 else None
+    py = (a.python or shared.ZOO.ensure(shared.ZOO.folder)) if a.sb3 else None
     results = {"rate": a.rate, "steps": a.steps, "sims": a.sims, "clients": a.clients, "at_once": a.at_once, "extra": a.extra, "load_before": os.getloadavg(),
                "sb3": a.sb3, "shmrl": a.shmrl, "envs": {}}
     for env in a.envs:

@@ -12,6 +12,10 @@ this tool (an error, Ctrl-C, SIGTERM), is stopped as after Ctrl-C, then killed, 
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/solve.py`: run as tools.solve
+    import run_as_module
+    run_as_module.run(__file__)
+
 import argparse
 import json
 import signal
@@ -19,7 +23,7 @@ import statistics
 import sys
 import tempfile
 
-from processes import read_logdir, run_shmrl  # tools/processes.py
+from tools.shared import read_logdir, run_shmrl
 
 QUICK = {"seeds": [0], "sims": 2, "timeout": 120.0}   # --quick; and --stop-return 100 for shmrl.run
 QUICK_EXTRA = ["--stop-return", "100"]

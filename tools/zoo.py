@@ -26,6 +26,10 @@ how long shmrl takes to reach it ("speedup" = SB3's seconds / shmrl's).
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/zoo.py`: run as tools.zoo
+    import run_as_module
+    run_as_module.run(__file__)
+
 import argparse
 import csv
 import json
@@ -38,11 +42,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import venvs  # tools/venvs.py: the baselines' virtualenvs
-from processes import popen_group, read_logdir, wait_group_gone  # tools/processes.py
+from tools import shared
+from tools.shared import REPO, popen_group, read_logdir, wait_group_gone
 
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[1]
 TIMES = (30, 60, 120, 180, 300)         # seconds at which returns are reported
 STEPS = (100_000, 300_000, 1_000_000)   # env steps at which returns are reported
 # An ALE game's env step is 4 emulator frames on both sides (zoo's AtariWrapper, shmrl's
@@ -270,7 +273,7 @@ def main(argv=None) -> int:
                    help="also run SB3 with rl-zoo3's settings, in turns (default: %(default)s)")
     p.add_argument("--shmrl", action=argparse.BooleanOptionalAction, default=True,
                    help="run shmrl (default: %(default)s); --no-shmrl runs SB3 alone")
-    p.add_argument("--venv", type=Path, default=venvs.ZOO.folder, help="rl-zoo3 virtualenv (default: %(default)s)")
+    p.add_argument("--venv", type=Path, default=shared.ZOO.folder, help="rl-zoo3 virtualenv (default: %(default)s)")
     p.add_argument("--python", type=Path, help="a python that has rl_zoo3 and mujoco, instead of --venv")
     p.add_argument("--plot", type=Path, help="write both curves of every run to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -285,7 +288,7 @@ def main(argv=None) -> int:
         a.envs, a.seeds, a.seconds = ["InvertedPendulum-v5"], [0], 12.0
     py = None
     if a.sb3 or a.setup:
-        py = a.python or venvs.ZOO.ensure(a.venv)
+        py = a.python or shared.ZOO.ensure(a.venv)
         if a.setup:
             print(f"rl-zoo3 virtualenv ready: {py}")
             return 0

@@ -1,4 +1,5 @@
-"""Python imports this at start up when tools/slow_site is on PYTHONPATH. With
+"""Python imports this at start up when tools/slow_site is on PYTHONPATH (the repository's
+root beside it, for tools.slow_sim). With
 $SLOW_SIM_STEPS_PER_S set, a process that imports gymnasium gets HalfCheetah-v5, Hopper-v5,
 ... throttled under their own ids (tools/slow_sim.py, ``throttle_base_ids``), so that a
 trainer given ``gym:HalfCheetah-v5`` trains that env, presets and all, on a slow simulator:
@@ -8,9 +9,6 @@ without the variable nothing happens at all."""
 import importlib.abc
 import os
 import sys
-
-TOOLS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 class _ThrottleOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: when gymnasium is found, its module throttles the base ids as
@@ -27,8 +25,7 @@ class _ThrottleOnImport(importlib.abc.MetaPathFinder):
 
             def exec_module(module):
                 run(module)
-                sys.path.append(TOOLS)
-                import slow_sim
+                from tools import slow_sim  # the repository's root is on PYTHONPATH beside tools/slow_site
 
                 slow_sim.throttle_base_ids()
 

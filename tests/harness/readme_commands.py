@@ -3,8 +3,8 @@ budgets: every command of its ```bash blocks, and its ```python block as a scrip
 block (building the C and JavaScript clients) is left to tests/test_c_client.py and
 tests/test_js_client.py, which build and run them.
 
-    python tools/readme_commands.py            # each command for real (about 2 min on 2 cores)
-    python tools/readme_commands.py --quick    # each command's --help, the Python block compiled (seconds)
+    python -m tests.harness.readme_commands            # each command for real (about 2 min on 2 cores)
+    python -m tests.harness.readme_commands --quick    # each command's --help, the Python block compiled (seconds)
 
 The copy holds the repository's files (tracked and untracked, as `git ls-files` lists
 them), so it is what a fresh clone of this tree would hold; shmrl is imported from it
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SETUP = ("git clone", "pip install")
 
 

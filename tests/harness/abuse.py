@@ -1,16 +1,16 @@
 """TCP under abuse: a good client's round-trip times and the learner's memory while four
 kinds of hostile clients attack its RLlink port at once.
 
-    python tools/abuse.py [--rounds 3] [--abuse-seconds 12] [--idle 200] [--json]
-    python tools/abuse.py --quick --json      # seconds: one short round, 4 MiB frames, 20 idle
-    python tools/abuse.py messages [--seconds 5] [--json]   # hostile messages, one attack at a
-                                              # time (tools/abuse_messages.py: floods, huge
-                                              # messages, empty ones, a bad token, foreign agents)
+    python -m tests.harness.abuse [--rounds 3] [--abuse-seconds 12] [--idle 200] [--json]
+    python -m tests.harness.abuse --quick --json   # seconds: one short round, 4 MiB frames, 20 idle
+
+Hostile messages, one attack at a time (floods, huge messages, empty ones, a bad token,
+foreign agents): tests/harness/abuse_messages.py, which uses this file's server and good client.
 
 The server is the real thing: ``python -m shmrl.run --sims 0 --tcp-port 0`` (no auth
 token, the TCP defaults of the command line: 10 s frame timeout, no idle timeout, 64 MiB
 frames) in its own process group, learner thread, training thread and torch included.
-One good client (a fresh interpreter running this file, raw sockets, RLlib's framing)
+One good client (a fresh interpreter running this module, raw sockets, RLlib's framing)
 times PING->PONG, GET_STATE->SET_STATE and, every --train-every s,
 EPISODES_AND_GET_STATE->SET_STATE (which waits for one PPO update on its steps), in
 these windows, every round:
@@ -56,16 +56,15 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench import finished, median, percentile, print_method, started  # tools/bench.py: the report's frame
-from processes import cpu_s, group_alive, own_shm_files, rss_kib  # tools/processes.py
 from shmrl import rllink
+from tools.shared import (cpu_s, finished, group_alive, median, own_shm_files, percentile, print_method,
+                          repo_on_pythonpath, rss_kib, started)
 
-HERE = Path(__file__).resolve()
-REPO = HERE.parent.parent
+# The processes this harness starts for itself run it again, as a module from the repository's root.
+SELF = [sys.executable, "-m", "tests.harness.abuse"]
 MiB = 1 << 20
 KINDS = ("PING", "GET_STATE", "EPISODES_AND_GET_STATE")
 REPLY_OF = {"PING": b'"PONG"', "GET_STATE": b'"SET_STATE"', "EPISODES_AND_GET_STATE": b'"SET_STATE"'}
@@ -89,8 +88,7 @@ class Server:
     LISTENING = re.compile(r"listening for RLlink clients on (\S+):(\d+)")
 
     def __init__(self, logdir: str, max_frame_bytes: int, extra: tuple = ()):
-        env = {k: v for k, v in os.environ.items() if k != "SHMRL_AUTH_TOKEN"}  # auth-free
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env = repo_on_pythonpath({k: v for k, v in os.environ.items() if k != "SHMRL_AUTH_TOKEN"})  # auth-free
         self.cmd = [sys.executable, "-m", "shmrl.run", "--sims", "0", "--tcp-port", "0",
                     "--max-frame-bytes", str(max_frame_bytes), "--stop-return", "1e9",
                     "--max-env-steps", str(10 ** 12), "--logdir", logdir, "--log-every", "0", *extra]
@@ -196,10 +194,10 @@ class GoodClient:
     run, told over stdin what to measure, answering one JSON line per window."""
 
     def __init__(self, port: int, args):
-        cmd = [sys.executable, str(HERE), "_good-client", "--port", str(port),
+        cmd = [*SELF, "_good-client", "--port", str(port),
                "--gap-ms", str(args.gap_ms), "--train-every", str(args.train_every),
                *(["--token", args.token] if getattr(args, "token", None) else [])]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=repo_on_pythonpath())
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, name="abuse-good-client", daemon=True).start()
         try:
@@ -480,7 +478,7 @@ class Sink:
     server: the same load on the machine, none on the server."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, str(HERE), "_sink"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*SELF, "_sink"], env=repo_on_pythonpath(), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         try:
             line = self.proc.stdout.readline()
@@ -805,7 +803,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.add_argument("--train-every", type=float, required=True)
             p.add_argument("--token", default=None)
         return p.parse_args(argv)
-    p = argparse.ArgumentParser(prog="python tools/abuse.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tests.harness.abuse", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true",
@@ -861,9 +859,6 @@ def _terminate(signum, frame_):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["messages"]:   # hostile messages, one attack at a time: tools/abuse_messages.py
-        import abuse_messages
-        return abuse_messages.main(argv[1:])
     args = parse_args(argv)
     if getattr(args, "cmd", None) in ("_good-client", "_sink"):
         # Ctrl-C in a terminal reaches the whole group: the parent stops its workers itself

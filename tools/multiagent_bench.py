@@ -1,9 +1,9 @@
 """Multi-agent targets: connect_four by self-play against a random legal player, and
 simple_spread against a published reference return.
 
-    python tools/multiagent.py                    # both, at their full budgets (minutes)
-    python tools/multiagent.py connect_four --seeds 0 1 2
-    python tools/multiagent.py --quick --json     # seconds: tiny budgets, the whole path
+    python tools/multiagent_bench.py                    # both, at their full budgets (minutes)
+    python tools/multiagent_bench.py connect_four --seeds 0 1 2
+    python tools/multiagent_bench.py --quick --json     # seconds: tiny budgets, the whole path
 
 connect_four: ``python -m shmrl.run --env pz:connect_four_v3 --seed S``, the preset as a
 new user runs it (self-play, one shared policy, evaluated against a random legal player
@@ -25,10 +25,13 @@ Each run has its own process group, stopped with everything it started (and its
 """
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # `python tools/multiagent_bench.py`: run as tools.multiagent_bench
+    import run_as_module
+    run_as_module.run(__file__)
+
 import argparse
 import json
 import math
-import os
 import signal
 import statistics
 import subprocess
@@ -37,11 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from processes import read_logdir, run_shmrl  # tools/processes.py
+from tools.shared import read_logdir, repo_on_pythonpath, run_shmrl
 
-HERE = Path(__file__).resolve().parent
 # The runs import the shmrl of this checkout, whatever the current directory.
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
+ENV = repo_on_pythonpath()
 C4_TARGET_WIN_RATE, C4_TARGET_S = 0.9, 300.0
 SPREAD_TARGET_S = 600.0
 # The reference return in PettingZoo's per-agent convention (docs/MULTIAGENT.md, "Targets").

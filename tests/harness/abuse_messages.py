@@ -2,10 +2,10 @@
 --tcp-port 0 --auth-token ...``: the learner's memory and a good client's round trips
 under each (issue 22, items 13-18).
 
-    python tools/abuse.py messages [--seconds 5] [--only NAME ...] [--json]
-    python tools/abuse_messages.py --quick --json   # seconds: the cheap attacks, short windows
+    python -m tests.harness.abuse_messages [--seconds 5] [--only NAME ...] [--json]
+    python -m tests.harness.abuse_messages --quick --json   # seconds: the cheap attacks, short windows
 
-The good client is tools/abuse.py's (a fresh interpreter, RLlib's framing: PING,
+The good client is tests/harness/abuse.py's (a fresh interpreter, RLlib's framing: PING,
 GET_STATE and, every --train-every s, EPISODES_AND_GET_STATE, which waits for one PPO
 update). Its window 'quiet' comes first, then one window per attack, each attacker a
 thread of this process that reconnects whenever the server closes it, and first a
@@ -39,10 +39,11 @@ import threading
 
 import numpy as np
 
-from abuse import GoodClient, RssSampler, Server, recv_exactly
-from bench import median, percentile
 from shmrl import rllink
 from shmrl.core.episode import EpisodeBatch
+from tools.shared import median, percentile
+
+from .abuse import GoodClient, RssSampler, Server, recv_exactly
 
 TOKEN = "abuse-messages-token"
 # --quick: only checks that the tool works (its figures are not ones to quote).
@@ -224,7 +225,7 @@ def show(result: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python tools/abuse.py messages", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tests.harness.abuse_messages", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=5.0, help="each window (default: %(default)s)")
     p.add_argument("--only", nargs="+", choices=ATTACKS, help="these attacks only")
