@@ -24,7 +24,6 @@ policy file or a run's log folder (the error names --opponent, not the policy).
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 import statistics
@@ -68,21 +67,10 @@ def evaluate(model_bytes: bytes, env="CartPole-v1", episodes: int = 20, seed: in
 
 
 def main(argv=None) -> int:
-    from shmrl.config.settings import OneLineErrorParser
+    from shmrl.config.faces import EvalSettings
+    from shmrl.config.flags import face_parser, parse_settings
 
-    p = OneLineErrorParser(prog="python -m shmrl.eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("policy", help="an ONNX policy file (policy.onnx of a run's log folder)")
-    p.add_argument("--env", default="CartPole-v1", help="environment, as for shmrl.run (default: %(default)s)")
-    p.add_argument("--episodes", type=int, default=20, help="episodes to run (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the envs and of sampling (default: %(default)s)")
-    p.add_argument("--stochastic", action="store_true", help="sample actions as in training, not greedily")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--opponent", default="random", metavar="WHO",
-                   help="multi-agent envs: random, self, or an ONNX policy file (default: %(default)s)")
-    a = p.parse_args(argv)
-    if a.episodes < 1:
-        p.error("--episodes must be >= 1")
+    a = parse_settings(face_parser(EvalSettings, "python -m shmrl.eval", __doc__), EvalSettings, argv)
     try:
         with open(a.policy, "rb") as f:
             model = f.read()

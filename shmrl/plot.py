@@ -10,11 +10,10 @@ a dashed line marks the stop return when all runs share one. Needs matplotlib
 into its log folder when it ends (``learning_curves.png``, ``plot_run``).
 
 Exit status: 0 with the PNG written, 1 when a folder has no metrics yet or matplotlib is
-missing (one line ``error: ...``).
+missing, 2 for a bad command line (one line ``error: ...``).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -93,13 +92,10 @@ def plot_run(logdir) -> Path | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shmrl.plot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="log folders of shmrl.run")
-    p.add_argument("-o", "--output", type=Path, default=Path("learning_curves.png"),
-                   help="PNG to write (default: %(default)s)")
-    p.add_argument("--title", help="a title above the plots")
-    a = p.parse_args(argv)
+    from shmrl.config.faces import PlotSettings
+    from shmrl.config.flags import face_parser, parse_settings
+
+    a = parse_settings(face_parser(PlotSettings, "python -m shmrl.plot", __doc__), PlotSettings, argv)
     try:
         runs = [load(d) for d in a.runs]
     except (OSError, ValueError) as e:

@@ -28,10 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from shmrl.config.settings import (EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, EXIT_USAGE,  # noqa: F401
-                          Config, ConfigError, OneLineErrorParser, add_arguments, config_from_args,
-                          config_from_saved, env_name, preset_values, resolve_config,
-                          setting_origins, validate)
+from shmrl.config.flags import (OneLineErrorParser, add_arguments, config_from_args, setting_origins,
+                                settings_parser)
+from shmrl.config.settings import (AUTH_TOKEN_VAR, EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED,  # noqa: F401
+                                   EXIT_SOLVED, EXIT_USAGE, Config, ConfigError, config_from_saved, env_name,
+                                   preset_values, resolve_config, validate)
 
 log = logging.getLogger("shmrl.run")
 
@@ -77,7 +78,7 @@ def train(config: Config, t_start: float | None = None, given: set[str] | None =
 
             config = dataclasses.replace(config, auth_token=secrets.token_urlsafe(24))
             log.info("--ray: the simulators' TCP connections use a generated auth token; give --auth-token "
-                     "(or $SHMRL_AUTH_TOKEN) to let other clients in too")
+                     "(or $%s) to let other clients in too", AUTH_TOKEN_VAR)
     from shmrl.trainer.loop import train_run
 
     plot_forced = config.plot is True
@@ -144,11 +145,7 @@ def parse_command_line(argv=None) -> tuple[Config, set[str]]:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     # The defaults depend on the env (or on the run being resumed): find those first, so
     # that --help shows the ones that apply.
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--env", default=Config.env)
-    pre.add_argument("--sims", type=int, default=Config.sims)
-    pre.add_argument("--resume")
-    known, _ = pre.parse_known_args(argv)
+    known, _ = settings_parser(("env", "sims", "resume"), "python -m shmrl.run").parse_known_args(argv)
     from shmrl.envs.make import env_spec
 
     try:

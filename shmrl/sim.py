@@ -11,7 +11,7 @@ external client in a game engine would.
 
 Exit status: 0 when the server ends the session (it closes the connection between
 replies, as a learner does when its run ends); 1 when no connection could be made, or one
-was lost mid-reply, --max-retries times in a row (default 5, --retry-s 2 s apart), when
+was lost mid-reply, --max-retries times in a row (--retry-s apart), when
 the server refuses the auth token (it closes the connection in reply to PING), or when it
 breaks the protocol; 2 for a bad command line (one line ``error: ...``), including an env
 whose spaces do not fit the server's policy; 10-12 when the env or the policy gives what
@@ -19,9 +19,7 @@ cannot be trained on (NaN, every action masked); 130 after Ctrl-C.
 """
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import sys
 import time
 
@@ -33,48 +31,14 @@ from shmrl.client.simulator import SessionEnded, run_server_inference, run_simul
 __all__ = ["main", "run_simulator"]   # run_simulator: a compatibility path (docs/EXTERNAL.md)
 
 log = logging.getLogger("shmrl.sim")
-# How long a client keeps trying a server that is not there (yet, or any more): 5 more
-# attempts 2 s apart, about 10 s, then exit 1 (examples/external_client.py does the same).
-MAX_RETRIES, RETRY_S = 5, 2.0
 
 
 def main(argv=None) -> int:
-    from shmrl.config.settings import OneLineErrorParser
+    from shmrl.config.faces import SimSettings
+    from shmrl.config.flags import face_parser, parse_settings
 
-    p = OneLineErrorParser(prog="python -m shmrl.sim", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--connect", metavar="HOST:PORT",
-                       help="an RLlink server to train against over TCP (shmrl's --tcp-port, or RLlib's)")
-    where.add_argument("--attach", metavar="SEGMENT", help="shared-memory slot of a running shmrl learner")
-    p.add_argument("--env", default="CartPole-v1", help="environment id (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    p.add_argument("--envs-per-sim", type=int, default=1,
-                   help="environments stepped together with one batched ONNX call (default: %(default)s)")
-    p.add_argument("--auth-token", default=os.environ.get("SHMRL_AUTH_TOKEN"), metavar="SECRET",
-                   help="shared secret the server requires in PING (default: $SHMRL_AUTH_TOKEN)")
-    p.add_argument("--codec", choices=("binary", "json"), default="binary",
-                   help="over TCP, offer the binary codec in PING (shmrl's server takes it and asks for "
-                        "heartbeats; RLlib's ignores it and speaks JSON); json: offer nothing, as RLlib's "
-                        "own client (default: %(default)s)")
-    p.add_argument("--name", default=None, help="a name for this client in the server's logs")
-    p.add_argument("--server-inference", action="store_true",
-                   help="let the server run the policy: send observations (ACT), get actions (ACTIONS); "
-                        "needs no onnxruntime (shmrl's server; RLlib's does not serve actions)")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds to wait for any one reply; RLlib's server answers only after its "
-                        "training step (default: %(default)s)")
-    p.add_argument("--max-retries", type=int, default=MAX_RETRIES, metavar="N",
-                   help="when the server cannot be reached or the connection is lost mid-reply, try again "
-                        "up to N times in a row, then exit 1 (default: %(default)s)")
-    p.add_argument("--retry-s", type=float, default=RETRY_S, metavar="S",
-                   help="seconds between attempts (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.envs_per_sim < 1 or args.timeout <= 0:
-        p.error("--envs-per-sim must be >= 1 and --timeout > 0")
-    if args.max_retries < 0 or args.retry_s < 0:
-        p.error("--max-retries and --retry-s must be >= 0")
-
+    p = face_parser(SimSettings, "python -m shmrl.sim", __doc__)
+    args = parse_settings(p, SimSettings, argv)
     try:
         env_spec(args.env)
     except ValueError as e:

@@ -290,3 +290,72 @@ def test_the_return_window_is_the_runs(tmp_path, no_shm_leftovers, no_sim_leftov
                           return_window=3, max_env_steps=50_000, logdir=str(tmp_path), tensorboard=False)
     assert summary["solved"] and summary["exit_status"] == 0, summary
     assert 3 <= summary["episodes"] < 100 and summary["config"]["return_window"] == 3
+
+
+# ------------------------------------------------------------ every command line from its settings
+
+FACES = [("sim", "SimSettings"), ("eval", "EvalSettings"), ("record", "RecordSettings"),
+         ("record export", "RecordExportSettings"), ("conformance", "ConformanceSettings"), ("plot", "PlotSettings")]
+
+
+def face(name: str):
+    from shmrl.config import faces
+    from shmrl.config.flags import face_parser
+
+    cls = getattr(faces, dict(FACES)[name])
+    return cls, face_parser(cls, f"python -m shmrl.{name}")
+
+
+def test_no_command_line_declares_a_flag_of_its_own():
+    """Flags are built from settings in shmrl/config/ only, and only its flags module reads
+    an environment variable for a default (the auth token's)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(shmrl.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.parent.name == "config":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "add_argument":
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+            if isinstance(node, ast.Constant) and node.value == "SHMRL_AUTH_TOKEN":
+                found.append(f"{path.relative_to(root)}:{node.lineno} reads SHMRL_AUTH_TOKEN")
+    assert not found, found
+
+
+@pytest.mark.parametrize("name", [name for name, _ in FACES])
+def test_each_command_line_has_one_argument_per_setting_with_its_default(name):
+    cls, parser = face(name)
+    dests = {action.dest for action in parser._actions if action.dest != "help"}
+    assert dests == {f.name for f in dataclasses.fields(cls)}
+    defaults = cls()
+    for action in parser._actions:
+        if action.dest != "help" and not action.required and action.nargs not in ("+",):
+            value = action.default
+            assert value == getattr(defaults, action.dest) or action.dest == "auth_token", action.dest
+
+
+@pytest.mark.parametrize("name", ["sim", "record"])
+def test_every_auth_token_flag_defaults_to_the_environment_variable(name, monkeypatch):
+    monkeypatch.setenv("SHMRL_AUTH_TOKEN", "from-env")
+    _, parser = face(name)
+    assert parser.get_default("auth_token") == "from-env"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["python -m shmrl.sim", "--connect", "h:1", "--envs-per-sim", "0"], "--envs-per-sim must be >= 1, not 0"),
+    (["python -m shmrl.eval", "p.onnx", "--episodes", "0"], "--episodes must be >= 1, not 0"),
+    (["python -m shmrl.conformance", "--steps", "2"], "--steps must be >= 4, not 2"),
+    (["python -m shmrl.record", "--out", "d", "--tcp-port", "70000"], "--tcp-port must be a port number"),
+])
+def test_a_command_line_refuses_a_value_its_setting_refuses_in_one_line(argv, message, capsys):
+    from shmrl.config.flags import parse_settings
+
+    name = argv[0].removeprefix("python -m shmrl.")
+    cls, parser = face(name)
+    with pytest.raises(SystemExit) as stopped:
+        parse_settings(parser, cls, argv[1:])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err

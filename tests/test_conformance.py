@@ -11,7 +11,7 @@ import pytest
 
 from broken_client import BUGS
 from conftest import need_js_client
-from shmrl.conformance import check_client
+from shmrl.checker.session import check_client
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = ROOT / "tests" / "broken_client.py"

@@ -18,7 +18,7 @@ import pytest
 from broken_client import MA_BUGS
 from conftest import FakeServer, need, wait_until
 need("pettingzoo", "pettingzoo")
-from shmrl.conformance import check_client  # noqa: E402
+from shmrl.checker.session import check_client  # noqa: E402
 from shmrl import rllink  # noqa: E402
 from shmrl.envs.make import env_spec  # noqa: E402
 from shmrl.envs.spec import policy_mapper  # noqa: E402

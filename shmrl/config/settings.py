@@ -1,12 +1,13 @@
 """The settings of a run, each defined once (default, help, check), and what every command
-line of shmrl shares: its exit statuses, its one-line errors.
+line of shmrl shares: its exit statuses, its errors.
 
 Every setting is one field of one group below, declared with ``setting(default, help,
 ...)``: its house default, its ``--help`` text, its flag's metavar or choices, and its
 check. ``Config`` holds every group (``Config(sims=0, lr=1e-3)``: flat), the command line
-of ``python -m shmrl.run`` is generated from the fields (``add_arguments``), and
+of ``python -m shmrl.run`` is generated from the fields (``shmrl.config.flags``), and
 ``validate`` is the one check of a configuration, for the command line and for
-``shmrl.train`` alike.
+``shmrl.train`` alike. The other command lines declare their settings the same way
+(``shmrl.config.faces``).
 
 A setting declared ``preset=True`` is None in a fresh ``Config``: None means "the env's
 preset", the house default overridden by the env's family and the env's own table in
@@ -14,17 +15,15 @@ preset", the house default overridden by the env's family and the env's own tabl
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shmrl.config.presets import PRESETS_FILE, preset_origins, preset_tables
+from shmrl.config.presets import PRESETS_FILE, preset_tables
 
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # A simulator that stops because nothing it could send is trainable says why by its exit status.
@@ -42,11 +41,8 @@ class ConfigError(ValueError):
     or does not fit. ``python -m shmrl.run`` prints it as one line and exits 2."""
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one line, ``error: ...``, and exit 2."""
-
-    def error(self, message):
-        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+# The environment variable that gives --auth-token its default, on every command line.
+AUTH_TOKEN_VAR = "SHMRL_AUTH_TOKEN"
 
 
 # ---------------------------------------------------------------- how a setting is declared
@@ -70,23 +66,36 @@ def between(low, high) -> Rule:
     return Rule(f"between {low} and {high}", lambda v: low <= v <= high)
 
 
+PORT = Rule("a port number from 0 to 65535 (0: any free port)", lambda v: 0 <= v <= 65535)
+
+
 def setting(default, help: str, *, kind: type | None = None, preset: bool = False, check: Rule | None = None,
             metavar: str | None = None, choices: tuple | None = None, flag: str | None = None,
-            allow_inf: bool = False, env_var: str | None = None, flag_default_none: bool = False):
+            allow_inf: bool = False, env_var: str | None = None, flag_default_none: bool = False,
+            short: str | None = None, positional: bool = False, nargs: str | None = None, required: bool = False,
+            one_of: str | None = None, switch: bool = False):
     """One setting: ``default`` (with ``preset``: the house default, and the field is None
     until ``resolve_config``), its ``help`` (argparse's, ``%(default)s`` and all), its
-    value's ``kind`` (int, float, str, bool; by default the default's type), and its
-    ``check``. ``flag`` (default: --name-with-dashes), ``metavar``, ``choices``: its flag.
-    ``allow_inf``: a float that may be infinite. ``env_var``: the flag's default comes from
-    that environment variable. ``flag_default_none``: the flag's default is None whatever
-    the defaults of the command line (``help`` may then name them, ``{field}``)."""
+    value's ``kind`` (int, float, str, bool, Path; by default the default's type), and its
+    ``check``. ``flag`` (default: --name-with-dashes), ``short`` (-o), ``metavar``,
+    ``choices``: its flag. ``allow_inf``: a float that may be infinite. ``env_var``: the
+    flag's default comes from that environment variable. ``flag_default_none``: the flag's
+    default is None whatever the defaults of the command line (``help`` may then name
+    them, ``{field}``). ``positional``: an argument without a flag, ``nargs`` of them;
+    ``required``: a flag that must be given; ``one_of``: exactly one of the settings of
+    that name must be given. ``switch``: a bool flag without a --no- form, which sets the
+    opposite of ``default``."""
     meta = {"help": help, "kind": kind or type(default), "preset": preset, "house": default, "check": check,
             "metavar": metavar, "choices": choices, "flag": flag, "allow_inf": allow_inf, "env_var": env_var,
-            "flag_default_none": flag_default_none}
+            "flag_default_none": flag_default_none, "short": short, "positional": positional, "nargs": nargs,
+            "required": required, "one_of": one_of, "switch": switch}
     return field(default=None if preset else default, metadata=meta)
 
 
 def flag_of(f: dataclasses.Field) -> str:
+    """How the command line names setting ``f``: its flag, or a positional's name."""
+    if f.metadata.get("positional"):
+        return f.metadata["metavar"] or f.name
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
 
@@ -176,15 +185,14 @@ class TransportSettings:
         None, "also accept external RLlink clients on this port (RLlib's JSON, or shmrl's binary codec "
         "for clients that offer it); they train the same policy as the local simulators. 0: any free "
         "port, which the log names ('listening for RLlink clients on HOST:PORT'); with --sims 0, "
-        "only external clients train (default: none, no TCP port)", kind=int, metavar="PORT",
-        check=Rule("a port number from 0 to 65535 (0: any free port)", lambda v: 0 <= v <= 65535))
+        "only external clients train (default: none, no TCP port)", kind=int, metavar="PORT", check=PORT)
     tcp_host: str = setting(
         "127.0.0.1", "address to listen on (default: %(default)s, loopback only; 0.0.0.0 exposes "
         "the learner to the network)", metavar="HOST")
     auth_token: str | None = setting(
         None, "require this shared secret in every client's PING (field auth_token); a client "
-        "without it gets only a closed connection (default: $SHMRL_AUTH_TOKEN, else none)", kind=str,
-        metavar="SECRET", env_var="SHMRL_AUTH_TOKEN")
+        f"without it gets only a closed connection (default: ${AUTH_TOKEN_VAR}, else none)", kind=str,
+        metavar="SECRET", env_var=AUTH_TOKEN_VAR)
     max_frame_bytes: int = setting(
         64 << 20, "largest TCP frame body accepted; a bigger header closes that connection "
         "before its body is read (default: %(default)s)", metavar="N",
@@ -470,13 +478,27 @@ def value_problem(f: dataclasses.Field, value) -> str | None:
             return f"must be a finite number, not {value}"
     elif kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         return f"must be a whole number, not {value!r}"
-    elif kind in (bool, str) and not isinstance(value, kind):
+    elif kind not in (int, float) and not isinstance(value, kind):
         return f"must be a {kind.__name__}, not {value!r}"
     if m["choices"] and value not in m["choices"]:
         return f"must be one of {', '.join(m['choices'])}, not {value!r}"
     if m["check"] and not m["check"].holds(value):
         return f"must be {m['check'].says}, not {value}"
     return None
+
+
+def check_fields(settings, skip: tuple = ()) -> None:
+    """Raise ConfigError, with the flag's name, for the first field of ``settings`` (a
+    dataclass of ``setting`` fields) whose value cannot be; None passes, as do the fields
+    named in ``skip``. A setting of several values (``nargs``) checks each."""
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if f.name in skip or value is None:
+            continue
+        for one in (value if f.metadata["nargs"] else [value]):
+            problem = value_problem(f, one)
+            if problem:
+                raise ConfigError(f"{flag_of(f)} {problem}")
 
 
 def validate(config: Config, spec=None, servers_given: bool = False) -> None:
@@ -486,12 +508,7 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
     env's) adds what depends on the env; ``servers_given``: the caller brings its own
     transports (``trainer.train_with_servers``), so a run without simulators or a TCP port
     still has clients."""
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if f.name != "env" and value is not None:
-            problem = value_problem(f, value)
-            if problem:
-                raise ConfigError(f"{flag_of(f)} {problem}")
+    check_fields(config, skip=("env",))
     if config.sims == 0 and config.tcp_port is None and not servers_given:
         raise ConfigError("--sims 0 runs no local simulator: give --tcp-port for external clients")
     if config.ray is not None and config.sims == 0:
@@ -499,59 +516,6 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
     if getattr(spec, "multiagent", False) and config.memory not in (None, "none"):
         raise ConfigError("--memory: recurrent policies are single-agent for now; a multi-agent env takes "
                           "--memory none")
-
-
-# ---------------------------------------------------------------- the command line, from the fields
-
-def add_arguments(parser: argparse.ArgumentParser, defaults: Config, origins: dict | None = None) -> None:
-    """One flag per field of Config, under the headings of HELP_SECTIONS, with ``defaults``
-    as the defaults shown and taken; ``origins``: where a default came from, by field
-    name (``setting_origins``), said after it in --help."""
-    groups = {None: parser}
-    for cls, title in HELP_SECTIONS:
-        if title not in groups:
-            groups[title] = parser.add_argument_group(title)
-        for f in dataclasses.fields(cls):
-            add_flag(groups[title], f, defaults, (origins or {}).get(f.name))
-
-
-def setting_origins(env, spec=None) -> dict[str, str]:
-    """Where each preset setting of ``env`` that is not the house default comes from, as
-    --help says it: ``env."CartPole-v1" in presets.toml``, ``family.continuous in ...``."""
-    return {name: f"{origin} in presets.toml" for name, origin in preset_origins(env, spec).items()}
-
-
-def add_flag(group, f: dataclasses.Field, defaults: Config, origin: str | None = None) -> None:
-    m = f.metadata
-    default = None if m["flag_default_none"] else getattr(defaults, f.name)
-    if m["env_var"]:
-        default = os.environ.get(m["env_var"])
-    help = m["help"].format_map(vars(defaults)) if m["flag_default_none"] else m["help"]
-    if origin == "the command line":
-        help = help.replace("(default: %(default)s", "(given on the command line: %(default)s", 1)
-    elif origin:
-        help = help.replace("(default: %(default)s", f"(default: %(default)s, from {origin}", 1)
-    kwargs = {"dest": f.name, "default": default, "help": help}
-    if m["kind"] is bool:
-        kwargs["action"] = argparse.BooleanOptionalAction
-    else:
-        kind = number_or_none if m["allow_inf"] else m["kind"]
-        kwargs.update(type=kind, choices=m["choices"], metavar=m["metavar"])
-    group.add_argument(flag_of(f), **kwargs)
-
-
-def number_or_none(text: str) -> float:
-    """A float flag that may be infinite: ``none`` means never (infinity)."""
-    if text.strip().lower() == "none":
-        return math.inf
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or none, not {text!r}") from None
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
 
 
 # ---------------------------------------------------------------- a configuration as it is written down
