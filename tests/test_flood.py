@@ -236,7 +236,7 @@ def test_an_exception_from_one_clients_input_closes_its_connection_and_the_run_g
     handle = s.serving.hub.handle
 
     def broken_for_mallory(server, conn_id, msg):
-        if s.serving.hub.names.get(conn_id) == "mallory" and msg and msg["type"] == "GET_CONFIG":
+        if s.serving.hub.name(conn_id) == f"{conn_id} (mallory)" and msg and msg["type"] == "GET_CONFIG":
             raise RuntimeError("a bug that only mallory's input reaches")
         handle(server, conn_id, msg)
 

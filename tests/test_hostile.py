@@ -166,7 +166,7 @@ def test_an_impossible_heartbeat_is_ignored_not_counted_as_lost(net, caplog, cod
     assert talk(s, codec, hostile(codec))["type"] == "SET_STATE"
     honest = {"type": "HEARTBEAT", "env_steps": 8 + 40}   # 40 stepped, never sent: lost
     s.sendall(rllib_frame(honest) if codec == "json" else binary_frame(honest))
-    wait_until(lambda: hub.hub.stepped.get(conn_id_of(s)) == 48, 5.0, "the honest HEARTBEAT")
+    wait_until(lambda: getattr(hub.hub.connections.get(conn_id_of(s)), "stepped", None) == 48, 5.0, "the honest HEARTBEAT")
     s.close()
     wait_until(lambda: bool(hub.closed()), 5.0, "the connection to close")
     assert hub.store.steps_lost == 40 and hub.store.steps_received == 8

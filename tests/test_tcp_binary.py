@@ -188,7 +188,7 @@ def test_a_silent_binary_client_is_closed_and_its_lost_steps_counted(net, caplog
     time.sleep(0.15)
     hung.heartbeat(30)                      # a HEARTBEAT: 30 stepped, 8 sent ...
     hung_id = f"tcp:{hung.local_address[0]}:{hung.local_address[1]}"
-    wait_until(lambda: hub.hub.stepped.get(hung_id) == 30, 5, "the HEARTBEAT's 30 steps")
+    wait_until(lambda: getattr(hub.hub.connections.get(hung_id), "stepped", None) == 30, 5, "the HEARTBEAT's 30 steps")
     t0 = time.monotonic()                   # ... and then its env hangs
     stepped = 0
     while time.monotonic() - t0 < 1.5:      # the other one keeps stepping

@@ -161,7 +161,7 @@ class Serving:
     # ------------------------------------------------------------ for launchers (serving thread only)
     def connection_named(self, name: str) -> str | None:
         """The open connection whose client gave ``name`` in its PING, or None."""
-        return next((conn_id for conn_id, n in self.hub.names.items() if n == name), None)
+        return next((conn_id for conn_id, conn in self.hub.connections.items() if conn.name == name), None)
 
     def held(self, conn_id: str) -> bool:
         """Whether the learner holds the connection back (it waits for new weights)."""
@@ -184,9 +184,9 @@ class Serving:
         self._serve_requests()
         lost = max(0, stepped - (self.steps_received(conn_id) - received_before))
         self.store.steps_lost += lost
-        server = self.hub.servers.get(conn_id)
-        if server is not None:
-            server.drop(conn_id, reason)
+        conn = self.hub.connections.get(conn_id)
+        if conn is not None:
+            conn.server.drop(conn_id, reason)
         self.hub.forget(conn_id)
         return lost
 

@@ -12,13 +12,12 @@ end. The ACTs of one poll round go through one forward pass per policy (``flush`
 every ``env_steps_per_sample`` agent steps of a connection, ``act`` returns its chunks,
 which the Hub takes exactly as a multi-agent EPISODES_AND_GET_STATE's.
 
-Used by ``shmrl.server.hub`` in the serving thread only, with ``ServerInference``'s interface;
+Used by ``shmrl.server.hub`` in the serving thread only, through ``Inference``'s interface;
 onnxruntime is loaded when the first ACT needs a policy.
 """
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import defaultdict
 
 import numpy as np
@@ -27,12 +26,10 @@ from shmrl import rllink
 from shmrl.client.actor import Actor, check_policy_fits
 from shmrl.envs.spec import MultiAgentSpec, policy_mapper
 from shmrl.core.episode import MultiAgentBatch
+from shmrl.server.inference.base import Inference
 from shmrl.server.inference.single_agent import space_config
 from shmrl.client.multi_agent import MultiAgentSampler, PolicySet
 from shmrl.core.spaces import MASK_KEY
-
-log = logging.getLogger("shmrl.learner")
-_ACTIONS = rllink.MessageType.ACTIONS.value
 
 
 class _Conn:
@@ -47,29 +44,24 @@ class _Conn:
         self.queued = False                    # its ACT waits for actions (queued or held)
 
 
-class MultiAgentInference:
+class MultiAgentInference(Inference):
     """The policies run for server-inference clients of a multi-agent env, and their
-    agents' trajectories: ``act``, ``queue``, ``hold``, ``flush``, ``load``, ``forget``
-    as ``shmrl.server.inference.single_agent.ServerInference``'s."""
+    agents' trajectories (``Inference``'s interface)."""
 
     def __init__(self, spec: MultiAgentSpec, policy_map: str, env_steps_per_sample: int,
                  league_prob: float = 0.0, seed: int = 0):
+        super().__init__()
         self.spec, self.env_steps_per_sample, self.league_prob = spec, env_steps_per_sample, league_prob
         self.mapper = policy_mapper(policy_map)
         self.agent_of = {str(a): a for a in spec.agents}   # the wire's agent ids are strings
         self.policies = PolicySet()
         self.actors: dict = {}             # pid -> its Actor (rows are whichever agents act: no state)
         self.slots: dict[str, _Conn] = {}
-        self.queued: list[str] = []
-        self.version = -1
         self._entries: dict | None = None   # SET_STATE's policies, until an ACT needs them
         self._seeds = itertools.count(seed * 1_000_003)
         self.rng = np.random.default_rng(seed)
-        self.forward_passes = 0
-        self.rows = 0
 
     def load(self, version: int, policies: dict) -> None:
-        """The policies published as ``version`` (SET_STATE's ``policies``) act from now on."""
         if version != self.version:
             self.version, self._entries = version, policies
 
@@ -180,41 +172,25 @@ class MultiAgentInference:
         sampler.record(k, results, reset)
         sampler.to_act[k] = acting
 
-    def queue(self, conn_id: str) -> None:
-        """Answer this connection's ACT in the next ``flush``."""
-        self.slots[conn_id].queued = True
-        self.queued.append(conn_id)
-
-    def hold(self, conn_id: str) -> None:
-        """Its ACT waits (new weights, a full batch); ``queue`` it when it may go on."""
-        self.slots[conn_id].queued = True
-
     # ------------------------------------------------------------ one forward pass per policy
-    def flush(self, reply) -> list[tuple[str, str]]:
-        """Act for every queued connection, one forward pass per policy, and ``reply(conn_id,
-        ACTIONS)`` to each. Returns (conn_id, why) of those that could not be served."""
-        conns = [c for c in dict.fromkeys(self.queued) if c in self.slots]
-        self.queued = []
-        if not conns:
-            return []
+    def _gather(self, conns: list[str], slots: list[_Conn]) -> tuple[list[str], list[_Conn], dict]:
+        """The queued connections with their rows by policy: pid -> [(conn, its rows of that policy)]."""
         self._sync()
-        groups: dict = defaultdict(list)      # pid -> [(conn, its rows of that policy)]
-        for conn_id in conns:
-            for pid, items in self.slots[conn_id].sampler.gather().items():
+        groups: dict = defaultdict(list)
+        for conn_id, conn in zip(conns, slots):
+            for pid, items in conn.sampler.gather().items():
                 groups[pid].append((conn_id, items))
-        actions = {c: [{} for _ in range(self.slots[c].k)] for c in conns}
-        try:
-            for pid, parts in groups.items():
-                self._forward(pid, parts, actions)
-        except Exception as e:   # a policy that does not fit the obs: those clients cannot be served
-            log.exception("server-side inference failed")
-            return [(c, f"server-side inference failed: {type(e).__name__}: {e}"[:300]) for c in conns]
-        for conn_id in conns:
-            self.slots[conn_id].queued = False
-            reply(conn_id, {"type": _ACTIONS, "actions": actions[conn_id], "weights_seq_no": self.version})
-        return []
+        return conns, slots, groups
 
-    def _forward(self, pid: str, parts: list, actions: dict) -> None:
+    def _forward(self, gathered: tuple[list[str], list[_Conn], dict]) -> list[list[dict]]:
+        """One forward pass per policy; each connection's actions, per env agent -> action."""
+        conns, slots, groups = gathered
+        actions = {c: [{} for _ in range(conn.k)] for c, conn in zip(conns, slots)}
+        for pid, parts in groups.items():
+            self._forward_policy(pid, parts, actions)
+        return [actions[c] for c in conns]
+
+    def _forward_policy(self, pid: str, parts: list, actions: dict) -> None:
         """One forward pass of policy ``pid`` for its rows of every connection."""
         agent0 = parts[0][1][0][1]
         rows = [obs for _, items in parts for _, _, obs in items]
@@ -240,7 +216,6 @@ class MultiAgentInference:
         return actor
 
     def forget(self, conn_id: str) -> int:
-        """The connection is closed: its unsent agent steps are lost; returns how many."""
         conn = self.slots.pop(conn_id, None)
         return 0 if conn is None else conn.sampler.steps
 

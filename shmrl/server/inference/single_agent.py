@@ -16,21 +16,16 @@ ACT needs the policy, so a run without such clients never loads it here.
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
-from shmrl import rllink
 from shmrl.client.actor import check_policy_fits
 from shmrl.envs.spec import EnvSpec
 from shmrl.core.episode import EpisodeBatch, obs_map, obs_rows
 from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file
 from shmrl.client.rollout import Rollout
 from shmrl.client.action_sampler import Sampler
-
-log = logging.getLogger("shmrl.learner")
-T = rllink.MessageType
-_ACTIONS = T.ACTIONS.value
+from shmrl.server.inference.base import Inference
+from shmrl.server.store import DEFAULT_POLICY
 
 
 class _Slots:
@@ -58,33 +53,25 @@ class _Slots:
         self.rollout.start(obs, self.state)
 
 
-class ServerInference:
-    """The policy run for server-inference clients, and their trajectories.
-
-    ``act(conn_id, msg)`` takes a validated ACT (or says why it breaks the connection's
-    history); the Hub then queues it (``queue``) or holds it; ``flush(reply)`` answers
-    every queued one with one forward pass. ``load`` takes each newly published version.
-    """
+class ServerInference(Inference):
+    """The policy run for server-inference clients of a single-agent env, and their
+    trajectories (``Inference``'s interface)."""
 
     def __init__(self, spec: EnvSpec, env_steps_per_sample: int, state_size: int = 0, seed: int = 0):
+        super().__init__()
         self.spec, self.env_steps_per_sample, self.state_size = spec, env_steps_per_sample, state_size
         self.sampler = Sampler(spec.actions, np.random.default_rng(seed))
         self.slots: dict[str, _Slots] = {}
-        self.queued: list[str] = []         # connections whose ACT the next flush answers
-        self.version = -1
         self._onnx_file = None               # the current version's, until the first ACT needs it
         self.policy: OnnxPolicy | None = None
         leaf = spec.obs.leaves[0]
         # One float32 array of the env's shape, the obs of most clients, needs no conversion.
         self._float_obs = np.float32 if not spec.obs.structured and leaf.dtype == "float32" else None
         self._obs_shape = tuple(leaf.shape)
-        self.forward_passes = 0
-        self.rows = 0                        # env rows acted on, in all
 
-    def load(self, version: int, onnx_file) -> None:
-        """The policy published as ``version`` (SET_STATE's ``onnx_file``) acts from now on."""
+    def load(self, version: int, policies: dict) -> None:
         if version != self.version:
-            self.version, self._onnx_file, self.policy = version, onnx_file, None
+            self.version, self._onnx_file, self.policy = version, policies[DEFAULT_POLICY]["onnx_file"], None
 
     def _policy(self) -> OnnxPolicy:
         if self.policy is None:
@@ -98,6 +85,8 @@ class ServerInference:
         """Record an ACT: (the connection's chunks when its sample is complete, else None;
         why the ACT breaks its connection's history, else None). The connection's obs are
         checked against the env here; the chunks are checked as any client's by the Hub."""
+        if "envs" in msg:
+            return None, "a multi-agent ACT ('envs') in a single-agent run: send 'obs' of K envs"
         obs = msg["obs"]
         if not (type(obs) is np.ndarray and obs.dtype == self._float_obs and obs.shape[1:] == self._obs_shape):
             why, obs = self.spec.obs.check(obs)   # (a float32 array of the env's shape passes it as it is)
@@ -160,43 +149,13 @@ class ServerInference:
         slots.oldest = None
         return batch
 
-    def queue(self, conn_id: str) -> None:
-        """Answer this connection's ACT in the next ``flush``."""
-        slots = self.slots[conn_id]
-        slots.queued = True
-        self.queued.append(conn_id)
-
-    def hold(self, conn_id: str) -> None:
-        """Its ACT waits (new weights, a full batch); ``queue`` it when it may go on."""
-        self.slots[conn_id].queued = True
-
     # ------------------------------------------------------------ one forward pass
-    def flush(self, reply) -> list[tuple[str, str]]:
-        """Act for every queued connection in one forward pass and ``reply(conn_id,
-        ACTIONS)`` to each. Returns (conn_id, why) of those that could not be served."""
-        conns = [c for c in dict.fromkeys(self.queued) if c in self.slots]
-        self.queued = []
-        if not conns:
-            return []
-        slots = [self.slots[c] for c in conns]
-        try:
-            actions, dist_inputs, logp, states = self._forward(slots)
-        except Exception as e:   # a policy that does not fit the obs: those clients cannot be served
-            log.exception("server-side inference failed")
-            return [(c, f"server-side inference failed: {type(e).__name__}: {e}"[:300]) for c in conns]
-        start = 0
-        for conn_id, s in zip(conns, slots):
-            rows = slice(start, start + s.k)
-            start += s.k
-            s.last = (actions[rows], dist_inputs[rows], logp[rows])
-            if states is not None:
-                s.state = states[rows]
-            s.oldest = self.version if s.oldest is None else min(s.oldest, self.version)
-            s.queued = False
-            reply(conn_id, {"type": _ACTIONS, "actions": actions[rows], "weights_seq_no": self.version})
-        return []
+    def _gather(self, conns: list[str], slots: list[_Slots]) -> list[_Slots]:
+        return slots
 
-    def _forward(self, slots: list[_Slots]):
+    def _forward(self, slots: list[_Slots]) -> list[np.ndarray]:
+        """One forward pass for every queued connection's envs; each one's last actions and
+        recurrent state kept."""
         policy = self._policy()
         if len(slots) == 1:
             obs = slots[0].obs
@@ -212,11 +171,19 @@ class ServerInference:
         actions, logp = self.sampler.sample(dist_inputs)
         self.forward_passes += 1
         self.rows += len(dist_inputs)
-        return (np.asarray(actions, self.spec.actions.action_dtype), dist_inputs,
-                np.asarray(logp, np.float32), states)
+        actions, logp = np.asarray(actions, self.spec.actions.action_dtype), np.asarray(logp, np.float32)
+        chosen, start = [], 0
+        for s in slots:
+            rows = slice(start, start + s.k)
+            start += s.k
+            s.last = (actions[rows], dist_inputs[rows], logp[rows])
+            if states is not None:
+                s.state = states[rows]
+            s.oldest = self.version if s.oldest is None else min(s.oldest, self.version)
+            chosen.append(actions[rows])
+        return chosen
 
     def forget(self, conn_id: str) -> int:
-        """The connection is closed: its open sample is lost; returns its env steps."""
         slots = self.slots.pop(conn_id, None)
         return 0 if slots is None else (slots.rollout.t + len(slots.steps)) * slots.k
 
