@@ -72,7 +72,7 @@ class Run:
         except RunFailed as e:
             error = str(e)
             print(f"error: {e}", file=sys.stderr, flush=True)
-        except (LogdirWriteError, CheckpointError) as e:   # a full disk: end() says so, with what else it could not write
+        except (LogdirWriteError, CheckpointError) as e:   # a full disk: end() says so, with what else failed
             error = str(e)
             unsaid.append(error)
         except KeyboardInterrupt:
