@@ -30,36 +30,23 @@ import logging
 import os
 import signal
 import sys
-import time
 
 from shmrl.config.flags import face_parser, parse_settings
 from shmrl.config.settings import EXIT_FAILED, EXIT_USAGE, Config, ConfigError, resolve_config
 from shmrl.files.dataset import DatasetError
 
 
-class FixedModel:
-    """A policy's "template" that always publishes the same ONNX file (``--policy``)."""
-
-    def __init__(self, model: bytes):
-        self.model = model
-
-    def publish(self, weights) -> bytes:
-        return self.model
-
-
 def serve(config: Config, policy: bytes | None, episodes: int | None, say_every: float = 10.0) -> int:
     """Serve ``config``'s clients (TCP, local simulators) one fixed policy and record every
-    episode to ``config.record`` until Ctrl-C, SIGTERM or ``episodes`` episodes; returns the
-    exit status."""
+    episode to ``config.record`` until Ctrl-C, SIGTERM or ``episodes`` episodes
+    (``shmrl.trainer.recording``); returns the exit status."""
     from shmrl.client.actor import check_policy_fits
-    from shmrl.core.episode import EpisodeBatch
     from shmrl.onnxio.policy import OnnxPolicy
-    from shmrl.server.serving import open_transports
-    from shmrl.trainer.setup import make_serving, set_up
-    from shmrl.launch.supervisor import Supervisor
+    from shmrl.trainer.lifecycle import RunFailed, open_run
+    from shmrl.trainer.recording import Recording
+    from shmrl.trainer.setup import set_up
 
     setup = set_up(config)
-    config = setup.config
     if policy is not None:
         if setup.multiagent:
             raise ConfigError("--policy: a multi-agent recording serves the house network's policies")
@@ -67,49 +54,12 @@ def serve(config: Config, policy: bytes | None, episodes: int | None, say_every:
             check_policy_fits(OnnxPolicy(policy), setup.spec)
         except Exception as e:   # not an ONNX model, or one of another env
             raise ConfigError(f"--policy: {str(e).strip()[:300]}") from None
-    servers, addresses, shm = open_transports(config, setup.spec, setup.nets)
-    supervisor = None if not addresses else Supervisor(
-        addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim, auth_token=config.auth_token,
-        shm_server=shm, hang_timeout=config.hang_timeout, nice=config.sim_nice)
-    serving = None
-    status = 0
     try:
-        serving = make_serving(setup, servers, supervisor)
-        serving.store.recorder.episodes_left = episodes   # exactly that many whole episodes, nothing cut
-        if policy is not None:
-            serving.templates = {pid: FixedModel(policy) for pid in serving.templates}
-            serving.publish({pid: {} for pid in serving.templates})
-        serving.start()
-        if supervisor:
-            supervisor.start_all_in_background()
-        if config.tcp_port is not None:
-            print(f"recording to {config.record}: clients connect to {config.tcp_host}:{config.tcp_port}", flush=True)
-        store, last_said = serving.store, time.monotonic()
-        while episodes is None or store.episodes_completed < episodes:
-            got = serving.next_batch(0.2)
-            if serving.failure or (supervisor and supervisor.failure):
-                print(f"error: {serving.failure or supervisor.failure}", file=sys.stderr, flush=True)
-                status = EXIT_FAILED
-                break
-            if got:   # nothing trains on it: it was recorded when it came in
-                store.trained({pid: EpisodeBatch.concat(b) for pid, b in got[0].items()})
-                serving.publish({})   # the same weights: releases the next batch
-            if time.monotonic() - last_said >= say_every:
-                print(f"{store.episodes_completed} episodes, {store.steps_received} env steps received", flush=True)
-                last_said = time.monotonic()
-    except KeyboardInterrupt:
-        pass
-    except SystemExit as e:   # SIGTERM
-        status = 0 if e.code == 128 + signal.SIGTERM else e.code
-    finally:
-        if serving is not None:
-            serving.stop()
-            if serving.store.recorder is not None:
-                serving.store.recorder.close()
-        if supervisor is not None:
-            supervisor.stop()
-        for server in servers:
-            server.close()
+        servers, supervisor = open_run(setup)
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    status, _ = Recording(setup, servers, supervisor, policy, episodes, say_every).run()
     return status
 
 

@@ -55,8 +55,10 @@ def _terminate(signum, frame):
     raise SystemExit(128 + signum)
 
 def train(config: Config, t_start: float | None = None, given: set[str] | None = None) -> tuple[int, dict]:
-    """Run one training job; returns (exit status, summary). Whatever happens (Ctrl-C and
-    SIGTERM included) every process it started is stopped, every segment it made is
+    """The command line's training run: ``config`` checked, its Ray cluster joined where
+    it asks for one, the run trained (``shmrl.trainer.loop.train_with_simulators``), then
+    its learning curves plotted; returns (exit status, summary). Whatever happens (Ctrl-C
+    and SIGTERM included) every process it started is stopped, every segment it made is
     unlinked, and the summary and a checkpoint are written. ``given``: the settings the
     command line gave (default: those ``config`` does not leave None)."""
     t_start = t_start if t_start is not None else time.time()
@@ -79,11 +81,11 @@ def train(config: Config, t_start: float | None = None, given: set[str] | None =
             config = dataclasses.replace(config, auth_token=secrets.token_urlsafe(24))
             log.info("--ray: the simulators' TCP connections use a generated auth token; give --auth-token "
                      "(or $%s) to let other clients in too", AUTH_TOKEN_VAR)
-    from shmrl.trainer.loop import train_run
+    from shmrl.trainer.loop import train_with_simulators
 
     plot_forced = config.plot is True
     try:
-        status, summary = train_run(config, t_start, launcher, given)
+        status, summary = train_with_simulators(config, t_start, launcher, given)
     finally:
         if launcher is not None and launcher.owns_ray:
             launcher.ray.shutdown()

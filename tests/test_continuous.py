@@ -17,7 +17,7 @@ from shmrl.core.episode import EpisodeBatch
 from shmrl.eval import evaluate
 from shmrl.server.serving import Serving
 from shmrl.server.store import DEFAULT_POLICY
-from shmrl.trainer.loop import update
+from shmrl.trainer.loop import UpdateCounts, update
 from shmrl.model.net import PolicyNet
 from shmrl.onnxio.policy import OnnxPolicy, init_mlp_weights, with_log_std
 from shmrl.client.action_sampler import Sampler
@@ -117,7 +117,7 @@ def test_pendulum_simulator_chunks_give_the_learner_a_ratio_of_one():
         with torch.no_grad():
             logp, _ = ppo.log_prob(ppo.forward(batch.obs, values=False)[0], torch.from_numpy(batch.actions))
         np.testing.assert_allclose(np.exp(logp.numpy() - batch.logp), 1.0, atol=1e-4)
-        update(learner, {DEFAULT_POLICY: ppo}, chunks, version)   # publishes: releases the simulator's request
+        update(learner, {DEFAULT_POLICY: ppo}, UpdateCounts(), chunks, version)   # publishes: releases the simulator's request
         thread.join(10)
         assert not thread.is_alive()
     finally:

@@ -21,7 +21,7 @@ from shmrl.model.net import PolicyNet
 from shmrl.model.ppo import PPO
 from shmrl.server.serving import Serving
 from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
-from shmrl.trainer.loop import update
+from shmrl.trainer.loop import UpdateCounts, update
 from conftest import (SPEC, binary_episodes, binary_frame, conn_id_of, decode_frame, episodes_msg, recv_frame,
                       rllib_frame, wait_until)
 
@@ -218,14 +218,15 @@ def test_trainer_skips_counts_and_never_publishes_nan():
     ppo = cartpole_ppo()
     serving = Serving([], Config(env_steps_per_sample=64, train_batch_size=64), {DEFAULT_POLICY: SPEC},
                       {DEFAULT_POLICY: ppo.net.template}, {DEFAULT_POLICY: ppo.published_weights()})
+    counts = UpdateCounts()
     try:
         model = serving.model_bytes[DEFAULT_POLICY]
         poisoned = honest_chunks()
         serving.store.add("c", {DEFAULT_POLICY: poisoned})
         poisoned.rewards = np.full_like(poisoned.rewards, 3e38)   # as if it got past the Hub
         batches = serving.store.take(serving.weights_seq_no)
-        assert update(serving, {DEFAULT_POLICY: ppo}, batches, serving.weights_seq_no) is None
-        assert (serving.updates, serving.updates_skipped, serving.skipped_in_a_row) == (0, 1, 1)
+        assert update(serving, {DEFAULT_POLICY: ppo}, counts, batches, serving.weights_seq_no) is None
+        assert (counts.done, counts.skipped, counts.skipped_in_a_row) == (0, 1, 1)
         assert serving.model_bytes[DEFAULT_POLICY] == model and serving.weights_seq_no == 2   # clients released
         store = serving.store
         assert store.steps_dropped == {"update skipped: loss or gradient not finite": 64}
@@ -234,9 +235,9 @@ def test_trainer_skips_counts_and_never_publishes_nan():
         serving.publish({DEFAULT_POLICY: nan_weights})
         assert serving.model_bytes[DEFAULT_POLICY] == model       # never published
         serving.store.add("c", {DEFAULT_POLICY: honest_chunks(seed=2)})
-        stats = update(serving, {DEFAULT_POLICY: ppo}, serving.store.take(serving.weights_seq_no),
+        stats = update(serving, {DEFAULT_POLICY: ppo}, counts, serving.store.take(serving.weights_seq_no),
                        serving.weights_seq_no)
-        assert stats["update"] == 1 and serving.skipped_in_a_row == 0
+        assert stats["update"] == 1 and counts.skipped_in_a_row == 0
         assert serving.model_bytes[DEFAULT_POLICY] != model
     finally:
         serving.stop()

@@ -15,7 +15,7 @@ from shmrl.sim import run_simulator
 from shmrl.client.action_sampler import Sampler
 from shmrl.core.spaces import Discrete, action_layout
 from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
-from shmrl.trainer.loop import train_with_servers, update
+from shmrl.trainer.loop import UpdateCounts, train_with_servers, update
 from shmrl.transport.inproc import InProcServer
 
 from conftest import SPEC, chunk, request_while_serving, serve_until
@@ -100,7 +100,7 @@ def test_handshake_and_on_policy_wait(learner_and_server):
     batches, version = serve_until(learner, lambda: learner.next_batch(timeout=0), 10, "the episodes as a batch")
     assert "next" not in replies and learner.hub.all_waiting()
     assert sum(b.num_steps for b in batches[DEFAULT_POLICY]) == 32 and version == 1
-    update(learner, {DEFAULT_POLICY: ppo}, batches, version)
+    update(learner, {DEFAULT_POLICY: ppo}, UpdateCounts(), batches, version)
     serve_until(learner, lambda: "next" in replies, 10, "the new weights")
     t.join(5)
     assert replies["pong"]["type"] == "PONG"

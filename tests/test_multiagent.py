@@ -281,8 +281,7 @@ def test_the_league_keeps_the_last_snapshots_frozen():
                       {"shared": net.template}, {"shared": net.initial_weights(0)}, multiagent=True)
     try:
         for update in range(1, 5):
-            learner.updates = update
-            learner.publish({"shared": net.initial_weights(update)})
+            learner.publish({"shared": net.initial_weights(update)}, update=update)
         learner.poll(0.0)
         policies = learner.hub.state_msg["policies"]
         assert sorted(policies) == ["shared", "shared@4", "shared@5"]

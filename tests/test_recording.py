@@ -318,3 +318,26 @@ def test_tcp_clients_recorded_without_training_load_in_minari_and_shmrl(tmp_path
             assert (bool(theirs.terminations[-1]), bool(theirs.truncations[-1])) == (mine.terminated, mine.truncated)
     finally:
         del os.environ["MINARI_DATASETS_PATH"]
+
+
+def test_a_recording_restarts_its_simulators_as_a_training_run_does(tmp_path, monkeypatch):
+    """python -m shmrl.record runs through the training run's lifecycle: its supervisor
+    gets the run's --max-restarts, --restart-window and --hang-timeout, not defaults."""
+    from shmrl.config.settings import Config
+    from shmrl.launch import supervisor as supervisor_module
+    from shmrl.trainer.lifecycle import open_run
+    from shmrl.trainer.setup import set_up
+
+    made = {}
+
+    class Recorded:
+        def __init__(self, addresses, **settings):
+            made.update(settings)
+
+    monkeypatch.setattr(supervisor_module, "Supervisor", Recorded)
+    config = Config(env="CartPole-v1", sims=1, transport="tcp", record=str(tmp_path / "ds"), async_sampling=True,
+                    max_restarts=2, restart_window=7.0, hang_timeout=3.0, tensorboard=False)
+    servers, _ = open_run(set_up(config))
+    for server in servers:
+        server.close()
+    assert (made["max_restarts"], made["restart_window"], made["hang_timeout"]) == (2, 7.0, 3.0)

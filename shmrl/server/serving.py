@@ -86,11 +86,12 @@ class Serving:
         self._files: dict[str, str] = {}           # policy id -> the same, as SET_STATE's onnx_file
         self.housekeeping = housekeeping
         self.batch_wait_timeout = config.hang_timeout
+        # Each field has one writer, so no lock: short_batches and first_batch_rate are the
+        # serving thread's (the trainer only reads them); weights_seq_no, the models and the
+        # league are the training thread's (publish), whose versions reach the serving thread
+        # through _published. The update counts are the trainer's alone (UpdateCounts).
         self.short_batches = 0                     # trained without a client that was too slow
         self.weights_seq_no = first_weights_seq_no - 1
-        self.updates = 0
-        self.updates_skipped = 0                   # a non-finite loss or gradient: the weights stayed
-        self.skipped_in_a_row = 0
         self._batches: queue.Queue = queue.Queue(maxsize=1)
         self._published: queue.Queue = queue.Queue()
         self._batch_out = False                    # a batch was handed over, no new weights yet
@@ -234,10 +235,11 @@ class Serving:
         except queue.Empty:
             return None
 
-    def publish(self, weights: dict) -> None:
+    def publish(self, weights: dict, update: int = 0) -> None:
         """Export ``weights`` (by policy id; those not given stay as they were) as the next
         version; the serving thread sends it out. A policy whose weights are not all finite
-        is never published: it keeps its model."""
+        is never published: it keeps its model. ``update``: the trainer's update that made
+        them (0: none); every ``league_every``-th update's join the league."""
         weights = finite_weights(weights)
         never = [pid for pid in self.templates if pid not in weights and pid not in self.model_bytes]
         if never:   # the first weights (a checkpoint's, say): nothing sound to serve instead
@@ -247,7 +249,7 @@ class Serving:
             self.model_bytes[pid] = self.templates[pid].publish(w)
             self._files[pid] = encode_onnx_file(self.model_bytes[pid])
             self.model_seqs[pid] = self.weights_seq_no
-        if self.league_size and self.updates and self.updates % self.league_every == 0:
+        if self.league_size and update and update % self.league_every == 0:
             for pid in weights:
                 self.league[f"{pid}@{self.weights_seq_no}"] = (self.weights_seq_no, self._files[pid])
                 mine = sorted((k for k in self.league if k.split("@", 1)[0] == pid), key=lambda k: self.league[k][0])

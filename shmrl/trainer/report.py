@@ -46,12 +46,13 @@ def share(busy: float, wall: float) -> float:
     return min(busy / wall, 1.0) if wall > 0 else 0.0
 
 
-def counts(serving, supervisor) -> dict:
+def counts(run) -> dict:
     """Where every env step went: received = trained + pending (waiting, or in an update
     that has not finished) + dropped (by reason); accepted: received less those refused as
     they came in (what --max-env-steps counts); lost: stepped by simulators that died
     before sending them, never received. A frame that could not be decoded has no steps to
-    count: it counts as a bad frame."""
+    count: it counts as a bad frame. ``run``: a ``Training``."""
+    serving, supervisor = run.serving, run.supervisor
     store = serving.store
     return {"env_steps": store.steps_received, "env_steps_accepted": store.steps_accepted,
             "env_steps_trained": store.steps_trained,
@@ -60,7 +61,7 @@ def counts(serving, supervisor) -> dict:
             "env_steps_lost": store.steps_lost, "env_steps_by_client": dict(store.steps_by_conn),
             "bad_frames": sum(server.frames_rejected for server in serving.servers),
             "clients_timed_out": sum(server.clients_timed_out for server in serving.servers),
-            "short_batches": serving.short_batches, "updates_skipped": serving.updates_skipped,
+            "short_batches": serving.short_batches, "updates_skipped": run.counts.skipped,
             "heartbeats_ignored": serving.hub.heartbeats_ignored,
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
@@ -80,13 +81,15 @@ UPDATE_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "train
                 "epochs_run", "batch_steps", "weights_seq_no", "policy_lag", "lr", "reward_scale")
 
 
-def metrics_row(stats: dict, serving, supervisor, clock: Clock) -> dict:
-    """One update's line of metrics.jsonl (and of TensorBoard)."""
+def metrics_row(stats: dict, run) -> dict:
+    """One update's line of metrics.jsonl (and of TensorBoard), from its ``stats`` and the
+    state of ``run`` (a ``Training``)."""
+    serving, clock = run.serving, run.clock
     store, means = serving.store, returns(serving)
     row = {"update": stats["update"], "return_mean": means["return_mean"], "episodes": store.episodes_completed,
            "env_steps_per_s": clock.steps_per_s(store.steps_received), **{k: stats[k] for k in UPDATE_STATS},
            **{k: stats[k] for k in EVAL_STATS if k in stats},
-           **counts(serving, supervisor), "elapsed_s": time.time() - clock.t_start, **means}
+           **counts(run), "elapsed_s": time.time() - clock.t_start, **means}
     if serving.multiagent:   # each policy's losses too, "<id>/pi_loss"
         row["policies"] = {f"{pid}/{k}": v for pid, st in stats["policies"].items() for k, v in st.items()}
     return row
@@ -150,15 +153,17 @@ def _k(n: int) -> str:
     return f"{n / 1000:.1f}k".replace(".0k", "k") if n >= 1000 else str(n)
 
 
-def run_summary(serving, supervisor, clock: Clock, status: int, error: str | None, resumed_from) -> dict:
-    """summary.json but the configuration: the run's state at its end (the parts of a
-    metrics row that are not one update's), and how it ended."""
+def run_summary(run, status: int, error: str | None) -> dict:
+    """summary.json but the configuration: the state of ``run`` (a ``Training``) at its end
+    (the parts of a metrics row that are not one update's), and how it ended."""
+    serving, supervisor, clock = run.serving, run.supervisor, run.clock
+    resumed_from = run.setup.resumed[0] if run.setup.resumed else None
     store, means = serving.store, returns(serving)
     return {"solved": status == 0, "exit_status": status, "error": error, "wall_s": time.time() - clock.t_start,
-            "return_mean": means["return_mean"], "episodes": store.episodes_completed, **counts(serving, supervisor),
+            "return_mean": means["return_mean"], "episodes": store.episodes_completed, **counts(run),
             "env_steps_per_s": clock.steps_per_s(store.steps_received),
             "first_sample_s": store.first_steps_at - clock.t_start if store.first_steps_at else None,
-            "updates": serving.updates, "weights_seq_no": serving.weights_seq_no,
+            "updates": run.counts.done, "weights_seq_no": serving.weights_seq_no,
             "learner_share": clock.learner_share(),
             "simulator_recovery_s": supervisor.recovery_s if supervisor else [],
             "resumed_from": str(resumed_from) if resumed_from else None, **means}

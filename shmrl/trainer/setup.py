@@ -67,7 +67,9 @@ def parameters(net) -> int:
 def set_up(config, servers_given: bool = False, given: set[str] | None = None) -> Setup:
     """Everything that can refuse the run (ConfigError) short of opening its transports.
     ``given``: the settings the command line gave (default: those ``config`` does not
-    leave None), which the env's slow profile leaves as they are."""
+    leave None), which the env's slow profile leaves as they are. ``config`` is left as
+    it is: the Setup's is a copy, with what is decided here (the stop return, the log
+    folder, TensorBoard, the plot) filled in."""
     from shmrl.envs.make import env_spec
     from shmrl.envs.spec import say_left_out
 
@@ -99,11 +101,7 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None) -
     if config.eval_every and not symmetric_game(spec):
         raise ConfigError(f"--eval-every: the evaluated policy takes every seat in turn, so the env must be a "
                           f"multi-agent env whose agents all have the same spaces; {env_name(config.env)} is not")
-    if config.stop_return is None:  # the env's threshold; without one, train to the step budget
-        config.stop_return = spec.reward_threshold if spec.reward_threshold is not None else math.inf
-    if config.logdir is None:
-        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
-        config.logdir = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    config = dataclasses.replace(config, stop_return=chosen_stop_return(config, spec), logdir=chosen_logdir(config))
     nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
     check_policy_fits_a_frame(config, nets, multiagent)
     if slow is not None:
@@ -126,24 +124,50 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None) -
         first_weights = {pid: saved_policy(state[0][0], "") for pid, state in pretrained.items()}
     if config.record:
         check_recording(config, spec, policy_specs)
-    from shmrl.files.metrics import tensorboard_available
-
-    if config.tensorboard is None:
-        config.tensorboard = tensorboard_available()
-    elif config.tensorboard and not tensorboard_available():
-        raise ConfigError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' in "
-                          "shmrl's clone")
-    if config.plot is None or config.plot:
-        import importlib.util
-
-        has_matplotlib = importlib.util.find_spec("matplotlib") is not None
-        if config.plot and not has_matplotlib:
-            raise ConfigError("--plot needs matplotlib: pip install matplotlib")
-        config.plot = has_matplotlib
+    config = dataclasses.replace(config, tensorboard=chosen_tensorboard(config), plot=chosen_plot(config))
     if slow is not None:   # the settings decided here (the stop return, the log folder) are the slow profile's too
         slow.config = dataclasses.replace(config, **{k: getattr(slow.config, k) for k in SLOW_SETTINGS})
     return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained,
                  slow, profile)
+
+
+def chosen_stop_return(config, spec) -> float:
+    """--stop-return, else the env's threshold; without one, the run trains to the step budget."""
+    if config.stop_return is not None:
+        return config.stop_return
+    return spec.reward_threshold if spec.reward_threshold is not None else math.inf
+
+
+def chosen_logdir(config) -> str:
+    """--logdir, else a new folder under runs/ named for the env, the time and this process."""
+    if config.logdir is not None:
+        return config.logdir
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in env_name(config.env))
+    return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+
+
+def chosen_tensorboard(config) -> bool:
+    """--tensorboard, which needs the tensorboard package; left None: whether it is installed."""
+    from shmrl.files.metrics import tensorboard_available
+
+    if config.tensorboard is None:
+        return tensorboard_available()
+    if config.tensorboard and not tensorboard_available():
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' in "
+                          "shmrl's clone")
+    return config.tensorboard
+
+
+def chosen_plot(config) -> bool:
+    """--plot, which needs matplotlib; left None: whether it is installed."""
+    if config.plot is not None and not config.plot:
+        return config.plot
+    import importlib.util
+
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    if config.plot and not has_matplotlib:
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib")
+    return has_matplotlib
 
 
 def symmetric_game(spec) -> bool:
@@ -195,7 +219,6 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
     if setup.resumed:
         path, arrays, state = setup.resumed
         restore_store(serving.store, state, arrays, setup.multiagent)
-        serving.updates = state["update"]
         print(f"resuming from {path} (update {state['update']}, {serving.store.steps_received} env steps, "
               f"weights {setup.first_seq - 1})", flush=True)
     return serving

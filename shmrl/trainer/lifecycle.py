@@ -1,0 +1,126 @@
+"""A run's life, written once for training and for recording (``python -m shmrl.record``):
+open the transports and the supervisor of its simulators, serve, start the simulators,
+loop, and always stop: whatever happens (Ctrl-C and SIGTERM included) every process it
+started is stopped, every segment it made is unlinked and every server closed.
+
+``Run`` holds what every run has (its set-up, servers, supervisor and serving side) and
+calls the parts a kind of run fills in: ``make_serving``, ``prepare``, ``loop`` and
+``end``. ``shmrl.trainer.loop.Training`` is one kind, ``shmrl.record.Recording`` the other.
+"""
+from __future__ import annotations
+
+import sys
+
+from shmrl.config.settings import EXIT_FAILED, EXIT_INTERRUPTED
+from shmrl.files.checkpoint import CheckpointError
+from shmrl.files.logdir import LogdirWriteError
+from shmrl.server.serving import Serving, open_transports
+from shmrl.trainer.setup import Setup
+
+
+class RunFailed(RuntimeError):
+    """A part of the run failed (a simulator died, a transport broke)."""
+
+
+def open_run(setup: Setup, launcher=None) -> tuple[list, object]:
+    """The run's servers and the supervisor of its simulators (None without simulators),
+    which restarts them as the run's settings say (--max-restarts within
+    --restart-window, --hang-timeout). RunFailed when /dev/shm is too small for the rings."""
+    from shmrl.launch.supervisor import Supervisor, make_room_for
+    from shmrl.transport.ring import ShmSpaceError
+
+    config = setup.config
+    if config.sims and not (launcher is not None and launcher.remote):
+        make_room_for(config.sims)
+    try:
+        servers, addresses, shm = open_transports(config, setup.spec, setup.ring_nets(), launcher)
+    except ShmSpaceError as e:
+        raise RunFailed(str(e)) from None
+    supervisor = None if not addresses else Supervisor(
+        addresses, env=config.env, seed=config.seed, envs_per_sim=config.envs_per_sim, auth_token=config.auth_token,
+        shm_server=shm, hang_timeout=config.hang_timeout, nice=config.sim_nice, launcher=launcher,
+        max_restarts=config.max_restarts, restart_window=config.restart_window)
+    return servers, supervisor
+
+
+class Run:
+    """One run of ``setup`` over ``servers`` (closed when it ends), with the simulators of
+    ``supervisor`` (or None); ``t_start``: when its process started."""
+
+    def __init__(self, setup: Setup, servers: list, supervisor, t_start: float):
+        self.setup, self.servers, self.supervisor, self.t_start = setup, servers, supervisor, t_start
+        self.serving: Serving | None = None
+
+    @property
+    def config(self):
+        return self.setup.config
+
+    def run(self) -> tuple[int, dict]:
+        """Serve, start the simulators, loop until the loop returns an exit status, and
+        always stop; returns (exit status, summary) as ``end`` says them."""
+        status, error, unsaid, summary = EXIT_FAILED, None, [], {}
+        try:
+            self.serving = self.make_serving()
+            self.serving.start()
+            if self.supervisor:
+                self.supervisor.start_all_in_background()
+            self.prepare()
+            launch_error = self.supervisor.joined() if self.supervisor else None
+            if launch_error is not None:
+                raise RunFailed(f"could not start the simulators: {launch_error!r}")
+            status = self.loop()
+        except RunFailed as e:
+            error = str(e)
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        except (LogdirWriteError, CheckpointError) as e:   # a full disk: end() says so, with what else failed
+            error = str(e)
+            unsaid.append(error)
+        except KeyboardInterrupt:
+            status = EXIT_INTERRUPTED
+        except SystemExit as e:  # SIGTERM (see run._terminate)
+            status = e.code if isinstance(e.code, int) else EXIT_FAILED
+        finally:
+            self.stop()
+            try:
+                if self.serving is not None:
+                    status, summary = self.end(status, error, unsaid)
+            finally:
+                self.close()
+        return status, summary
+
+    def check_health(self) -> None:
+        """RunFailed once the supervisor or the serving thread has failed."""
+        if self.supervisor and self.supervisor.failure:
+            raise RunFailed(self.supervisor.failure)
+        if self.serving.failure:
+            raise RunFailed(f"the learner's serving thread failed: {self.serving.failure!r}")
+
+    def stop(self) -> None:
+        """The serving thread and the simulators stop; from here on the store stands still."""
+        if self.serving is not None:
+            self.serving.stop()
+            if self.serving.store.recorder is not None:   # --record: the episodes still open are written too
+                self.serving.store.recorder.close()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+
+    def close(self) -> None:
+        """The last step, after ``end``: every server closed."""
+        for server in self.servers:
+            server.close()
+
+    # ------------------------------------------------------------ what a kind of run fills in
+    def make_serving(self) -> Serving:
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """What the run needs before its loop, done while the simulators start."""
+
+    def loop(self) -> int:
+        """The run's work until it ends; returns the exit status."""
+        raise NotImplementedError
+
+    def end(self, status: int, error: str | None, unsaid: list) -> tuple[int, dict]:
+        """After the stop: what the run writes and says; returns (exit status, summary).
+        ``unsaid``: errors not printed yet."""
+        return status, {}
