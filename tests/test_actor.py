@@ -15,7 +15,7 @@ from shmrl.envs.spec import EnvSpec
 from shmrl.model.net import PolicyNet
 from shmrl.onnxio.policy import OnnxPolicy, OnnxPublisher, init_mlp_weights
 from shmrl.model.ppo import PPO
-from shmrl.client.action_sampler import Sampler
+from shmrl.client.action_sampler import ActionSampler
 from shmrl.core.spaces import Box, Dict, Discrete, MultiDiscrete, Tuple, action_layout
 
 ACTION_SPACES = {
@@ -60,11 +60,11 @@ def test_sampler_and_torch_give_the_same_log_probability(space):
     layout = action_layout(space)
     rng = np.random.default_rng(0)
     dist_inputs = dist_inputs_for(layout, 64, rng)
-    actions, logp = Sampler(layout, rng).sample(dist_inputs)
+    actions, logp = ActionSampler(layout, rng).sample(dist_inputs)
     expected = torch_log_prob(layout, dist_inputs, actions)
     np.testing.assert_allclose(np.asarray(logp, np.float64), expected, rtol=1e-4, atol=1e-4)
     # The actions are the distribution's: some differ from the most likely one (no argmax in disguise).
-    assert not np.array_equal(np.asarray(actions), np.asarray(Sampler(layout, rng).greedy(dist_inputs)))
+    assert not np.array_equal(np.asarray(actions), np.asarray(ActionSampler(layout, rng).greedy(dist_inputs)))
 
 
 def test_the_log_probability_differs_for_other_actions():

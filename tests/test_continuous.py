@@ -20,7 +20,7 @@ from shmrl.server.store import DEFAULT_POLICY
 from shmrl.trainer.loop import UpdateCounts, update
 from shmrl.model.net import PolicyNet
 from shmrl.onnxio.policy import OnnxPolicy, init_mlp_weights, with_log_std
-from shmrl.client.action_sampler import Sampler
+from shmrl.client.action_sampler import ActionSampler
 from shmrl.core.spaces import action_layout
 from shmrl.config.settings import Config, PPOSettings, with_defaults
 from shmrl.model.ppo import PPO
@@ -33,8 +33,8 @@ from conftest import need, step_beside_gymnasium
 Box2D = EnvSpec("box2d", Box((-1.0,) * 3, (1.0,) * 3, (3,)), Box((-1.0, -1.0), (1.0, 1.0), (2,)))
 
 
-def gaussian_sampler(d: int, seed: int) -> Sampler:
-    return Sampler(action_layout(Box((-1.0,), (1.0,), (d,))), np.random.default_rng(seed))
+def gaussian_sampler(d: int, seed: int) -> ActionSampler:
+    return ActionSampler(action_layout(Box((-1.0,), (1.0,), (d,))), np.random.default_rng(seed))
 
 
 def named(mlp: list) -> dict:

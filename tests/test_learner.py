@@ -12,7 +12,7 @@ from shmrl.config.settings import Config, PPOSettings, with_defaults
 from shmrl.model.ppo import PPO
 from shmrl.server.serving import Serving
 from shmrl.sim import run_simulator
-from shmrl.client.action_sampler import Sampler
+from shmrl.client.action_sampler import ActionSampler
 from shmrl.core.spaces import Discrete, action_layout
 from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.trainer.loop import UpdateCounts, train_with_servers, update
@@ -158,7 +158,7 @@ def test_simulator_loop_learns_in_process(tmp_path):
 
 
 def test_sampler_matches_softmax_probabilities_and_logp():
-    sampler = Sampler(action_layout(Discrete(3)), np.random.default_rng(0))
+    sampler = ActionSampler(action_layout(Discrete(3)), np.random.default_rng(0))
     logits = np.array([[0.0, 1.0, -1.0]], np.float32)
     p = np.exp(logits[0]) / np.exp(logits[0]).sum()
     counts = np.zeros(3)

@@ -22,7 +22,7 @@ from shmrl.client.rollout import Rollout
 from shmrl.onnxio.policy import OnnxPolicy
 from shmrl.config.settings import PPOSettings, with_defaults
 from shmrl.model.ppo import PPO
-from shmrl.client.action_sampler import Sampler
+from shmrl.client.action_sampler import ActionSampler
 
 NOVEL = env_spec("CartPoleNoVel-v1")
 
@@ -221,7 +221,7 @@ def test_a_memory_task_a_memoryless_policy_cannot_solve_is_solved():
     net = PolicyNet(Recall.spec, 32, "ReLU", layers=1, memory="gru", memory_size=16)
     ppo = PPO(net, with_defaults(PPOSettings, lr=3e-3, epochs=4, minibatch_size=128, max_seq_len=8, gamma=0.99), seed=0)
     vec = LoopVecEnv(lambda: Recall(), 16, seed=0, spec=Recall.spec)
-    sampler = Sampler(Recall.spec.actions, np.random.default_rng(0))
+    sampler = ActionSampler(Recall.spec.actions, np.random.default_rng(0))
     obs, state = vec.reset(), np.zeros((16, net.state_size), np.float32)
     rollout = Rollout(16, 20)
     returns = []

@@ -20,7 +20,7 @@ from shmrl.core.episode import Episode, EpisodeBatch, MultiAgentBatch  # noqa: E
 from shmrl.server.hub import Hub  # noqa: E402
 from shmrl.server.serving import Serving  # noqa: E402
 from shmrl.server.store import EpisodeStore  # noqa: E402
-from shmrl.client.multi_agent import MultiAgentSampler, PolicySet, play, policy_mapper  # noqa: E402
+from shmrl.client.multi_agent import MultiAgentRollout, PolicySet, play, policy_mapper  # noqa: E402
 from shmrl.onnxio.policy import encode_onnx_file  # noqa: E402
 from shmrl.config.settings import Config, resolve_config  # noqa: E402
 from shmrl.trainer.setup import policy_net  # noqa: E402
@@ -213,7 +213,7 @@ def test_a_chunk_for_an_unknown_policy_closes_only_that_connection():
 
 def test_agents_that_leave_and_join_mid_episode_have_balanced_chunks():
     _, spec = resolve_env(Relay)
-    sampler = MultiAgentSampler(Relay, spec, policy_mapper("shared"), policies_of(Relay, ["shared"], "a"),
+    sampler = MultiAgentRollout(Relay, spec, policy_mapper("shared"), policies_of(Relay, ["shared"], "a"),
                                 num_envs=2, seed=1)
     acted = 0
     for _ in range(40):   # 5 episodes of each env
@@ -243,7 +243,7 @@ def test_the_policy_map_routes_each_agents_steps_to_its_policy(tmp_path):
         mapper = policy_mapper(policy_map)
         _, spec = resolve_env(Relay)
         pids = sorted(set(expect.values()))
-        sampler = MultiAgentSampler(Relay, spec, mapper, policies_of(Relay, pids, "a"), num_envs=1, seed=0)
+        sampler = MultiAgentRollout(Relay, spec, mapper, policies_of(Relay, pids, "a"), num_envs=1, seed=0)
         for _ in range(12):
             sampler.step()
         batch = sampler.take()
@@ -253,7 +253,7 @@ def test_the_policy_map_routes_each_agents_steps_to_its_policy(tmp_path):
 
 
 def test_turn_based_rewards_at_the_end_go_to_both_players():
-    sampler = MultiAgentSampler(FirstWins, resolve_env(FirstWins)[1], policy_mapper("shared"),
+    sampler = MultiAgentRollout(FirstWins, resolve_env(FirstWins)[1], policy_mapper("shared"),
                                 policies_of(FirstWins, ["shared"], "p0"), num_envs=3, seed=0)
     for _ in range(2 * 4):
         sampler.step()
@@ -343,7 +343,7 @@ def test_a_league_snapshot_plays_one_seat_and_its_steps_are_not_sent():
     policies = PolicySet()
     policies.update({"shared": {"onnx_file": encode_onnx_file(model), "weights_seq_no": 7},
                      "shared@3": {"onnx_file": encode_onnx_file(model), "weights_seq_no": 3, "frozen": True}})
-    sampler = MultiAgentSampler(FirstWins, spec, policy_mapper("shared"), policies, num_envs=4, seed=0,
+    sampler = MultiAgentRollout(FirstWins, spec, policy_mapper("shared"), policies, num_envs=4, seed=0,
                                 league_prob=1.0)
     for _ in range(2 * 5):
         sampler.step()

@@ -20,7 +20,7 @@ from shmrl.model.net import MASKED_LOGIT, PolicyNet
 from shmrl.onnxio.policy import OnnxPolicy
 from shmrl.config.settings import Config, PPOSettings, with_defaults
 from shmrl.model.ppo import PPO
-from shmrl.client.action_sampler import Sampler
+from shmrl.client.action_sampler import ActionSampler
 from shmrl.core.spaces import action_layout, from_gym, obs_layout
 from shmrl.transport.inproc import InProcServer
 
@@ -85,7 +85,7 @@ def test_action_layouts_and_the_env_actions_they_rebuild(space, dist, shape, dty
     layout = action_layout(space)
     assert (layout.dist_size, layout.action_shape, layout.action_dtype) == (dist, shape, dtype)
     rng = np.random.default_rng(0)
-    actions, _ = Sampler(layout, rng).sample(rng.normal(size=(64, dist)).astype(np.float32) * 3)
+    actions, _ = ActionSampler(layout, rng).sample(rng.normal(size=(64, dist)).astype(np.float32) * 3)
     assert np.asarray(actions).shape == (64, *shape)
     for a in layout.to_env(np.asarray(actions)):
         assert space.contains(a if not isinstance(space, gs.Box) else np.asarray(a, np.float32)), a
@@ -223,7 +223,7 @@ def test_masked_actions_are_never_sampled_and_have_no_probability():
     rng = np.random.default_rng(6)
     obs = random_obs(ROBOT_OBS, rng, 2000)
     out = policy.logits(obs)
-    sampler = Sampler(spec.actions, np.random.default_rng(7))
+    sampler = ActionSampler(spec.actions, np.random.default_rng(7))
     actions, logp = sampler.sample(out)
     actions = np.asarray(actions)
     allowed = obs["action_mask"][np.arange(2000), actions]
@@ -254,7 +254,7 @@ def test_ppo_log_probabilities_equal_the_samplers_and_torch_distributions(action
     ppo = PPO(net, with_defaults(PPOSettings), seed=1)
     obs = np.random.default_rng(8).normal(size=(500, 6)).astype(np.float32)
     out = OnnxPolicy(net.template.publish(ppo.published_weights())).logits(obs)
-    actions, logp = Sampler(spec.actions, np.random.default_rng(9)).sample(out)
+    actions, logp = ActionSampler(spec.actions, np.random.default_rng(9)).sample(out)
     with torch.no_grad():
         trained = ppo.forward(ppo.normalize(obs), values=False)[0]
         mine, entropy = ppo.log_prob(trained, torch.from_numpy(actions))

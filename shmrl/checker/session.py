@@ -83,7 +83,7 @@ class Checker:
         ``multi``: its MultiAgentSpec, whose clients the checker covers with server-side
         inference only)."""
         from shmrl.server.inference.single_agent import space_config
-        from shmrl.client.action_sampler import Sampler
+        from shmrl.client.action_sampler import ActionSampler
 
         self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models), ActRules(spec, multi)
         self.multi = multi
@@ -94,7 +94,7 @@ class Checker:
         if multi is not None:
             self.spaces = {"policy_map": "shared", "league_prob": 0.0,
                            "agent_spaces": {str(a): space_config(s) for a, s in multi.agent_specs.items()}}
-        self.sampler = Sampler(spec.actions, np.random.default_rng(0))
+        self.sampler = ActionSampler(spec.actions, np.random.default_rng(0))
         self.violations: list[tuple[str, str]] = []
         self.checked: list[str] = []        # what the run exercised, for the summary
         self.stepped = 0                    # env steps received on the connection

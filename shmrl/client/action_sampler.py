@@ -1,4 +1,4 @@
-"""The client's side of the action distribution, in numpy: ``Sampler`` draws an action per
+"""The client's side of the action distribution, in numpy: ``ActionSampler`` draws an action per
 row of ``action_dist_inputs`` (the policy's output 0, laid out as ``shmrl.core.spaces``
 describes: logits per categorical part, then means and log-stds per Gaussian part), gives
 its log-probability, and the greedy action for evaluation.
@@ -18,7 +18,7 @@ from shmrl.core.spaces import ActionLayout
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
-class Sampler:
+class ActionSampler:
     """Samples an action per row of ``action_dist_inputs`` and gives its log-probability.
 
     A single Discrete with few logits is sampled in plain Python from a block of uniform

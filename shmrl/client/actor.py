@@ -6,7 +6,7 @@
 policy, the state of each env: ``act(obs)`` gives the actions, the distribution inputs
 (output 0 of the graph) and the actions' log-probabilities; ``reset(rows)`` zeroes the
 state of the envs whose episode ended. The distribution's client side (sampling and
-log-probabilities in numpy) is ``shmrl.client.action_sampler.Sampler``; the learner's side (torch
+log-probabilities in numpy) is ``shmrl.client.action_sampler.ActionSampler``; the learner's side (torch
 log-probabilities) is ``shmrl.model.ppo.PPO.log_prob``; tests/test_actor.py checks they agree.
 
 ``handshake`` and ``check_policy_fits`` are the first steps of every simulator: the
@@ -22,7 +22,7 @@ import numpy as np
 from shmrl import rllink
 from shmrl.config.settings import SIM_EXIT_ALL_MASKED, SIM_EXIT_ENV_NOT_FINITE, SIM_EXIT_POLICY_NOT_FINITE
 from shmrl.onnxio.policy import OnnxPolicy
-from shmrl.client.action_sampler import Sampler
+from shmrl.client.action_sampler import ActionSampler
 from shmrl.core.spaces import MASK_KEY
 
 T = rllink.MessageType
@@ -58,7 +58,7 @@ def check_sample(batch, env_id: str) -> None:
 
 
 class Actor:
-    """An OnnxPolicy + a Sampler + the recurrent state of ``num_envs`` envs.
+    """An OnnxPolicy + a ActionSampler + the recurrent state of ``num_envs`` envs.
 
     ``greedy``: every part's most likely action (a categorical's argmax, a Gaussian's
     mean; a masked action never is: its logit is -1e9), with log-probabilities of 0, as
@@ -69,7 +69,7 @@ class Actor:
     def __init__(self, policy: OnnxPolicy, spec, num_envs: int | None, rng: np.random.Generator,
                  greedy: bool = False):
         check_policy_fits(policy, spec)
-        self.sampler = Sampler(spec.actions, rng)
+        self.sampler = ActionSampler(spec.actions, rng)
         self.greedy = greedy
         self.num_envs = num_envs
         self.state = None   # [num_envs, state_size] before the next step; None: no memory
@@ -90,7 +90,7 @@ class Actor:
 
     def act(self, obs):
         """(actions, distribution inputs, log-probabilities) for a batch of observations:
-        the actions as ``Sampler.sample`` gives them (a list of ints for a single Discrete,
+        the actions as ``ActionSampler.sample`` gives them (a list of ints for a single Discrete,
         else an array in the stored form); the state steps on."""
         if self.state is None:
             dist_inputs = self.policy.logits(obs)

@@ -69,7 +69,7 @@ class PolicySet:
         return sorted(p for p in self.frozen & self.published if p.split("@", 1)[0] == pid)
 
 
-class MultiAgentSampler:
+class MultiAgentRollout:
     """K multi-agent envs, every policy's decisions batched into one ONNX call per step.
 
     Each env's agents get their policies at its episode start (the map, a league
@@ -103,7 +103,7 @@ class MultiAgentSampler:
 
     @classmethod
     def remote(cls, spec: MultiAgentSpec, mapper: Callable, policies: PolicySet, num_envs: int, seed: int,
-               league_prob: float = 0.0) -> "MultiAgentSampler":
+               league_prob: float = 0.0) -> "MultiAgentRollout":
         """The bookkeeping of K envs that a client steps (server-side inference,
         ``shmrl.server.inference.multi_agent``): no envs here; whoever holds it sets ``to_act`` from the
         client's observations (already in the stored form), acts with ``gather`` and
@@ -278,7 +278,7 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
                          f"(its policies: {sorted(policies.models)})")
     for pid, policy_spec in wanted.items():
         check_policy_fits(policies.models[pid], policy_spec)
-    sampler = MultiAgentSampler(factory, spec, mapper, policies, envs_per_sim, seed,
+    sampler = MultiAgentRollout(factory, spec, mapper, policies, envs_per_sim, seed,
                                 league_prob=float(config.get("league_prob", 0.0)))
     per_sample = int(config["env_steps_per_sample"])
     sent = messages = 0
@@ -411,7 +411,7 @@ def play(env_id, model_bytes: bytes, opponent="random", episodes: int = 100, see
         games[0] += 1
         return {a: "learner" if a == mine or opponent == "self" else "opponent" for a in agents}
 
-    sampler = MultiAgentSampler(factory, spec, lambda a: "learner", policies, max(1, min(num_envs, episodes)),
+    sampler = MultiAgentRollout(factory, spec, lambda a: "learner", policies, max(1, min(num_envs, episodes)),
                                 seed, assign=seat, opponent=random_legal_action(rng, sampler_layouts(spec)),
                                 greedy=greedy)
     wins = draws = losses = 0

@@ -1,6 +1,6 @@
-"""The simulator's recorder: ``Rollout`` keeps the steps of vectorized envs in
-preallocated arrays and cuts them into RLlink chunks (an ``EpisodeBatch``) with a few
-array operations, for ``shmrl.sim`` to send.
+"""The rollout of K vectorized envs: ``Rollout`` keeps their steps in preallocated arrays
+and cuts them into RLlink chunks (an ``EpisodeBatch``) with a few array operations, for
+the simulator loop (``shmrl.client.simulator``) to send.
 """
 from __future__ import annotations
 

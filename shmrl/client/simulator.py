@@ -24,16 +24,16 @@ from shmrl.client.actor import Actor, SimulatorError, check_sample, handshake
 from shmrl.envs.make import env_spec, make_vec_env
 from shmrl.client.rollout import Rollout
 from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file
-from shmrl.client.action_sampler import Sampler
+from shmrl.client.action_sampler import ActionSampler
 from shmrl.transport.base import ConnectionClosed
 
 log = logging.getLogger("shmrl.sim")
 T = rllink.MessageType
 
 
-def make_sampler(spec, rng: np.random.Generator) -> Sampler:
+def make_sampler(spec, rng: np.random.Generator) -> ActionSampler:
     """The sampler an Actor for ``spec`` uses (tools/bench.py times it alone)."""
-    return Sampler(spec.actions, rng)
+    return ActionSampler(spec.actions, rng)
 
 
 def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_sim: int = 1,

@@ -3,7 +3,7 @@ policies for the clients of a multi-agent env that cannot.
 
 Such a client sends, per env, the agents that act now with their observations and what
 every agent got since the last ACT; it gets one action per acting agent. Each connection's
-K envs are kept by a ``MultiAgentSampler.remote`` (``shmrl.client.multi_agent``): the same
+K envs are kept by a ``MultiAgentRollout.remote`` (``shmrl.client.multi_agent``): the same
 bookkeeping a multi-agent simulator keeps (a chunk per agent under the policy that plays
 it, the episode's policies assigned at its start, a league snapshot for one agent with
 ``league_prob``, a frozen policy's steps not sent), with the client stepping the envs.
@@ -28,7 +28,7 @@ from shmrl.envs.spec import MultiAgentSpec, policy_mapper
 from shmrl.core.episode import MultiAgentBatch
 from shmrl.server.inference.base import Inference
 from shmrl.server.inference.single_agent import space_config
-from shmrl.client.multi_agent import MultiAgentSampler, PolicySet
+from shmrl.client.multi_agent import MultiAgentRollout, PolicySet
 from shmrl.core.spaces import MASK_KEY
 
 
@@ -37,7 +37,7 @@ class _Conn:
 
     __slots__ = ("k", "sampler", "owed", "queued")
 
-    def __init__(self, sampler: MultiAgentSampler):
+    def __init__(self, sampler: MultiAgentRollout):
         self.k = sampler.num_envs
         self.sampler = sampler
         self.owed: dict = defaultdict(float)   # (env, agent) -> reward since its action, its step not ended
@@ -101,7 +101,7 @@ class MultiAgentInference(Inference):
         if conn is None:
             if any(env["outcome"] for env in envs):
                 return None, "the first ACT of a connection carries no 'rewards' (no step was taken yet)"
-            sampler = MultiAgentSampler.remote(self.spec, self.mapper, self.policies, len(envs),
+            sampler = MultiAgentRollout.remote(self.spec, self.mapper, self.policies, len(envs),
                                                next(self._seeds), self.league_prob)
             conn = self.slots[conn_id] = _Conn(sampler)
             sampler.to_act = [env["obs"] for env in envs]
@@ -155,7 +155,7 @@ class MultiAgentInference(Inference):
         """Env k's step as the client reports it: of the agents ``waiting`` for the outcome
         of their last action, those whose step ended (at their next action or their end)
         get it, the others' rewards wait; ``reset`` ends the episode
-        (``MultiAgentSampler.record``) and ``obs`` is the next one's."""
+        (``MultiAgentRollout.record``) and ``obs`` is the next one's."""
         sampler, rewards, reset = conn.sampler, env["rewards"], env["reset"]
         term, trunc, final, acting = env["terminateds"], env["truncateds"], env["final_obs"], env["obs"]
         results = {}

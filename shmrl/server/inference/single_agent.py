@@ -7,7 +7,7 @@ steps of its open sample (each step's arrays for all K envs: no loop over envs),
 chunks by a ``Rollout`` once the sample is complete, each env's recurrent state, and the
 actions (with their distribution inputs and log-probabilities) that its last ACTIONS gave. The ACTs of every client waiting in one
 poll round go through one forward pass (``flush``) with the same ONNX runtime and sampler
-a simulator uses (``OnnxPolicy``, ``Sampler``). Every ``env_steps_per_sample`` steps of a
+a simulator uses (``OnnxPolicy``, ``ActionSampler``). Every ``env_steps_per_sample`` steps of a
 connection, ``act`` returns its chunks, which the Hub takes exactly as an
 EPISODES_AND_GET_STATE's (the same checks, the store, the hold in strict on-policy).
 
@@ -23,7 +23,7 @@ from shmrl.envs.spec import EnvSpec
 from shmrl.core.episode import EpisodeBatch, obs_map, obs_rows
 from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file
 from shmrl.client.rollout import Rollout
-from shmrl.client.action_sampler import Sampler
+from shmrl.client.action_sampler import ActionSampler
 from shmrl.server.inference.base import Inference
 from shmrl.server.store import DEFAULT_POLICY
 
@@ -60,7 +60,7 @@ class ServerInference(Inference):
     def __init__(self, spec: EnvSpec, env_steps_per_sample: int, state_size: int = 0, seed: int = 0):
         super().__init__()
         self.spec, self.env_steps_per_sample, self.state_size = spec, env_steps_per_sample, state_size
-        self.sampler = Sampler(spec.actions, np.random.default_rng(seed))
+        self.sampler = ActionSampler(spec.actions, np.random.default_rng(seed))
         self.slots: dict[str, _Slots] = {}
         self._onnx_file = None               # the current version's, until the first ACT needs it
         self.policy: OnnxPolicy | None = None
