@@ -122,12 +122,6 @@ def run_messages(policy_specs: dict[str, EnvSpec], multiagent: bool, state_size:
     return SingleAgentMessages(policy_specs, state_size)
 
 
-def chunks_by_policy(batch, policy_specs: dict, multiagent: bool, state_size: int = 0) -> tuple[dict, str | None]:
-    """A message's chunks by policy id, and why they do not fit the run (its kind, its
-    policies and their envs) or None: ``run_messages(...).chunks_by_policy``."""
-    return run_messages(policy_specs, multiagent, state_size).chunks_by_policy(batch)
-
-
 @dataclass(frozen=True)
 class Bounds:
     """What a client's chunk may hold (docs/OPERATIONS.md, "What shmrl guarantees"): finite but absurd
