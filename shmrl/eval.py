@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     try:
         with open(a.policy, "rb") as f:
             model = f.read()
-        if getattr(env_spec(a.env), "multiagent", False):
+        if env_spec(a.env).multiagent:
             return _multiagent(a, model)
         returns = evaluate(model, a.env, a.episodes, a.seed, a.stochastic)
     except OSError as e:

@@ -170,7 +170,7 @@ def parse_command_line(argv=None) -> tuple[Config, set[str]]:
         validate(config, spec)
     except ConfigError as e:
         p.error(str(e))
-    if getattr(spec, "multiagent", False):
+    if spec.multiagent:
         from shmrl.envs.spec import policy_mapper
 
         try:

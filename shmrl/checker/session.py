@@ -400,7 +400,7 @@ def check_client(command: list[str], env: str = DEFAULTS.env, reconnect: bool = 
     from shmrl.envs.make import env_spec
 
     spec, multi = env_spec(env), None
-    if getattr(spec, "multiagent", False):   # its clients with server-side inference, agents of one policy
+    if spec.multiagent:   # its clients with server-side inference, agents of one policy
         from shmrl.envs.spec import policy_mapper
 
         multi, (spec,) = spec, spec.policy_specs(policy_mapper("shared")).values()

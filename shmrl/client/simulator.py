@@ -143,7 +143,7 @@ def _act_loop(client, env_id: str, seed: int, envs_per_sim: int, max_messages: i
               log_every_s: float | None) -> int:
     """``run_server_inference``'s loop, after PING: ACT, step the envs with the ACTIONS, repeat."""
     config = client.request({"type": T.GET_CONFIG.value})
-    if getattr(env_spec(env_id), "multiagent", False):   # per env: the agents that act now
+    if env_spec(env_id).multiagent:   # per env: the agents that act now
         return multiagent.act_loop(client, config, env_id, seed, envs_per_sim, max_messages, log_every_s)
     if "agent_spaces" in config:
         raise ValueError(f"the server trains a multi-agent env, but {env_id} is single-agent")

@@ -513,7 +513,7 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
         raise ConfigError("--sims 0 runs no local simulator: give --tcp-port for external clients")
     if config.ray is not None and config.sims == 0:
         raise ConfigError("--ray places simulators: give --sims N (N >= 1)")
-    if getattr(spec, "multiagent", False) and config.memory not in (None, "none"):
+    if spec is not None and spec.multiagent and config.memory not in (None, "none"):
         raise ConfigError("--memory: recurrent policies are single-agent for now; a multi-agent env takes "
                           "--memory none")
 

@@ -394,7 +394,7 @@ def episodes_bytes(spec, nets: list, steps: int) -> int:
     import numpy as np
 
     specs, extra = [spec], 0
-    if getattr(spec, "multiagent", False):
+    if spec.multiagent:
         specs, extra = list(spec.agent_specs.values()), 256   # agent and module ids
     request = 0
     for s in specs:
@@ -413,7 +413,7 @@ def ring_bytes(config, spec, nets: dict) -> dict:
 
     steps = -(-config.env_steps_per_sample // config.envs_per_sim) * config.envs_per_sim
     nets = list(nets.values())
-    if getattr(spec, "multiagent", False):   # each step may be any agent's; every policy and snapshot in a reply
+    if spec.multiagent:   # each step may be any agent's; every policy and snapshot in a reply
         steps += config.envs_per_sim * len(spec.agents)   # a turn may end past the sample size
         nets = nets * (1 + (config.league or 0))
     request = episodes_bytes(spec, nets, steps)

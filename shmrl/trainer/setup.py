@@ -78,7 +78,7 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None) -
     given = given_settings(config) if given is None else given
     config = resolve_config(config, spec)
     validate(config, spec, servers_given)
-    multiagent = getattr(spec, "multiagent", False)
+    multiagent = spec.multiagent
     slow, profile = None, {"name": "preset", "why": f"--learn-per-step {config.learn_per_step}"}
     if config.learn_per_step != "off" and not (config.resume or config.pretrain or multiagent):
         config, slow_settings, sources = slow_config(config, spec, given)
@@ -172,7 +172,7 @@ def chosen_plot(config) -> bool:
 
 def symmetric_game(spec) -> bool:
     """A multi-agent env whose agents all have the same spaces (one policy could take any seat)."""
-    if not getattr(spec, "multiagent", False):
+    if not spec.multiagent:
         return False
     try:
         spec.policy_specs(lambda agent: "any")
@@ -184,7 +184,7 @@ def symmetric_game(spec) -> bool:
 def recording_manifest(config, spec, policy_specs) -> dict:
     from shmrl.files.dataset import manifest_for
 
-    return manifest_for(env_name(config.env), policy_specs, spec.agents if getattr(spec, "multiagent", False) else None)
+    return manifest_for(env_name(config.env), policy_specs, spec.agents if spec.multiagent else None)
 
 
 def check_recording(config, spec, policy_specs) -> None:
