@@ -5,7 +5,7 @@ started is stopped, every segment it made is unlinked and every server closed.
 
 ``Run`` holds what every run has (its set-up, servers, supervisor and serving side) and
 calls the parts a kind of run fills in: ``make_serving``, ``prepare``, ``loop`` and
-``end``. ``shmrl.trainer.loop.Training`` is one kind, ``shmrl.record.Recording`` the other.
+``end``. ``shmrl.trainer.loop.Training`` is one kind, ``shmrl.trainer.recording.Recording`` the other.
 """
 from __future__ import annotations
 
