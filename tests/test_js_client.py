@@ -85,7 +85,7 @@ const c = require('./shmrl_client');
 const out = {};
 for (const [name, space, dist] of [['categorical', { type: 'Discrete', n: 3 }, [0.5, -1, 2, 0, 0, 0]],
                                    ['gaussian', { type: 'Box', shape: [2] }, [0.5, -1, -0.5, 0.25, 0, 1, 0, -2]]]) {
-  const s = new c.ActionSampler(space, c.seededRandom(5));
+  const s = new c.Sampler(space, c.seededRandom(5));
   out[name] = [0, 1, 2, 3, 4, 5, 6, 7].map(() => s.sample(Float32Array.from(dist), 0).concat([dist.slice(0, s.width)]));
   out[name].push(s.sample(Float32Array.from(dist), s.width).concat([dist.slice(s.width)]));
 }

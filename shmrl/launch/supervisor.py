@@ -105,7 +105,7 @@ class ForkLauncher:
 
             self._ctx = multiprocess.get_context("forkserver")
             transport = sim.address.split(":", 1)[0]
-            self._ctx.set_forkserver_preload(["shmrl.sim", f"shmrl.transport.{transport}"])
+            self._ctx.set_forkserver_preload(["shmrl.client.simulator", f"shmrl.transport.{transport}"])
         from shmrl.client.simulator import sim_process_main
 
         proc = self._ctx.Process(target=sim_process_main, name=sim.name, daemon=True, args=args)
