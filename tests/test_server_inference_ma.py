@@ -298,6 +298,24 @@ def test_an_act_before_its_actions_and_a_multiagent_act_in_a_single_agent_run_ar
     assert "multi-agent ACT ('envs') in a single-agent run" in s.dropped()[0]
 
 
+def test_an_agent_that_ended_may_not_act_again_before_its_envs_reset():
+    """§11.3: an agent's episode ends once. One terminated in an ACT that acts in the next
+    without 'reset' closes its connection, with the reason; after a reset it may act."""
+    hub, _ = make_hub()
+    ended = {"type": "ACT", "envs": [{"obs": {"player_1": board()}, "rewards": {}, "terminateds": {"player_0": True}}]}
+    again = {"type": "ACT", "envs": [{"obs": {"player_0": board()}, "rewards": {}}]}
+    good = Client(hub, "tcp:good")
+    for msg in (FIRST, ended, {**again, "envs": [{**again["envs"][0], "reset": True}]}, NEXT):
+        assert good.request(msg)["actions"], msg
+    bad = Client(hub, "tcp:bad", good.server)
+    bad.request(FIRST)
+    bad.request(ended)
+    bad.send(again)
+    assert bad.reply() is None and len(bad.dropped()) == 1, bad.dropped()
+    assert "env 0: agents ['player_0'] act again after their episode ended" in bad.dropped()[0]
+    assert "tcp:bad" not in hub.inference.slots and not good.dropped()
+
+
 def test_an_act_beyond_the_largest_of_the_env_is_refused_from_its_header():
     """The largest ACT of connect_four within rllink's limits (4096 envs, every agent's reward
     and flags) fits the bound of a client granted server-side inference, in both codecs; a
