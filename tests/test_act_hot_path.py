@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import FakeServer, recv_frame, wait_until
+from conftest import FakeServer, conn_id_of, recv_frame, wait_until
 from shmrl import rllink
 from shmrl.envs.make import env_spec
 from shmrl.server.hub import Hub
@@ -192,6 +192,38 @@ def test_tcp_server_serves_acts_through_the_hot_path():
             else:
                 assert msg is None   # the NaN closed the connection, as the whole way does
         assert server._act_heads.fast == 2   # the first of each head went the whole way
+    finally:
+        server.close()
+
+
+def full_act(field: str, value) -> dict:
+    """A binary-ready ACT with every field, ``field`` replaced by ``value`` (a Dict
+    observation's "pos" where ``value`` is one)."""
+    leaf = isinstance(value, dict) or isinstance(value, list) and isinstance(value[0], dict)
+    obs = {"pos": np.zeros((2, 4), np.float32)} if leaf else np.zeros((2, 4), np.float32)
+    msg = {"type": "ACT", "obs": obs, "rewards": np.ones(2, np.float32), "terminateds": np.zeros(2, bool),
+           "truncateds": np.array([False, True]), "final_obs": obs}
+    msg[field] = value
+    return msg
+
+
+@pytest.mark.parametrize("field, value", [
+    ("obs", [[0.0] * 4] * 2), ("obs", [{"pos": [0.0] * 4}] * 2), ("obs", {"pos": [[0.0] * 4] * 2}),
+    ("final_obs", [[0.0] * 4] * 2), ("rewards", [1.0, 1.0]), ("terminateds", [False, False]),
+    ("truncateds", [False, True]),
+])
+def test_a_binary_act_with_a_json_value_where_an_array_goes_is_refused_with_the_reason(field, value):
+    """A binary ACT carries its fields as arrays: an inline JSON list in its head is refused
+    (a ProtocolError, which closes only that connection), never an error of the head cache."""
+    body = rllink.encode_binary(full_act(field, value))
+    with pytest.raises(ProtocolError, match=f"a binary ACT's '{field}' is an array"):
+        ActHeads(rllink.decode_request)(body)
+    server = TcpServer("127.0.0.1", 0)
+    try:
+        with socket.create_connection(server.address, timeout=10) as sock:
+            sock.sendall(rllink.frame(body))
+            assert wait_for(server, 1) == [(conn_id_of(sock), None)]   # closed
+        assert server.frames_rejected == 1   # refused as a bad frame, not an internal error
     finally:
         server.close()
 

@@ -93,6 +93,54 @@ def test_the_command_line_exits_1_on_a_violation_and_2_when_misused(tmp_path):
         assert done.returncode == 2 and done.stderr.startswith("error:"), (bad, done.stderr)
 
 
+# A client that answers its PONG with a reset (SO_LINGER 0), not an orderly close.
+RESETTING_CLIENT = """
+import socket, struct, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.sendall(b'00000016{"type": "PING"}')
+data = b""
+while len(data) < 8 or len(data) < 8 + int(data[:8]):
+    part = sock.recv(4096)
+    if not part:
+        sys.exit(1)
+    data += part
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+sock.close()
+"""
+
+
+def test_a_client_that_resets_its_connection_breaks_a_rule_exit_1():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "shmrl.conformance", "--steps", "200", "--hold-s", "0", "--timeout",
+                           "20", "--no-reconnect", "--", sys.executable, "-c", RESETTING_CLIENT, "{port}"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "VIOLATION [RLLINK.md §2 The conversation] connection 1: the client reset the connection" in done.stdout, \
+        done.stdout
+
+
+def test_a_client_that_floods_its_output_costs_the_checker_only_its_tail():
+    """The checker keeps the last of a client's output to show, not all of it: 48 MB written
+    (then an exit instead of a connection, a violation) leave the checker's peak of Python
+    memory far below them, and the output's end is shown."""
+    import tracemalloc
+
+    from shmrl.checker.session import make_models
+    from shmrl.envs.make import env_spec
+
+    make_models(env_spec("CartPole-v1"))   # what the check imports and builds first: not counted
+    flood = "import sys\nfor _ in range(768):\n    sys.stdout.write('x' * 65535 + '\\n')\nprint('the end of the flood')"
+    tracemalloc.start()
+    try:
+        violations, out = check([sys.executable, "-c", flood, "{port}"], reconnect=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert any("the client exited (status 0) instead of connecting" in text for _, text in violations), out
+    assert out.rstrip().endswith("the end of the flood"), out[-500:]
+    assert peak < 16 << 20, f"the checker held {peak >> 20} MiB of Python memory at its peak"
+
+
 @pytest.mark.slow
 def test_rllib_248s_client_conforms(tmp_path):
     """RLlib's _dummy_client (tools/rllib_compat.py starts it from its virtualenv, which

@@ -418,8 +418,8 @@ def test_dict_observations_with_an_action_mask(codec):
         reply = c.actions()
         assert obs["action_mask"][np.arange(2), reply["actions"]].all()   # never a forbidden move
         obs = random_obs(ROBOT_OBS, rng, 2)
-        c.send({"type": "ACT", "obs": wire(obs), "rewards": [0.5, 0.5], "terminateds": [False, False],
-                "truncateds": [False, False]})
+        c.send({"type": "ACT", "obs": wire(obs), "rewards": np.full(2, 0.5, np.float32),
+                "terminateds": np.zeros(2, bool), "truncateds": np.zeros(2, bool)})
     (batch,) = store.take()[DEFAULT_POLICY]
     assert batch.num_steps == 4 and batch.obs["camera"].dtype == np.uint8 and not c.dropped()
 

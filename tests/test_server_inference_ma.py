@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from broken_client import MA_BUGS
-from conftest import FakeServer, need, wait_until
+from conftest import FakeServer, conn_id_of, need, read_to_eof, recv_frame, wait_until
 need("pettingzoo", "pettingzoo")
 from shmrl.checker.session import check_client  # noqa: E402
 from shmrl import rllink  # noqa: E402
@@ -295,6 +296,82 @@ def test_an_act_before_its_actions_and_a_multiagent_act_in_a_single_agent_run_ar
     s = Client(single, "tcp:s")
     s.send({"type": "ACT", "envs": [{"obs": {"a": [0.0] * 4}}]})
     assert "multi-agent ACT ('envs') in a single-agent run" in s.dropped()[0]
+
+
+def test_an_agent_that_ended_may_not_act_again_before_its_envs_reset():
+    """§11.3: an agent's episode ends once. One terminated in an ACT that acts in the next
+    without 'reset' closes its connection, with the reason; after a reset it may act."""
+    hub, _ = make_hub()
+    ended = {"type": "ACT", "envs": [{"obs": {"player_1": board()}, "rewards": {}, "terminateds": {"player_0": True}}]}
+    again = {"type": "ACT", "envs": [{"obs": {"player_0": board()}, "rewards": {}}]}
+    good = Client(hub, "tcp:good")
+    for msg in (FIRST, ended, {**again, "envs": [{**again["envs"][0], "reset": True}]}, NEXT):
+        assert good.request(msg)["actions"], msg
+    bad = Client(hub, "tcp:bad", good.server)
+    bad.request(FIRST)
+    bad.request(ended)
+    bad.send(again)
+    assert bad.reply() is None and len(bad.dropped()) == 1, bad.dropped()
+    assert "env 0: agents ['player_0'] act again after their episode ended" in bad.dropped()[0]
+    assert "tcp:bad" not in hub.inference.slots and not good.dropped()
+
+
+def test_an_act_beyond_the_largest_of_the_env_is_refused_from_its_header():
+    """The largest ACT of connect_four within rllink's limits (4096 envs, every agent's reward
+    and flags) fits the bound of a client granted server-side inference, in both codecs; a
+    frame over it is refused from its first bytes, never read nor decoded; a client that did
+    not ask, or whose PONG did not grant it, keeps the bounds of every client."""
+    from shmrl.server.serving import act_limits
+    from shmrl.transport.tcp import TcpServer
+
+    spec = env_spec(C4)
+    limits = act_limits(spec)
+    leaves = spec.agent_specs[spec.agents[0]].obs.leaves
+    env = {"rewards": {"player_0": -1.2345678901234567e-05, "player_1": -1.1754943508222875e-38},
+           "terminateds": {"player_0": True, "player_1": True}, "reset": True}
+    arrays = {leaf.name: np.ones(leaf.shape, leaf.dtype) for leaf in leaves}   # binary: the leaves' dtypes
+    for codec, obs, bound in (("json", board(mark=1), limits.json), ("binary", arrays, limits.binary)):
+        body = rllink.encode({"type": "ACT", "envs": [{"obs": {"player_0": obs}, **env}] * 4096}, codec)
+        assert len(rllink.decode_request(body)["envs"]) == 4096 and len(body) <= bound, (codec, len(body), bound)
+    assert limits.json < 42_000_000 // 4   # the hostile ACT of 100,000 made-up agents: far over it
+    server = TcpServer("127.0.0.1", 0, act_limits=limits, frame_timeout=60)
+    socks = [socket.create_connection(server.address, timeout=10) for _ in range(3)]
+    try:
+        asked, declined, unasked = socks
+        for sock in socks:
+            ping = {"type": "PING", **({"inference": "server"} if sock is not unasked else {})}
+            sock.sendall(rllink.frame(rllink.encode_json(ping)))
+            wait_until(lambda: server.poll(0.05), 10, "the PING")
+            server.reply(conn_id_of(sock), {"type": "PONG", **({"inference": "server"} if sock is asked else {})})
+            recv_frame(sock)
+        for sock in socks:   # the first bytes of an ACT 1 byte over the bound
+            sock.sendall(b"%08d" % (limits.json + 1) + b'{"type": "ACT", "envs": [')
+        assert wait_until(lambda: server.poll(0.05), 10, "the refusal") == [(conn_id_of(asked), None)]
+        assert server.frames_rejected == 1 and not server.poll(0.5)   # the others wait for the rest
+    finally:
+        for sock in socks:
+            sock.close()
+        server.close()
+
+
+def test_a_run_refuses_the_42_mb_act_of_made_up_agents_from_its_header(start_run, tmp_path):
+    """The hostile ACT of 100,000 made-up agents, 42 MB of JSON from a client granted
+    server-side inference (and within the run's JSON frame limit): its connection is closed
+    from the first bytes, none of the rest read (a frame not finished is otherwise waited
+    for 10 s), and the next client is served."""
+    run = start_run("--env", C4, "--sims", 0, "--tcp-port", 0, "--max-json-frame-bytes", 64 << 20,
+                    "--logdir", tmp_path / "run")
+    port = run.tcp_port()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(rllink.frame(rllink.encode_json({"type": "PING", "inference": "server"})))
+        assert rllink.decode(recv_frame(sock)[8:])["inference"] == "server"
+        sock.sendall(b"42000000" + b'{"type": "ACT", "envs": [{"obs": {"agent_000000": {"observation": ')
+        assert read_to_eof(sock, timeout=5) == b""
+    client = TcpClient("127.0.0.1", port, timeout=10)
+    try:
+        assert client.request({"type": "PING"})["type"] == "PONG"
+    finally:
+        client.close()
 
 
 def test_a_closed_connection_counts_its_open_agent_steps_as_lost():

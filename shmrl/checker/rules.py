@@ -16,6 +16,7 @@ import numpy as np
 
 from shmrl import rllink
 from shmrl.core.episode import EpisodeBatch, obs_map, obs_rows
+from shmrl.rllink.act import binary_act_arrays
 from shmrl.server.hub import check_episodes
 
 S_FRAMING = "RLLINK.md §1 Framing"
@@ -50,7 +51,10 @@ def read_frame(recv_exactly) -> tuple[dict | None, tuple | None]:
     except rllink.ProtocolError as e:
         return None, (S_BINARY if bytes(body[:4]) == rllink.MAGIC else S_FRAMING, f"the body does not decode: {e}")
     try:
-        return rllink.validate(msg, "request"), None
+        out = rllink.validate(msg, "request")
+        if out["type"] == "ACT" and "obs" in out and bytes(body[:4]) == rllink.MAGIC:
+            binary_act_arrays(msg)   # as shmrl's server reads a binary ACT
+        return out, None
     except rllink.ProtocolError as e:
         kind = msg.get("type") if isinstance(msg, dict) else None
         rule = (S_EPISODES if isinstance(msg, dict) and "episodes" in msg else

@@ -11,7 +11,7 @@ import shlex
 import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 
 import numpy as np
@@ -25,10 +25,43 @@ DEFAULTS = ConformanceSettings()   # the command line's defaults are the API's
 HEARTBEAT_S = 0.02          # asked of a binary client: short, so that sampling a message needs several
 SILENCE_S = 2.0             # the longest silence allowed while it samples (100 heartbeats: a loaded machine)
 EXIT_GRACE_S = 3.0          # how long a client may take to end once the checker stopped listening
+OUTPUT_TAIL_BYTES = 64 << 10   # of the client's output, the last kept to show; the rest is read and dropped
 
 
 class Closed(Exception):
     """The client closed the connection (or sent nothing in time)."""
+
+
+def broken(e: OSError) -> Closed:
+    """``Closed`` for a socket error on the client's connection: a reset (or a broken pipe) is
+    the client's doing, a violation as a close is, not a fault of the checker's command line."""
+    what = ("the client reset the connection" if isinstance(e, ConnectionResetError) else
+            "the client broke the connection" if isinstance(e, ConnectionError) else "the connection failed")
+    return Closed(f"{what} ({e.strerror or e})")
+
+
+class OutputTail:
+    """The last ``limit`` bytes of what a process writes to ``pipe``, read by a thread of its
+    own: a client that floods its output neither blocks on it nor fills the checker's memory."""
+
+    def __init__(self, pipe, limit: int = OUTPUT_TAIL_BYTES):
+        self.pipe, self.limit = pipe, limit
+        self.data = bytearray()
+        self.thread = threading.Thread(target=self._read, name="client-output", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        with self.pipe:
+            while chunk := os.read(self.pipe.fileno(), 1 << 16):
+                self.data += chunk
+                if len(self.data) > 2 * self.limit:   # trimmed once per limit read, not at every chunk
+                    del self.data[:-self.limit]
+
+    def text(self, wait_s: float = 1.0) -> str:
+        """What was kept, once the pipe is closed (or ``wait_s`` has passed: a process that
+        left a child of its own holding it)."""
+        self.thread.join(wait_s)
+        return bytes(self.data[-self.limit:]).decode("utf-8", "replace")
 
 
 class Connection:
@@ -51,7 +84,10 @@ class Connection:
             left = self.deadline - time.monotonic()
             if left <= 0 or not select.select([self.sock], [], [], left)[0]:
                 raise Closed("nothing sent in time")
-            part = self.sock.recv(n - len(data))
+            try:
+                part = self.sock.recv(n - len(data))
+            except OSError as e:
+                raise broken(e) from None
             if not part:
                 raise Closed("the client closed the connection")
             data += part
@@ -68,7 +104,10 @@ class Connection:
         return not select.select([self.sock], [], [], seconds)[0]
 
     def reply(self, msg: dict) -> None:
-        self.sock.sendall(rllink.frame(rllink.encode(msg, self.codec)))
+        try:
+            self.sock.sendall(rllink.frame(rllink.encode(msg, self.codec)))
+        except OSError as e:
+            raise broken(e) from None
 
     def close(self) -> None:
         self.sock.close()
@@ -406,11 +445,12 @@ def check_client(command: list[str], env: str = DEFAULTS.env, reconnect: bool = 
         multi, (spec,) = spec, spec.policy_specs(policy_mapper("shared")).values()
     models, files = make_models(spec)
     checker = Checker(spec, models, files, reconnect, timeout, hold_s, out, multi)
-    with socket.create_server(("127.0.0.1", 0)) as listener, tempfile.TemporaryFile("w+") as client_log:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         argv = [part.replace("{port}", str(port)) for part in command]
         print(f"checking: {shlex.join(argv)}", file=out, flush=True)
-        proc = subprocess.Popen(argv, stdout=client_log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        client_output = OutputTail(proc.stdout)
         checker.client = proc
         try:
             checker.run(listener, steps)
@@ -426,7 +466,6 @@ def check_client(command: list[str], env: str = DEFAULTS.env, reconnect: bool = 
                 os.killpg(proc.pid, 9)
                 proc.wait()
         if checker.violations:
-            client_log.seek(0)
-            tail = client_log.read()[-3000:]
+            tail = client_output.text()[-3000:]
             print(f"the client's output (last 3000 characters):\n{tail}", file=out, flush=True)
     return checker.violations

@@ -16,7 +16,7 @@ import numpy as np
 
 from shmrl.core.episode import obs_rows
 from shmrl.rllink.codec import MAGIC as _MAGIC, ProtocolError, show, encode_binary, frame
-from shmrl.rllink.act_multi_agent import multiagent_act, multiagent_actions
+from shmrl.rllink.act_multi_agent import MAX_ACT_ROWS, multiagent_act, multiagent_actions
 from shmrl.rllink.fields import array, count, is_bool, obs_value, require
 
 MAX_ACT_ENVS = 4096    # envs (slots) in one ACT: a bound on one request's work and memory
@@ -111,6 +111,44 @@ def actions_reply(msg: dict) -> dict:
     require(msg, "weights_seq_no", "ACTIONS")
     out["weights_seq_no"] = count(msg, "weights_seq_no", "ACTIONS")
     return out
+
+
+_ARRAY_FIELDS = ("obs", "final_obs", "rewards", "terminateds", "truncateds")
+
+
+def binary_act_arrays(msg: dict) -> None:
+    """A binary single-agent ACT (``msg`` as decoded, before validation) carries each of its
+    fields as an array (an observation: an array, or an object of them by leaf): a JSON
+    value in its head where an array goes is refused, not read as the JSON form."""
+    for key in _ARRAY_FIELDS:
+        value = msg.get(key)
+        if key not in msg or type(value) is np.ndarray or (
+                key in ("obs", "final_obs") and type(value) is dict and value
+                and all(type(leaf) is np.ndarray for leaf in value.values())):
+            continue
+        raise ProtocolError(f"ACT: a binary ACT's {key!r} is an array ({{\"__nd__\": ...}} in the head; a Dict "
+                            f"observation: an object of them by leaf), not the JSON value {show(value)}")
+
+
+def act_body_bytes(obs_bytes: int, leaves: list[tuple[str, int]], agent_ids: list[str] | None = None
+                   ) -> tuple[int, int]:
+    """Upper bounds on the body of an ACT within this module's limits, (binary, JSON), for
+    observations of ``obs_bytes`` (all their leaves, ``leaves``: (name, ndim) each): the
+    largest ACT a server need read. ``agent_ids``: a multi-agent
+    env's agents (``multiagent_act``'s form: at most ``MAX_ACT_ROWS`` observations, each in
+    arrays of its own keyed by its agent's id, and every env's rewards and flags for every
+    agent). JSON writes a number in up to 8 times its bytes, as for EPISODES."""
+    names = sum(len(name) + 8 for name, _ in leaves)                     # a row's leaf keys in JSON
+    descriptors = sum(len(name) + 96 + 12 * ndim for name, ndim in leaves)   # one array's {"__nd__": ...} each
+    if agent_ids is None:   # K envs: obs and final_obs [K, ...], rewards and flags [K]
+        data = MAX_ACT_ENVS * (2 * obs_bytes + 6)
+        return (1024 + 2 * descriptors + data + 8 * (2 * len(leaves) + 3),
+                1024 + MAX_ACT_ENVS * 2 * names + 8 * data)
+    ids = max(map(len, agent_ids), default=0) + 8        # an agent's id as a key, quoted
+    per_env = 128 + len(agent_ids) * 3 * (ids + 32)      # its object and fields: a reward and two flags per agent
+    text = 1024 + MAX_ACT_ROWS * per_env                 # as many envs as observations, at most
+    return (text + MAX_ACT_ROWS * (ids + obs_bytes + descriptors + 8 * len(leaves)),
+            text + MAX_ACT_ROWS * (ids + 8 * obs_bytes + names))
 
 
 def inference_mode(msg: dict, where: str) -> str:

@@ -8,7 +8,8 @@ that acts now to its observation; ``rewards`` what each agent got since the last
 observation of each truncated agent; ``reset`` says the env's episode ended and ``obs``
 starts the next. ACTIONS gives one object per env: agent -> action. What needs the env or
 the connection's history (the agents are the env's, their observations fit, K fixed, the
-outcome on every ACT but the first) is the server's to check (``shmrl.server.inference.multi_agent``).
+outcome on every ACT but the first, no agent acting again after it ended before its env's
+reset) is the server's to check (``shmrl.server.inference.multi_agent``).
 
 This module knows nothing of sockets, shared memory or torch.
 """

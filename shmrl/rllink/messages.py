@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from shmrl.core.episode import EpisodeBatch, MultiAgentBatch
-from shmrl.rllink.codec import Columns, MultiColumns, ProtocolError, decode, show
-from shmrl.rllink.act import act_request, actions_reply, inference_mode
+from shmrl.rllink.codec import MAGIC, Columns, MultiColumns, ProtocolError, decode, show
+from shmrl.rllink.act import act_request, actions_reply, binary_act_arrays, inference_mode
 from shmrl.rllink.episodes import columns_batch, episode_fields, episodes_batch
 from shmrl.rllink.fields import count, is_bool, module_id, require
 
@@ -43,6 +43,7 @@ class MessageType(str, enum.Enum):
 _T = MessageType
 REQUEST_TYPES = frozenset({_T.PING, _T.GET_CONFIG, _T.GET_STATE, _T.EPISODES, _T.EPISODES_AND_GET_STATE,
                            _T.HEARTBEAT, _T.ACT})
+_ACT = _T.ACT.value
 _MAX_CODECS = 16   # offered in a PING
 REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE, _T.ACTIONS})
 _REQUEST_FIELDS = {
@@ -64,7 +65,12 @@ class MessageLimits:
 
 
 def decode_request(body, limits: MessageLimits | None = None) -> dict:
-    return validate(decode(body), "request", limits)
+    """The validated request in ``body`` (either codec; a binary ACT's fields are arrays)."""
+    msg = decode(body)
+    out = validate(msg, "request", limits)
+    if out["type"] == _ACT and "obs" in out and memoryview(body).cast("B")[:4] == MAGIC:
+        binary_act_arrays(msg)
+    return out
 
 
 def decode_reply(body) -> dict:

@@ -25,6 +25,7 @@ from shmrl.envs.spec import EnvSpec
 from shmrl.server.hub import Bounds, Hub
 from shmrl.onnxio.graph import ModelTemplate
 from shmrl.onnxio.policy import encode_onnx_file
+from shmrl.rllink.act import act_body_bytes
 from shmrl.server.store import SWITCHED, EpisodeStore
 from shmrl.transport.base import WakePipe
 
@@ -311,7 +312,7 @@ def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list
                             max_binary_frame_bytes=min(config.max_frame_bytes, largest),
                             max_json_frame_bytes=(config.max_json_frame_bytes
                                                   or min(config.max_frame_bytes, 8 * largest)),
-                            limits=limits,
+                            limits=limits, act_limits=act_limits(spec),
                             first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None,
                             heartbeat_s=heartbeat_period(config.hang_timeout), heartbeat_timeout=config.hang_timeout)
         except BaseException as e:
@@ -391,18 +392,31 @@ def check_policy_fits_a_frame(config, nets: dict, multiagent: bool) -> None:
 def episodes_bytes(spec, nets: list, steps: int) -> int:
     """An upper bound on the binary body of an EPISODES message of ``steps`` env steps of
     ``spec``'s env (each may begin a chunk of its own) for the policies ``nets``."""
-    import numpy as np
-
     specs, extra = [spec], 0
     if spec.multiagent:
         specs, extra = list(spec.agent_specs.values()), 256   # agent and module ids
     request = 0
     for s in specs:
-        leaves = s.obs.leaves
-        obs_bytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in leaves)
-        request = max(request, rllink.episodes_body_bytes(steps, obs_bytes + extra, s.actions.action_size,
-                                                          s.policy_outputs, len(leaves), nets[0].state_size))
+        request = max(request, rllink.episodes_body_bytes(steps, obs_bytes(s) + extra, s.actions.action_size,
+                                                          s.policy_outputs, len(s.obs.leaves), nets[0].state_size))
     return request
+
+
+def obs_bytes(spec) -> int:
+    """The bytes of one observation of ``spec`` (all its leaves) in the binary codec."""
+    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in spec.obs.leaves)
+
+
+def act_limits(spec):
+    """The largest ACT of ``spec``'s env, in each codec: what a TCP client granted server-side
+    inference may send in one frame (a multi-agent env's: of any of its agents)."""
+    from shmrl.transport.tcp import BodyLimits
+
+    agents = [str(agent) for agent in spec.agents] if spec.multiagent else None
+    sizes = [act_body_bytes(obs_bytes(s), [(leaf.name, len(leaf.shape)) for leaf in s.obs.leaves], agents)
+             for s in (spec.agent_specs.values() if spec.multiagent else [spec])]
+    binary, text = map(max, zip(*sizes))
+    return BodyLimits(text, binary, " from a client of server-side inference (the largest ACT of the run's env)")
 
 
 def ring_bytes(config, spec, nets: dict) -> dict:

@@ -43,7 +43,7 @@ import time
 from shmrl import rllink
 from shmrl.rllink.act import ActHeads, ActionsFrames
 from shmrl.transport.base import Closeable, ReplyEncoder, WakePipe
-from shmrl.transport.tcp_conn import Connection, conn_id_of
+from shmrl.transport.tcp_conn import BodyLimits, Connection, conn_id_of
 
 log = logging.getLogger("shmrl.transport")
 
@@ -77,7 +77,7 @@ class TcpServer(Closeable):
                  max_buffered_bytes: int = 256 << 20, first_frame_max_bytes: int | None = None,
                  hello_timeout: float = 30.0, heartbeat_s: float = 1.0, heartbeat_timeout: float = 10.0,
                  max_json_frame_bytes: int | None = None, max_binary_frame_bytes: int | None = None,
-                 limits: rllink.MessageLimits | None = None):
+                 limits: rllink.MessageLimits | None = None, act_limits: BodyLimits | None = None):
         if frame_timeout <= 0 or hello_timeout <= 0 or (idle_timeout is not None and idle_timeout <= 0):
             raise ValueError("frame_timeout, hello_timeout and idle_timeout must be > 0 (idle_timeout None: off)")
         if not 0 < heartbeat_s < heartbeat_timeout:
@@ -98,8 +98,11 @@ class TcpServer(Closeable):
         # Each codec's frames may be held smaller, judged from the body's first 4 bytes: JSON
         # costs the IO thread far more per byte (a 59 MB frame of tiny episodes: seconds when no
         # other client is read); a binary frame need not exceed the largest ``limits`` allow.
-        self.max_json_frame_bytes = max_frame_bytes if max_json_frame_bytes is None else max_json_frame_bytes
-        self.max_binary_frame_bytes = max_frame_bytes if max_binary_frame_bytes is None else max_binary_frame_bytes
+        self.body_limits = BodyLimits(max_frame_bytes if max_json_frame_bytes is None else max_json_frame_bytes,
+                                      max_frame_bytes if max_binary_frame_bytes is None else max_binary_frame_bytes)
+        # A client whose PING asks for server-side inference sends ACTs: none beyond ``act_limits``
+        # (the largest ACT of the run's env), unless its PONG does not grant it.
+        self.act_limits = None if act_limits is None else act_limits.within(self.body_limits)
         self.limits = limits
         # The largest first frame of a connection: with an auth token the first request must
         # be a PING, so nobody unauthenticated gets a big frame read and decoded.
@@ -191,6 +194,8 @@ class TcpServer(Closeable):
             if conn is None or conn.closed:
                 return
             codec, negotiate = conn.codec, conn.offered and msg["type"] == _PONG
+            if conn.asked and msg["type"] == _PONG:   # a PONG that does not grant it lifts the ACT bound
+                conn.asked, conn.limits = False, conn.limits if msg.get("inference") == "server" else self.body_limits
         if negotiate:  # the answer to a PING that offered the binary codec: still JSON
             agreed = {**msg, "codec": "binary", "heartbeat_s": self.heartbeat_s}
             data = rllink.frame(rllink.encode(agreed, "json"))
@@ -357,7 +362,7 @@ class TcpServer(Closeable):
             if self._refused:
                 log.info("accepting connections again after refusing %d", self._refused)
                 self._refused = 0
-            conn = Connection.accepted(sock, conn_id)
+            conn = Connection.accepted(sock, conn_id, self.body_limits)
             if conn is None:
                 continue
             with self._lock:
@@ -412,7 +417,7 @@ class TcpServer(Closeable):
                         buf[:_HEADER], self.max_frame_bytes if conn.frames else self.first_frame_max_bytes)
                 end = _HEADER + conn.body_len
                 if len(buf) >= _HEADER + 4 or len(buf) >= end:
-                    self._check_codec_size(conn.body_len, buf[_HEADER:_HEADER + 4] == rllink.MAGIC)
+                    conn.limits.check(conn.body_len, buf[_HEADER:_HEADER + 4] == rllink.MAGIC)
                 if len(buf) < end:
                     return
                 body = bytes(memoryview(buf)[_HEADER:end])  # one copy; the view is gone before del
@@ -454,11 +459,6 @@ class TcpServer(Closeable):
                 if conn.inbuf and not conn.stopped(now):
                     self._guarded(conn, self._parse, now)
 
-    def _check_codec_size(self, n: int, binary: bool) -> None:
-        limit, codec = (self.max_binary_frame_bytes, "binary") if binary else (self.max_json_frame_bytes, "JSON")
-        if n > limit:
-            raise rllink.ProtocolError(f"{codec} frame of {n} bytes exceeds the maximum of {limit} for {codec}")
-
     def _deliver(self, conn: Connection, msg: dict) -> bool:
         with self._lock:
             if conn.closed:  # dropped meanwhile
@@ -468,6 +468,8 @@ class TcpServer(Closeable):
                 conn.owed += 1
             if msg["type"] == _T.PING.value:
                 conn.offered = "binary" in msg.get("codecs", ())
+                conn.asked = self.act_limits is not None and msg.get("inference") == "server"
+                conn.limits = self.act_limits if conn.asked else self.body_limits
             # After EPISODES (no reply, so nothing else paces the client) the connection
             # is not read until the learner has taken it: a flooder over its budget gets
             # held (``hold``) before more of its frames are decoded only to be dropped.

@@ -7,8 +7,9 @@ import collections
 import logging
 import socket
 import time
+from typing import NamedTuple
 
-from shmrl.rllink.codec import HEADER_LEN
+from shmrl.rllink.codec import HEADER_LEN, ProtocolError
 
 
 def conn_id_of(peer) -> str:
@@ -17,15 +18,33 @@ def conn_id_of(peer) -> str:
     return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
 
 
+class BodyLimits(NamedTuple):
+    """The largest frame body a connection may send in each codec; ``what`` says what they
+    bound, when it is not every message."""
+    json: int
+    binary: int
+    what: str = ""
+
+    def check(self, n: int, binary: bool) -> None:
+        """Refuse a body of ``n`` bytes in its codec (told by the body's first 4 bytes)."""
+        limit, codec = (self.binary, "binary") if binary else (self.json, "JSON")
+        if n > limit:
+            raise ProtocolError(f"{codec} frame of {n} bytes exceeds the maximum of {limit} for {codec}{self.what}")
+
+    def within(self, other: BodyLimits) -> BodyLimits:
+        """These limits, none above ``other``'s."""
+        return BodyLimits(min(self.json, other.json), min(self.binary, other.binary), self.what)
+
+
 class Connection:
     """One client connection. The IO thread alone uses the socket and the fields up to
     ``events``; the rest are shared with the learner's thread, under the server's lock."""
 
     __slots__ = ("sock", "conn_id", "inbuf", "body_len", "frame_start", "last_traffic", "sendq", "frames",
-                 "rest_until", "events", "out", "out_bytes", "owed", "unpolled", "paused", "held", "closed",
-                 "reason", "offered", "codec", "heartbeat")
+                 "rest_until", "events", "limits", "out", "out_bytes", "owed", "unpolled", "paused", "held",
+                 "closed", "reason", "offered", "asked", "codec", "heartbeat")
 
-    def __init__(self, sock: socket.socket, conn_id: str, now: float):
+    def __init__(self, sock: socket.socket, conn_id: str, now: float, limits: BodyLimits):
         self.sock, self.conn_id = sock, conn_id
         self.inbuf = bytearray()          # the incomplete frame being read
         self.body_len: int | None = None  # its body length, once its header is in
@@ -35,6 +54,7 @@ class Connection:
         self.sendq: collections.deque = collections.deque()  # frames (or unsent tails) being written
         self.rest_until = 0.0             # not read before this time.monotonic(): its decoding's share
         self.events = 0                   # what the selector watches for
+        self.limits = limits              # of its bodies: the largest ACT's once its PING asks for server-side inference
         self.out: list[bytes] = []        # reply frames from reply(), not yet taken by the IO thread
         self.out_bytes = 0                # reply bytes queued and not yet written
         self.owed = 0                     # requests received whose reply has not been queued
@@ -44,11 +64,12 @@ class Connection:
         self.closed = False               # no more requests delivered, replies ignored
         self.reason: str | None = None    # set when the learner's side closes it: why
         self.offered = False              # its last PING offered the binary codec
+        self.asked = False                # its last PING asked for server-side inference, not yet answered
         self.codec = "json"               # of the replies it gets (set by reply(), learner's thread)
         self.heartbeat = False            # it was told to send heartbeats: silence means hung
 
     @classmethod
-    def accepted(cls, sock: socket.socket, conn_id: str) -> Connection | None:
+    def accepted(cls, sock: socket.socket, conn_id: str, limits: BodyLimits) -> Connection | None:
         """A connection just accepted, set up for the IO thread (None: the socket is gone)."""
         try:
             sock.setblocking(False)
@@ -56,7 +77,7 @@ class Connection:
         except OSError:
             sock.close()
             return None
-        return cls(sock, conn_id, time.monotonic())
+        return cls(sock, conn_id, time.monotonic(), limits)
 
     def stopped(self, now: float) -> bool:
         """Not to be read now: the learner paused or held it, or it rests after a costly frame."""

@@ -35,12 +35,13 @@ from shmrl.core.spaces import MASK_KEY
 class _Conn:
     """One connection's envs: their agents' bookkeeping and what is owed to them."""
 
-    __slots__ = ("k", "sampler", "owed", "queued")
+    __slots__ = ("k", "sampler", "owed", "ended", "queued")
 
     def __init__(self, sampler: MultiAgentRollout):
         self.k = sampler.num_envs
         self.sampler = sampler
         self.owed: dict = defaultdict(float)   # (env, agent) -> reward since its action, its step not ended
+        self.ended = [set() for _ in range(self.k)]   # per env: the agents whose episode ended since its reset
         self.queued = False                    # its ACT waits for actions (queued or held)
 
 
@@ -112,6 +113,9 @@ class MultiAgentInference(Inference):
             return None, f"ACT with {len(envs)} envs; this connection's first had {conn.k} (K is fixed per connection)"
         if not all(env["outcome"] for env in envs):
             return None, "an env without 'rewards' after the connection's first ACT (every ACT but the first has them)"
+        why = self._acting_again(conn, envs)
+        if why:
+            return None, why
         sampler = conn.sampler
         waiting: dict = defaultdict(list)   # env -> its agents whose last action waits for its outcome
         for k, agent in sampler.pending:
@@ -150,6 +154,22 @@ class MultiAgentInference(Inference):
                 parsed[field] = {self.agent_of[name]: v for name, v in env[field].items()}
             out.append(parsed)
         return out, None
+
+    @staticmethod
+    def _acting_again(conn: _Conn, envs: list) -> str | None:
+        """Why an agent acts after its episode ended, before its env's reset (§11.3: an
+        agent's episode ends once); else None, each env's ended agents updated."""
+        for k, env in enumerate(envs):
+            again = set() if env["reset"] else conn.ended[k] & env["obs"].keys()
+            if again:
+                return (f"env {k}: agents {rllink.show(sorted(map(str, again)))} act again after their episode "
+                        f"ended, before the env's reset ('reset': true starts the next episode)")
+        for ended, env in zip(conn.ended, envs):
+            if env["reset"]:   # the agents that ended with it were the old episode's
+                ended.clear()
+            else:
+                ended.update(env["terminateds"], env["truncateds"])
+        return None
 
     def _record(self, conn: _Conn, k: int, env: dict, waiting: list) -> None:
         """Env k's step as the client reports it: of the agents ``waiting`` for the outcome
