@@ -630,6 +630,32 @@ def test_probe_and_steps_against_shmrl(start_run, cartpole):
     assert done.returncode == 1 and "the server closed the connection" in done.stderr, done.stderr
 
 
+def test_a_session_against_shmrl_leaks_nothing(start_run, tmp_path):
+    """clients/c/cartpole.c built with AddressSanitizer (LeakSanitizer checks at exit) and
+    run against a learner, to its --steps and to the run's end: everything it allocated is
+    freed, whichever way it ends. Skipped only where gcc or this machine has no working
+    AddressSanitizer."""
+    exe, sanitize = str(tmp_path / "cartpole_asan"), ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]
+    probe = subprocess.run(["gcc", *sanitize, "-x", "c", "-o", exe, "-"], input="int main(void){return 0;}",
+                           capture_output=True, text=True, timeout=60)
+    # Some sandboxes (ptrace limits) build it but cannot run LeakSanitizer: skip there too.
+    if probe.returncode != 0 or subprocess.run([exe], capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("gcc's -fsanitize=address does not build or run here")
+    gcc(*WARN, *sanitize, "-O1", "-o", exe, str(C_DIR / "cartpole.c"), "-lm")
+    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:exitcode=99"}
+    run = start_run("--sims", 0, "--tcp-port", 0, "--train-batch-size", 256, "--max-env-steps", 2000)
+    port = str(run.tcp_port())
+    done = subprocess.run([exe, "--port", port, "--envs", "16", "--steps", "400", "--quiet"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "steps done: " in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "Sanitizer" not in done.stderr, done.stderr[-3000:]
+    ended = subprocess.run([exe, "--port", port, "--envs", "16", "--quiet"], capture_output=True, text=True,
+                           timeout=180, env=env)   # until the run's budget ends it: "the server ended the session"
+    assert ended.returncode == 0 and "the server ended the session" in ended.stdout, ended.stdout + ended.stderr[-3000:]
+    assert "Sanitizer" not in ended.stderr, ended.stderr[-3000:]
+    assert run.proc.wait(timeout=60) == 1, run.output()[-3000:]   # the step budget
+
+
 def test_bench_quick():
     """clients/c/bench.py's quick mode, each inference in turn: a run, 2 C clients for 2 s,
     one JSON line of figures each."""

@@ -465,6 +465,32 @@ def test_the_readme_commands_harness_runs_each_command_quickly():
     assert "all README commands ran" in proc.stdout
 
 
+def test_the_readme_harness_keeps_a_clients_only_learner_whole_and_checks_every_client_took_part(tmp_path):
+    """tests/harness/readme_commands.py's rules for the README's external-client block,
+    without running it: a learner with --sims 0 keeps its budget (a short one could end
+    the run before its clients all joined), and a block in which a client sent no env step
+    fails, naming the clients and what the summary counted."""
+    from harness import readme_commands as harness
+
+    assert harness.shorten("python -m shmrl.run --sims 8") == "python -m shmrl.run --sims 8 --max-env-steps 4000"
+    assert harness.shorten("python -m shmrl.run --sims 0 --tcp-port 5556") == "python -m shmrl.run --sims 0 --tcp-port 5556"
+    readme = (REPO / "README.md").read_text()
+    (block,) = [b for b in harness.blocks(readme, "bash") if "examples/external_client.py" in b]
+    lines = harness.commands(block, 6000)
+    learners = [line for line in lines if harness.serves_clients(line)]
+    assert len(learners) == 1 and "--sims 0" in learners[0] and len(lines) == 3, lines
+    run = tmp_path / "runs" / "CartPole-v1-1"
+    run.mkdir(parents=True)
+
+    def took_part(by_client: dict) -> list[str]:
+        (run / "summary.json").write_text(json.dumps({"env_steps_by_client": by_client}))
+        return harness.clients_took_part(lines, {run})
+
+    assert took_part({"tcp:127.0.0.1:40001": 9000, "tcp:127.0.0.1:40002": 2048}) == []
+    (failure,) = took_part({"tcp:127.0.0.1:40001": 11000, "shm:0": 4000})   # the issue's run: one never joined
+    assert "2 clients started" in failure and "1 TCP connections only" in failure, failure
+
+
 @pytest.mark.slow
 def test_the_readme_commands_run_as_written_with_short_budgets():
     proc = subprocess.run([sys.executable, "-m", "tests.harness.readme_commands"], cwd=REPO, capture_output=True,

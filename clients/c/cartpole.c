@@ -84,7 +84,10 @@ int main(int argc, char **argv) {
         return 1;
     }
     memset(&st, 0, sizeof st);
+    memset(&e, 0, sizeof e);
     status = play(&a, name, &c, &e, &st);
+    free_envs(&e);
+    free(st.lat);
     shmrl_close(&c);
     return status;
 }

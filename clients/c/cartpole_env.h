@@ -268,5 +268,17 @@ static int alloc_envs(envs *e, int k, shmrl_step *step) {
     return e->env && e->obs && e->final_obs && e->rewards && e->terminateds && e->truncateds && e->actions;
 }
 
+/* What alloc_envs allocated (free(NULL) is a no-op: a partial allocation frees too). */
+static void free_envs(envs *e) {
+    free(e->env);
+    free(e->obs);
+    free(e->final_obs);
+    free(e->rewards);
+    free(e->terminateds);
+    free(e->truncateds);
+    free(e->actions);
+    memset(e, 0, sizeof *e);
+}
+
 
 #endif /* SHMRL_CARTPOLE_ENV_H */

@@ -266,6 +266,9 @@ int main(int argc, char **argv) {
     x.rng = a.seed;
     x.model.weights_seq_no = -1;
     status = play(&x, name);
+    free_envs(&x.e);
+    free(x.st.lat);
+    free(x.logp);
     shmrl_rollout_free(&x.rollout);
     shmrl_model_free(&x.model);
     policy_free(&x.p);

@@ -226,6 +226,7 @@ class Hub:
         self.waiting_since: float | None = None  # time.monotonic() when the first of them began
         self.bounds = bounds
         self.heartbeats_ignored = 0              # HEARTBEATs that claimed more steps than could be stepped
+        self.auth_failures = 0                   # connections closed for a first message without the auth token
         self.client_budget = client_budget
         # Server-side inference: the policy run for clients that asked in their PING;
         # SET_CONFIG describes the spaces for them (and for every client).
@@ -269,6 +270,7 @@ class Hub:
             token = msg.get("auth_token", "") if kind == T.PING.value else ""
             # "surrogatepass": a lone surrogate (valid JSON) is a wrong token, not a crash.
             if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), self.auth_token.encode()):
+                self.auth_failures += 1
                 conn.server.drop(conn_id, "authentication failed: PING without the right auth_token"
                                  if kind == T.PING.value else f"{kind} before an authenticated PING")
                 self.forget(conn_id)

@@ -62,7 +62,7 @@ def counts(run) -> dict:
             "bad_frames": sum(server.frames_rejected for server in serving.servers),
             "clients_timed_out": sum(server.clients_timed_out for server in serving.servers),
             "short_batches": serving.short_batches, "updates_skipped": run.counts.skipped,
-            "heartbeats_ignored": serving.hub.heartbeats_ignored,
+            "heartbeats_ignored": serving.hub.heartbeats_ignored, "auth_failures": serving.hub.auth_failures,
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
 

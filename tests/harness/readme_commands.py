@@ -10,9 +10,13 @@ The copy holds the repository's files (tracked and untracked, as `git ls-files` 
 them), so it is what a fresh clone of this tree would hold; shmrl is imported from it
 (PYTHONPATH), not from an install. Set-up lines (`git clone`, `pip install`) are not run.
 A `python -m shmrl.run` line gets a tenth of its `--max-env-steps` (at least 2000), or
-4000 where it gives none; port 5556 becomes a free one. A run may end solved (0) or out
-of budget (1); every other command must exit 0. A line ending in `&` runs in the
-background until the end of its block, and must end the same way.
+4000 where it gives none, except a learner with `--sims 0`: it trains on its block's
+clients alone, and a short budget would end it before they had all joined, so it runs
+as written. Port 5556 becomes a free one. A run may end solved (0) or out of budget (1);
+every other command must exit 0. A line ending in `&` runs in the background until the
+end of its block, and must end the same way. In a block whose learner serves TCP
+clients (`--tcp-port`), every other command is a client, and each must have taken part:
+the learner's summary.json counts env steps from as many TCP connections.
 
 Exit status: 0 when every command ran as the README says, 1 otherwise (each failure is
 printed with its output).
@@ -20,6 +24,7 @@ printed with its output).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -46,8 +51,8 @@ def free_port() -> int:
 
 
 def shorten(command: str) -> str:
-    """A shmrl.run command with a short budget."""
-    if "shmrl.run" not in command:
+    """A shmrl.run command with a short budget (one with ``--sims 0`` as written: see above)."""
+    if "shmrl.run" not in command or re.search(r"--sims 0\b", command):
         return command
     found = re.search(r"--max-env-steps (\d+)", command)
     if found:
@@ -71,10 +76,17 @@ def allowed(command: str) -> set[int]:
     return {0, 1} if "shmrl.run" in command else {0}
 
 
+def serves_clients(command: str) -> bool:
+    return "shmrl.run" in command and "--tcp-port" in command
+
+
 def run_block(block: str, where: Path, env: dict, quick: bool, timeout: float) -> list[str]:
     """Run one block's commands in order; returns the failures."""
     failures, background = [], []
-    for command in commands(block, free_port()):
+    lines = commands(block, free_port())
+    logdirs = where / "runs"   # where a learner without --logdir writes its log folder
+    runs_before = set(logdirs.glob("*"))
+    for command in lines:
         detach = command.endswith("&")
         command = command.rstrip("&").strip()
         if quick:
@@ -92,7 +104,28 @@ def run_block(block: str, where: Path, env: dict, quick: bool, timeout: float) -
         failures += finish(command, proc, timeout)
     for command, proc in background:
         failures += finish(command, proc, timeout)
+    learner = next((line for line in lines if serves_clients(line)), None)
+    if learner is not None and not quick:
+        logdir = re.search(r"--logdir (\S+)", learner)
+        new_runs = {where / logdir.group(1)} if logdir else set(logdirs.glob("*")) - runs_before
+        failures += clients_took_part(lines, new_runs)
     return failures
+
+
+def clients_took_part(lines: list[str], new_runs: set[Path]) -> list[str]:
+    """A learner's block: each of its other commands (a client) sent env steps over a TCP
+    connection of its own, as the learner's summary.json counts them."""
+    learner = next(line for line in lines if serves_clients(line))
+    clients = [line for line in lines if line != learner]
+    summaries = [run / "summary.json" for run in new_runs if (run / "summary.json").is_file()]
+    if len(summaries) != 1:
+        return [f"{learner}: expected one new log folder with a summary.json, found {sorted(map(str, new_runs))}"]
+    by_client = json.loads(summaries[0].read_text())["env_steps_by_client"]
+    took_part = sorted(conn for conn, steps in by_client.items() if conn.startswith("tcp:") and steps > 0)
+    if len(took_part) < len(clients):
+        return [f"{len(clients)} clients started ({'; '.join(clients)}), but env steps came from "
+                f"{len(took_part)} TCP connections only: {by_client}"]
+    return []
 
 
 def finish(command: str, proc: subprocess.Popen, timeout: float) -> list[str]:
