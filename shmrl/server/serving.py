@@ -165,6 +165,12 @@ class Serving:
         return next((conn_id for conn_id, conn in self.hub.connections.items() if conn.name == name), None)
 
     def held(self, conn_id: str) -> bool:
+    def refused_in_a_row(self, conn_id: str) -> tuple[int, str | None]:
+        """How many of the connection's last messages had every env step refused for its
+        values (out of bounds), and the reason of the last refusal."""
+        conn = self.hub.connections.get(conn_id)
+        return (conn.refused_in_a_row, conn.refused_why) if conn is not None else (0, None)
+
         """Whether the learner holds the connection back (it waits for new weights)."""
         return conn_id in self.hub.waiting
 
