@@ -109,3 +109,64 @@ def test_network_difference_names_the_setting():
     assert checkpoint.network_difference(saved, {**saved, "normalize_obs": True}).startswith("--normalize-obs True")
     older = {k: v for k, v in saved.items() if k != "log_std_init"}   # an older shmrl did not write it
     assert checkpoint.network_difference(older, {**saved, "log_std_init": 0.0}) is None
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    """Checkpoints 1 and 2 of a CartPole policy of --hidden 16, and its network."""
+    from shmrl.config.settings import PPOSettings, with_defaults
+    from shmrl.envs.make import env_spec
+    from shmrl.model.net import PolicyNet
+    from shmrl.model.ppo import PPO
+    from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
+    from shmrl.trainer.resume import save_checkpoint
+
+    net = PolicyNet(env_spec("CartPole-v1"), 16)
+    ppo = PPO(net, with_defaults(PPOSettings))
+    for update in (1, 2):
+        save_checkpoint(tmp_path, update, update, EpisodeStore(), {DEFAULT_POLICY: ppo},
+                        {"env": "CartPole-v1", "hidden": 16}, keep=3, multiagent=False)
+    return tmp_path, {DEFAULT_POLICY: net}
+
+
+def reshaped(folder, pick) -> str:
+    """Replace the array of ``folder``'s weights.npz that ``pick(names)`` names by one of
+    another shape; returns its name."""
+    with np.load(folder / "weights.npz") as f:
+        arrays = {k: f[k] for k in f.files}
+    name = pick(sorted(arrays))
+    arrays[name] = np.zeros((3, 3) if arrays[name].ndim == 2 else 5, arrays[name].dtype)
+    np.savez(folder / "weights.npz", **arrays)
+    return name
+
+
+@pytest.mark.parametrize("which", ["policy weights", "optimizer state"])
+def test_a_checkpoint_of_another_shape_is_passed_over_for_the_older_one(two_checkpoints, caplog, which):
+    import logging
+
+    from shmrl.trainer.resume import load_resume_checkpoint
+
+    logdir, nets = two_checkpoints
+    newest = checkpoint.checkpoints_dir(logdir) / "000002"
+    pick = (lambda names: next(n for n in names if n.startswith("policy/") and n.endswith(".w"))) \
+        if which == "policy weights" else (lambda names: "exp_avg")
+    name = reshaped(newest, pick)
+    with caplog.at_level(logging.WARNING, logger="shmrl.run"):
+        path, _, state = load_resume_checkpoint(str(logdir), "CartPole-v1", 16, nets, False)
+    assert path.name == "000001" and state["update"] == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert f"{newest} is damaged (it does not fit a network of --hidden 16" in warnings[0], warnings
+    assert repr(name.removeprefix("policy/")) in warnings[0] and "going on from" in warnings[0]
+
+
+def test_when_no_checkpoint_fits_the_network_the_resume_is_refused_naming_the_shapes(two_checkpoints):
+    from shmrl.config.settings import ConfigError
+    from shmrl.trainer.resume import load_resume_checkpoint
+
+    logdir, nets = two_checkpoints
+    for folder in checkpoint.all_checkpoints(logdir):
+        reshaped(folder, lambda names: next(n for n in names if n.startswith("policy/") and n.endswith(".w")))
+    with pytest.raises(ConfigError, match=r"000002 does not fit a network of --hidden 16 for CartPole-v1: its "
+                                          r".* has shape \(3, 3\).*other layer sizes"):
+        load_resume_checkpoint(str(logdir), "CartPole-v1", 16, nets, False)

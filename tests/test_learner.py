@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import shmrl
-from shmrl.core.episode import EpisodeBatch
+from shmrl.core.episode import Episode, EpisodeBatch
 from shmrl.model.net import PolicyNet
 from shmrl.config.settings import Config, PPOSettings, with_defaults
 from shmrl.model.ppo import PPO
@@ -66,6 +66,41 @@ def test_store_drops_stale_chunks_and_takes_the_oldest_first():
     kept = first[0].chunk(0)
     np.testing.assert_array_equal(kept.obs, new.obs)  # the chunk that stayed is whole
     assert store.steps_received == store.in_flight + store.pending_steps + 5
+
+
+def truncated_episodes(count: int, length: int, reward: float) -> EpisodeBatch:
+    """``count`` CartPole episodes of ``length`` steps of ``reward`` each, truncated."""
+    eps = []
+    for i in range(count):
+        ep = Episode(np.full(4, 0.01 * i, np.float32), id=f"e{i}")
+        for t in range(length):
+            ep.add_step(0, reward, np.full(4, 0.01 * i, np.float32), np.zeros(2, np.float32), -0.7,
+                        truncated=t == length - 1)
+        eps.append(ep.finalize())
+    return EpisodeBatch.from_episodes(eps)
+
+
+def test_one_step_truncated_episodes_cannot_fake_solved(learner_and_server):
+    """A truncated episode completes one (a return in the window "solved" is judged on) only
+    at the env's time limit (CartPole's 500 steps): 100 one-step episodes at the best return
+    are trained on and complete nothing; terminated ones count at any length."""
+    learner, _, _ = learner_and_server
+    store = learner.store
+    store.add("c", {DEFAULT_POLICY: truncated_episodes(100, 1, 500.0)})
+    store.add("c", {DEFAULT_POLICY: truncated_episodes(10, 499, 1.0)})
+    assert store.steps_received == 100 + 4990 and store.pending_steps == 5090   # their steps are trained on
+    assert store.episodes_completed == 0 and list(store.returns) == [] and math.isnan(store.return_mean())
+    store.add("c", {DEFAULT_POLICY: truncated_episodes(2, 500, 1.0)})         # at the time limit: complete
+    store.add("c", {DEFAULT_POLICY: EpisodeBatch.from_episodes([chunk(0.5, 1, terminated=True)])})
+    assert list(store.returns) == [500.0, 500.0, 1.0] and store.episodes_completed == 3
+
+
+def test_without_a_known_time_limit_a_truncated_episode_needs_two_steps():
+    store = EpisodeStore(window=100)
+    store.add("c", {DEFAULT_POLICY: truncated_episodes(100, 1, 500.0)})
+    assert store.episodes_completed == 0 and list(store.returns) == []
+    store.add("c", {DEFAULT_POLICY: truncated_episodes(3, 2, 1.0)})
+    assert list(store.returns) == [2.0, 2.0, 2.0]
 
 
 @pytest.fixture

@@ -177,3 +177,41 @@ def test_a_training_batch_is_the_same_however_many_simulators_share_it():
     assert parse_args(["--sims", 4, "--env-steps-per-sample", 100]).env_steps_per_sample == 100
     assert parse_args(["--train-batch-size", 4096]).env_steps_per_sample == 512
     assert resolve_config(Config(env="Pendulum-v1", sims=2)).env_steps_per_sample == 2048
+
+
+HUGE_REWARDS = '''
+from shmrl.envs.builtin import CartPole
+
+
+class HugeRewards(CartPole):
+    """CartPole whose every reward is out of bounds (above --max-reward-abs)."""
+
+    def step(self, action):
+        obs, _, terminated, truncated, info = super().step(action)
+        return obs, 1e7, terminated, truncated, info
+
+
+def make_env():
+    return HugeRewards()
+'''
+
+
+def test_an_env_whose_every_step_is_refused_ends_the_run_with_exit_3(start_run, tmp_path, monkeypatch):
+    """Every chunk refused (its rewards above --max-reward-abs): the budget can never fill,
+    so the run fails naming the reason, as one whose env gives NaN does."""
+    (tmp_path / "huge_rewards_env.py").write_text(HUGE_REWARDS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    run = start_run("--sims", 2, "--env", "huge_rewards_env:make_env", "--stop-return", 1e9, "--max-env-steps",
+                    100_000, "--logdir", tmp_path / "logs")
+    try:
+        run.proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the run did not end; output:\n{run.output()[-3000:]}") from None
+    out = run.output()
+    assert run.proc.returncode == 3, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "every env step of its last 10 messages was refused: reward out of bounds" in errors[0], \
+        out[-3000:]
+    summary = summary_of(tmp_path / "logs")
+    assert summary["exit_status"] == 3 and summary["env_steps_accepted"] == 0 and summary["updates"] == 0
+    assert summary["env_steps_dropped"] == {"reward out of bounds": summary["env_steps"]} and summary["env_steps"] > 0

@@ -33,7 +33,8 @@ class CartPole:
 
     high = np.array([x_threshold * 2, np.finfo(np.float32).max, theta_threshold * 2,
                      np.finfo(np.float32).max], dtype=np.float32)
-    spec = EnvSpec("CartPole-v1", Box(tuple(-high), tuple(high), (4,)), Discrete(2), reward_threshold=475.0)
+    spec = EnvSpec("CartPole-v1", Box(tuple(-high), tuple(high), (4,)), Discrete(2), reward_threshold=475.0,
+                   max_episode_steps=max_episode_steps)
 
     def __init__(self, seed: int | None = None):
         self._rng = np.random.default_rng(seed)
@@ -79,7 +80,7 @@ class Pendulum:
     max_speed, max_torque, dt, g, m, length = 8.0, 2.0, 0.05, 10.0, 1.0, 1.0
     max_episode_steps = 200
     spec = EnvSpec("Pendulum-v1", Box((-1.0, -1.0, -8.0), (1.0, 1.0, 8.0), (3,)),
-                   Box((-2.0,), (2.0,), (1,)), reward_threshold=None)
+                   Box((-2.0,), (2.0,), (1,)), reward_threshold=None, max_episode_steps=max_episode_steps)
 
     def __init__(self, seed: int | None = None):
         self._rng = np.random.default_rng(seed)
@@ -113,7 +114,8 @@ class CartPoleNoVel(CartPole):
     rl-zoo3's CartPoleNoVel-v1 (its MaskVelocityWrapper): only a policy with memory can
     tell which way the pole moves."""
 
-    spec = EnvSpec("CartPoleNoVel-v1", CartPole.spec.observation_space, Discrete(2), reward_threshold=475.0)
+    spec = EnvSpec("CartPoleNoVel-v1", CartPole.spec.observation_space, Discrete(2), reward_threshold=475.0,
+                   max_episode_steps=CartPole.max_episode_steps)
     VISIBLE = np.array([1, 0, 1, 0], np.float32)
 
     def reset(self, seed: int | None = None):
@@ -129,7 +131,8 @@ class PendulumNoVel(Pendulum):
     """Pendulum-v1 with the angular velocity hidden (observed as 0), as rl-zoo3's
     PendulumNoVel-v1."""
 
-    spec = EnvSpec("PendulumNoVel-v1", Pendulum.spec.observation_space, Pendulum.spec.action_space)
+    spec = EnvSpec("PendulumNoVel-v1", Pendulum.spec.observation_space, Pendulum.spec.action_space,
+                   max_episode_steps=Pendulum.max_episode_steps)
 
     def _obs(self) -> np.ndarray:
         obs = super()._obs()

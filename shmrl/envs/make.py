@@ -88,7 +88,9 @@ def spec_of(env, env_id: str):
         raise ValueError(f"{env_id}: made {type(env).__name__!r}, not an env: it has no observation_space "
                          f"and action_space")
     threshold = getattr(getattr(env, "spec", None), "reward_threshold", None)
-    return space_spec(env_id, env.observation_space, env.action_space, threshold)
+    limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)   # gymnasium's TimeLimit
+    return space_spec(env_id, env.observation_space, env.action_space, threshold,
+                      limit if isinstance(limit, int) and limit > 0 else None)
 
 
 def _call_factory(factory, env_id: str):

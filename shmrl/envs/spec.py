@@ -28,6 +28,7 @@ class EnvSpec:
     observation_space: object
     action_space: object
     reward_threshold: float | None = None  # the return at which it counts as solved, if known
+    max_episode_steps: int | None = None   # its time limit: the step at which it truncates an episode, if known
     multiagent = False   # a MultiAgentSpec's is True: one spec type or the other, asked the same way
 
     @functools.cached_property
@@ -54,10 +55,11 @@ class EnvSpec:
         return self.actions.dist_size
 
 
-def space_spec(env_id: str, observation_space, action_space, threshold: float | None = None) -> EnvSpec:
+def space_spec(env_id: str, observation_space, action_space, threshold: float | None = None,
+               max_episode_steps: int | None = None) -> EnvSpec:
     """The EnvSpec of these spaces, checked (an action mask must fit the actions)."""
     spec = EnvSpec(env_id, spaces.from_gym(observation_space), spaces.from_gym(action_space),
-                   None if threshold is None else float(threshold))
+                   None if threshold is None else float(threshold), max_episode_steps)
     try:
         layout, actions = spec.obs, spec.actions
     except ValueError as e:

@@ -131,11 +131,13 @@ def check_state(state: dict) -> None:
             raise CheckpointError(f"state.json: {key} is {type(state[key]).__name__}, not an object")
 
 
-def load_latest(logdir: Path) -> tuple[Path, dict[str, np.ndarray], dict, list[str]]:
+def load_latest(logdir: Path, misfit=None) -> tuple[Path, dict[str, np.ndarray], dict, list[str]]:
     """(path, arrays, state, damaged) of the newest intact checkpoint under ``logdir``;
     ``damaged`` says, for each newer one that could not be read, which and why. A run
     killed at the wrong moment, or a full disk, can leave the newest one unreadable; the
-    ones before it are kept for exactly that (``--keep-checkpoints``)."""
+    ones before it are kept for exactly that (``--keep-checkpoints``). ``misfit(path,
+    arrays, state)``, if given, says why a readable checkpoint does not fit the run (arrays
+    of the wrong shape), or None: one that does not fit is passed over as a damaged one is."""
     found = all_checkpoints(logdir)
     if not found:
         raise CheckpointError(f"no checkpoint in {checkpoints_dir(Path(logdir))}")
@@ -148,6 +150,10 @@ def load_latest(logdir: Path) -> tuple[Path, dict[str, np.ndarray], dict, list[s
             continue
         except Exception as e:  # BadZipFile, EOFError, OSError, JSON errors
             damaged.append(f"{path} is damaged ({type(e).__name__}: {e})")
+            continue
+        why = misfit(path, arrays, state) if misfit is not None else None
+        if why:
+            damaged.append(f"{path} is damaged ({why})")
             continue
         return path, arrays, state, damaged
     raise CheckpointError(f"every checkpoint in {checkpoints_dir(Path(logdir))} is damaged: "

@@ -9,7 +9,7 @@ restart policy and the accounting of lost steps stay here, whichever places them
 the thread that owns the Hub and the transports, so a dead simulator's connection is
 closed, its slot reset and a replacement started without a lock around any of them. It
 talks to the serving side only through its interface for launchers (``held``,
-``connection_named``, ``timed_out``, ``steps_received``, ``close``).
+``connection_named``, ``timed_out``, ``steps_received``, ``refused_in_a_row``, ``close``).
 
 A simulator is replaced when its process exits (a SIGKILL included: seen within one
 serving round, about 50 ms) or when it hangs: the env-step count it writes into its
@@ -23,7 +23,9 @@ gives in its PING) has been gone that long, closed for missing HEARTBEATs, while
 process lives on. What it stepped but never sent is counted as lost (over TCP by the Hub,
 from its last HEARTBEAT). A simulator that keeps failing (``max_restarts`` within
 ``restart_window`` s) fails the run instead: its environment is broken, and restarting it
-forever would hide that.
+forever would hide that. So does one whose every env step is refused for its values (an
+env whose rewards are all out of bounds): ``REFUSED_IN_A_ROW`` messages in a row, each
+refused whole, and the run fails naming the reason (a run could never fill its budget).
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ log = logging.getLogger("shmrl.supervisor")
 # its reply FIFO, its process's sentinel and one more pipe), and for itself (its log
 # folder, torch, TensorBoard, the TCP port's clients), with room to spare.
 FILES_PER_SIM, FILES_OF_THE_LEARNER = 4, 256
+
+# A simulator's messages in a row whose every env step was refused (out of bounds) before
+# the run fails: its env gives nothing the run can train on (a few refused now and then
+# are the bounds at work, and the run goes on).
+REFUSED_IN_A_ROW = 10
 
 
 def make_room_for(sims: int) -> None:
@@ -244,6 +251,19 @@ class Supervisor:
                 reason = self._trouble(sim, serving, now)
                 if reason:
                     self._replace(sim, reason, serving, now)
+                elif self._all_refused(sim, serving):
+                    return
+
+    def _all_refused(self, sim: _Sim, serving) -> bool:
+        """Fail the run (True) when ``sim``'s last ``REFUSED_IN_A_ROW`` messages had every
+        env step refused: restarting it would change nothing."""
+        conn_id = sim.conn_id if self._on_shm(sim) else sim.tcp_conn
+        refused, why = serving.refused_in_a_row(conn_id) if conn_id is not None else (0, None)
+        if refused < REFUSED_IN_A_ROW:
+            return False
+        self.failure = (f"{self.launcher.describe(sim.proc)}: every env step of its last {refused} messages was "
+                        f"refused: {why} (counted in env_steps_dropped); its env gives nothing the run can train on")
+        return True
 
     def _on_shm(self, sim: _Sim) -> bool:
         """Whether ``sim`` uses its shared-memory slot (a remote launcher's may use TCP)."""

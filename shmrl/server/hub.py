@@ -183,6 +183,8 @@ class Connection:
     stepped: int | None = None       # env steps its last HEARTBEAT reported
     refusals_logged: set = field(default_factory=set)   # reasons logged for it (once each)
     over_budget: bool = False        # told (in the log) that it is over its budget
+    refused_in_a_row: int = 0        # its last messages with steps, every one refused for its values
+    refused_why: str | None = None   # the reason of the last refusal
 
 
 class Hub:
@@ -312,8 +314,11 @@ class Hub:
         if reason:
             self._drop(conn_id, conn, reason, batch.num_steps)
             return False
+        sent = sum(sub.num_steps for sub in chunks.values())
         chunks = self._refuse_out_of_bounds(conn_id, conn, chunks)
         steps = sum(sub.num_steps for sub in chunks.values())
+        if sent:   # a client whose every step is refused (a broken env) is told apart from one refused now and then
+            conn.refused_in_a_row = 0 if steps else conn.refused_in_a_row + 1
         if self._within_budget(conn_id, conn, steps):
             self.store.add(conn_id, chunks)
             self._hold_if_full(conn_id, conn)
@@ -392,6 +397,7 @@ class Hub:
                 kept[pid] = batch
                 continue
             for reason, bad in refused.items():
+                conn.refused_why = reason
                 self.store.drop(reason, int(batch.lengths[bad].sum()))
                 self._log_refusal(conn_id, conn, reason, f"refused {int(bad.sum())} chunk(s), {reason} "
                                   "(counted in env_steps_dropped)")

@@ -73,7 +73,8 @@ class Serving:
         self.max_policy_lag = config.max_policy_lag
         on_policy = not config.async_sampling
         reward_gamma = config.gamma if config.normalize_reward else None
-        self.store = EpisodeStore(policy_specs, config.return_window, reward_gamma)
+        time_limit = min((getattr(spec, "max_episode_steps", None) or 0 for spec in policy_specs.values()), default=0)
+        self.store = EpisodeStore(policy_specs, config.return_window, reward_gamma, time_limit or None)
         self.hub = Hub(policy_specs, self.store, config.env_steps_per_sample, on_policy,
                        max_pending_steps=None if on_policy else self.train_batch_size, auth_token=config.auth_token,
                        state_size=state_size, multiagent=multiagent, extra_config=extra_config,
@@ -164,6 +165,12 @@ class Serving:
     def connection_named(self, name: str) -> str | None:
         """The open connection whose client gave ``name`` in its PING, or None."""
         return next((conn_id for conn_id, conn in self.hub.connections.items() if conn.name == name), None)
+
+    def refused_in_a_row(self, conn_id: str) -> tuple[int, str | None]:
+        """How many of the connection's last messages had every env step refused for its
+        values (out of bounds), and the reason of the last refusal."""
+        conn = self.hub.connections.get(conn_id)
+        return (conn.refused_in_a_row, conn.refused_why) if conn is not None else (0, None)
 
     def held(self, conn_id: str) -> bool:
         """Whether the learner holds the connection back (it waits for new weights)."""

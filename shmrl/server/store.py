@@ -38,10 +38,12 @@ class PolicyChunks:
     its order of messages).
     """
 
-    def __init__(self, window: int = 100, reward_gamma: float | None = None):
+    def __init__(self, window: int = 100, reward_gamma: float | None = None, time_limit: int | None = None):
         """``reward_gamma``: keep the running variance of each stream's discounted return
         (``reward_stats``), by which rewards are scaled for training (VecNormalize's reward
-        normalization, at the learner and per client stream instead of in a wrapper)."""
+        normalization, at the learner and per client stream instead of in a wrapper).
+        ``time_limit``: the env's (``EnvSpec.max_episode_steps``), which a truncated episode
+        must reach to be complete (``complete``)."""
         self.pending: list[tuple[str, EpisodeBatch]] = []   # (the connection it came from, a batch)
         self.pending_steps = 0
         self.pending_by_conn: dict[str, int] = {}   # conn_id -> its env steps in ``pending``
@@ -56,6 +58,7 @@ class PolicyChunks:
         self.reward_gamma = reward_gamma
         self.reward_stats = RunningMeanStd() if reward_gamma is not None else None
         self.window = window
+        self.time_limit = time_limit
         self.returns_by_agent: dict = {}   # multi-agent chunks: agent id -> its recent returns
         self.recorder = None   # called with every batch taken (see EpisodeStore.record)
 
@@ -71,10 +74,11 @@ class PolicyChunks:
         before = [self._open.pop(key, (0.0, 0, 0.0)) for key in starts]
         discounted = self._discounted_returns(batch, [b[2] for b in before])
         completed = []
+        terminated = batch.is_terminated.tolist()
         for i, (ret, length, done) in enumerate(zip(batch.chunk_returns().tolist(), batch.lengths.tolist(),
                                                      batch.is_done.tolist())):
             ret, length = ret + before[i][0], length + before[i][1]
-            if done and not length:   # an episode of no steps earned nothing: no return, no "solved"
+            if done and not self.complete(length, terminated[i]):   # trained on; no return, no "solved"
                 continue
             if done:
                 if batch.agent_ids is not None:
@@ -97,6 +101,15 @@ class PolicyChunks:
             self.steps_received += batch.num_steps
             count(self.steps_by_conn, conn_id, batch.num_steps)
         return completed
+
+    def complete(self, length: int, terminated: bool) -> bool:
+        """Whether an episode that ended after ``length`` steps completes one, with a return
+        for the window (and "solved"): the env ended it (terminated), or it was truncated at
+        the env's time limit (where unknown, after more than one step). An episode of no
+        steps, or one cut short, is part of an episode: its return is no episode's return."""
+        if terminated:
+            return length > 0
+        return length >= (self.time_limit or 2)
 
     def _discounted_returns(self, batch: EpisodeBatch, carries: list[float]) -> list[float]:
         """Each chunk's discounted return at its last step, going on from ``carries`` (its
@@ -207,8 +220,11 @@ class EpisodeStore:
     run's counts and its return window over every episode. ``take`` hands over each
     policy's chunks at once."""
 
-    def __init__(self, policy_ids=(DEFAULT_POLICY,), window: int = 100, reward_gamma: float | None = None):
-        self.policies = {pid: PolicyChunks(window, reward_gamma) for pid in policy_ids}
+    def __init__(self, policy_ids=(DEFAULT_POLICY,), window: int = 100, reward_gamma: float | None = None,
+                 time_limit: int | None = None):
+        """``time_limit``: the env's, which a truncated episode must reach to count
+        (``PolicyChunks.complete``)."""
+        self.policies = {pid: PolicyChunks(window, reward_gamma, time_limit) for pid in policy_ids}
         self.returns: deque = deque(maxlen=window)
         self.lengths: deque = deque(maxlen=window)
         self.episodes_completed = 0

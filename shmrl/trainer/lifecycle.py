@@ -9,13 +9,58 @@ calls the parts a kind of run fills in: ``make_serving``, ``prepare``, ``loop`` 
 """
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
 
 from shmrl.config.settings import EXIT_FAILED, EXIT_INTERRUPTED
 from shmrl.files.checkpoint import CheckpointError
 from shmrl.files.logdir import LogdirWriteError
 from shmrl.server.serving import Serving, open_transports
 from shmrl.trainer.setup import Setup
+
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Ctrl-C and SIGTERM that come during the block take effect as it ends: what the block
+    writes (an update's count, its steps trained, its metrics row) is written whole or not
+    at all, whatever the moment of the signal. Only the main thread runs signal handlers:
+    elsewhere the block holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught, before, done = [], {}, []
+
+    def hold(signum, frame):
+        if done:   # a signal between the block's end and the handler's return: its own handler
+            _handle(signum, before[signum], frame)
+        else:
+            caught.append(signum)
+
+    try:
+        for signum in HELD_SIGNALS:
+            if signal.getsignal(signum) is not None:   # None: a handler not set from Python, left as it is
+                before[signum] = signal.signal(signum, hold)
+        yield
+    finally:
+        done.append(True)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        if caught:
+            _handle(caught[0], before[caught[0]], None)
+
+
+def _handle(signum: int, handler, frame) -> None:
+    """What ``handler`` (as ``signal.signal`` returned it) does with ``signum``."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler != signal.SIG_IGN:   # the default action (SIGTERM's: the process ends)
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
 
 
 class RunFailed(RuntimeError):

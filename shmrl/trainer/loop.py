@@ -30,8 +30,8 @@ from shmrl.files.checkpoint import CheckpointError
 from shmrl.files.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
 from shmrl.server.serving import Serving
 from shmrl.trainer.learn_per_step import LearnPerStep, simulators_slow
-from shmrl.trainer.lifecycle import Run, RunFailed, open_run
-from shmrl.trainer.report import DETAIL_EVERY, Clock, metrics_row, progress_line, run_summary, share
+from shmrl.trainer.lifecycle import Run, RunFailed, open_run, signals_held
+from shmrl.trainer.report import DETAIL_EVERY, Clock, books, metrics_row, progress_line, run_summary, share
 from shmrl.trainer.resume import policy_file, save_checkpoint, spent_budget
 from shmrl.trainer.setup import Setup, make_ppos, make_serving, set_up, switch_to_slow
 from shmrl.trainer.win_rate import WinRateEval
@@ -68,16 +68,7 @@ class UpdateCounts:
     done: int = 0               # updates trained: the metrics row's "update", summary.json's "updates"
     skipped: int = 0            # a non-finite loss or gradient: the weights stayed
     skipped_in_a_row: int = 0
-
-
-@dataclass
-class LastUpdate:
-    """The last update's stats and metrics row, kept for the row written again as the run
-    ends (``Training.final_row``)."""
-    stats: dict
-    row: dict
-    written: bool = False             # in metrics.jsonl
-    evaluated_at_end: bool = False    # a budget's end evaluated it after it was written
+    last: dict | None = None    # the stats of update ``done``, counted with it: its metrics row's own numbers
 
 
 def update(serving: Serving, ppos: dict, counts: UpdateCounts, batches: dict, version: int, progress: float = 0.0,
@@ -118,14 +109,17 @@ def update(serving: Serving, ppos: dict, counts: UpdateCounts, batches: dict, ve
             return None
     else:
         counts.skipped_in_a_row = 0
-    serving.store.trained({pid: chunks[pid] for pid in per_policy})   # only this thread writes steps_trained
-    counts.done += 1
-    serving.publish({pid: ppos[pid].published_weights() for pid in per_policy}, update=counts.done)
     total = sum(p["batch_steps"] for p in per_policy.values())
     stats = {k: sum(p[k] * p["batch_steps"] for p in per_policy.values()) / total
              for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale", "epochs_run")}
-    stats.update(update=counts.done, batch_steps=total, policy_lag=float(np.mean(lags)) if lags else 0.0,
-                 train_s=time.perf_counter() - t0, weights_seq_no=serving.weights_seq_no, policies=per_policy)
+    weights = {pid: ppos[pid].published_weights() for pid in per_policy}
+    with signals_held():   # counted whole: its steps trained, its number, its weights and its stats, or none
+        serving.store.trained({pid: chunks[pid] for pid in per_policy})   # only this thread writes steps_trained
+        counts.done += 1
+        serving.publish(weights, update=counts.done)
+        stats.update(update=counts.done, batch_steps=total, policy_lag=float(np.mean(lags)) if lags else 0.0,
+                     train_s=time.perf_counter() - t0, weights_seq_no=serving.weights_seq_no, policies=per_policy)
+        counts.last = stats
     return stats
 
 
@@ -151,7 +145,9 @@ class Training(Run):
         self.clock = Clock(t_start, 0)
         self.judge = WinRateEval(config.env, setup.policy_specs, config.eval_every, config.eval_games,
                                  config.stop_win_rate, config.seed)
-        self.last: LastUpdate | None = None
+        self.learning: LearnPerStep | None = None   # how much to learn per batch, once the loop begins
+        self.row: dict | None = None         # the last row written to metrics.jsonl
+        self.evaluated_at_end = False        # a budget's end evaluated the last update after its row
         self.budget = "step"                 # the budget that ended the run, if one did
         self.lock = None                     # the log folder's, held from the start to the end
 
@@ -190,7 +186,7 @@ class Training(Run):
         # A terminal gets a line per update; a log file one every 10 s (metrics.jsonl has all).
         log_every = config.log_every if config.log_every is not None else (0.0 if sys.stdout.isatty() else 10.0)
         last_line, lines = -math.inf, 0
-        learning = LearnPerStep.of(config, (self.setup.profile or {}).get("name") == "slow")
+        learning = self.learning = LearnPerStep.of(config, (self.setup.profile or {}).get("name") == "slow")
         self.clock.start_loop()
         while True:
             batch = self.serving.next_batch(0.05)
@@ -211,6 +207,7 @@ class Training(Run):
             if self.setup.slow is not None:   # the first batch says how fast the simulators are: keep or switch
                 if self.choose_profile(batch[0]):
                     config, learning = self.config, LearnPerStep.of(self.config, slow_profile=True)
+                    self.learning = learning
                     continue   # the batch was the other profile's: dropped
             t0 = time.perf_counter()
             stats = update(self.serving, self.ppos, self.counts, *batch,
@@ -224,7 +221,6 @@ class Training(Run):
             if self.judge.due(stats["update"]):
                 stats.update(self.judge.evaluate(self.serving.model_bytes, stats["update"]))
             row = metrics_row(stats, self)
-            self.last = LastUpdate(stats, row)
             now = row["elapsed_s"]   # the row's own clock: a line is due by the time the row says
             if log_every == 0 or now - last_line >= log_every or stats["update"] == 1:
                 detail = config.verbose or lines % DETAIL_EVERY == 0
@@ -232,8 +228,9 @@ class Training(Run):
                 print(progress_line(row, store.returns, config.stop_return, config.max_env_steps, detail, latest),
                       flush=True)
                 last_line, lines = now, lines + 1
-            self.metrics.write(row)
-            self.last.written = True
+            with signals_held():   # the row is in metrics.jsonl exactly when ``self.row`` says so
+                self.metrics.write(row)
+                self.row = row
             if config.checkpoint_every and self.counts.done % config.checkpoint_every == 0:
                 self.checkpoint()
             if self.judge.solved():
@@ -242,9 +239,9 @@ class Training(Run):
     def evaluate_last(self) -> None:
         """A budget ends the run: the updates since the last evaluation are evaluated too (they
         may be the best), into the last row as the run ends (``final_row``)."""
-        if self.last is not None and self.judge.stale(self.counts.done):
-            self.last.stats.update(self.judge.evaluate(self.serving.model_bytes, self.counts.done))
-            self.last.evaluated_at_end = True
+        if self.counts.last is not None and self.judge.stale(self.counts.done):
+            self.counts.last.update(self.judge.evaluate(self.serving.model_bytes, self.counts.done))
+            self.evaluated_at_end = True
 
     def choose_profile(self, chunks: dict) -> bool:
         """The profile the run goes on with, from the env steps per second its simulators
@@ -265,7 +262,7 @@ class Training(Run):
                                self.ppos, saved_config(config), config.keep_checkpoints, self.setup.multiagent)
 
     def end(self, status: int, error: str | None, unsaid: list) -> tuple[int, dict]:
-        if status in (EXIT_SOLVED, EXIT_BUDGET):
+        if not unsaid:   # a write that failed (a full disk): the rows written stay as they are
             self.final_row(unsaid)
         return self.finish(status, error, unsaid)
 
@@ -279,17 +276,22 @@ class Training(Run):
 
     def final_row(self, unsaid: list) -> None:
         """The last update's row, written again with the counts and the return as the run
-        ended (what summary.json says) where episodes or steps came in after it: metrics.jsonl,
-        and a plot of it, ends where the run did (at the return that solved it); written for
-        the first time where the run ended between the update and its row; written again with
-        the evaluation a budget's end added (``evaluate_last``)."""
-        last, store = self.last, self.serving.store
-        if last is None or (last.written and not last.evaluated_at_end and (last.row["env_steps"], last.row["episodes"])
-                            == (store.steps_received, store.episodes_completed)):
+        ended (what summary.json says, from the same numbers) where anything came in after
+        it: metrics.jsonl, and a plot of it, ends where the run did (at the return that
+        solved it); written for the first time where a signal ended the run between the
+        update and its row; written again with the evaluation a budget's end added
+        (``evaluate_last``)."""
+        stats, row = self.counts.last, self.row
+        if stats is None or self.metrics is None:
             return
-        try:   # not written at all where Ctrl-C came between the update and its row
-            write = self.metrics.rewrite_last if last.written else self.metrics.write
-            write(metrics_row(last.stats, self))
+        written, now = row is not None and row["update"] == stats["update"], books(self)
+        if written and not self.evaluated_at_end and {k: row[k] for k in now} == now:
+            return
+        # A signal before the loop took the update's share of the learner's time: the run's so far.
+        stats.setdefault("learner_share", self.clock.learner_share())
+        stats.setdefault("learn_level", self.learning.level if self.learning else 0)
+        try:
+            (self.metrics.rewrite_last if written else self.metrics.write)(metrics_row(stats, self))
         except LogdirWriteError as e:
             unsaid.append(str(e))
 

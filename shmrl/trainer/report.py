@@ -66,6 +66,12 @@ def counts(run) -> dict:
             "simulator_restarts": supervisor.restarts if supervisor else 0}
 
 
+def books(run) -> dict:
+    """The counters of ``run`` that a metrics row and summary.json both hold (``counts`` and
+    the episodes): as a run ends, its last row's are the summary's."""
+    return {**counts(run), "episodes": run.serving.store.episodes_completed}
+
+
 def returns(serving) -> dict:
     """The mean return of the last episodes; a multi-agent run's also per policy and agent."""
     store = serving.store

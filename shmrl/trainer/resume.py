@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from shmrl.files import checkpoint
 from shmrl.config.settings import EXIT_BUDGET, ConfigError
 from shmrl.server.store import DEFAULT_POLICY
@@ -43,31 +45,55 @@ def saved_policy(arrays: dict, prefix: str = "") -> dict:
 
 def load_resume_checkpoint(resume: str, env: str, hidden: int, nets: dict, multiagent: bool,
                            settings: dict | None = None) -> tuple:
-    """(path, arrays, state) of the newest intact checkpoint in the folder ``resume``,
-    checked against this run's env (its name), network settings (``settings``, as
-    saved_config writes them) and networks (policy id -> PolicyNet) before anything is
-    started or written: a run that cannot resume must leave the folder it would resume as
-    it found it."""
+    """(path, arrays, state) of the newest intact checkpoint in the folder ``resume`` whose
+    arrays fit this run's networks (policy id -> PolicyNet; a newer one whose arrays have
+    other shapes is damaged, passed over with a warning), checked against this run's env
+    (its name) and network settings (``settings``, as saved_config writes them) before
+    anything is started or written: a run that cannot resume must leave the folder it
+    would resume as it found it."""
+    misfits = []   # (path, why) of the readable checkpoints whose arrays do not fit
+
+    def misfit(path: Path, arrays: dict, state: dict) -> str | None:
+        saved_env = state.get("config", {}).get("env")
+        if saved_env is not None and saved_env != env:
+            raise ConfigError(f"--resume {resume}: its checkpoint was trained on {saved_env}, not "
+                              f"{env}; a run resumes on the env it was trained on")
+        if settings:   # the set of policies first: the arrays are compared policy by policy
+            refuse_other_network(resume, state, settings, ["policy_map"])
+        for pid, net in nets.items():
+            prefix = policy_prefix(pid, multiagent)
+            why = net.check(saved_policy(arrays, prefix)) or optimizer_misfit(net, arrays, prefix)
+            if why:
+                why = f"it does not fit a network of --hidden {hidden} for {net.spec.env_id}: {why}"
+                misfits.append((path, why))
+                return why
+        return None
+
     try:
-        path, arrays, state, damaged = checkpoint.load_latest(Path(resume))
+        path, arrays, state, damaged = checkpoint.load_latest(Path(resume), misfit)
     except checkpoint.CheckpointError as e:
+        if misfits:   # none fits this run's network: that is the run's settings, not damage
+            newest, why = misfits[0]
+            raise ConfigError(f"--resume {resume}: {newest} {why.removeprefix('it ')}; was it saved with other "
+                              "layer sizes?") from None
         raise ConfigError(f"--resume {resume}: {e}") from None
     for reason in damaged:
         log.warning("--resume %s: %s; going on from %s instead", resume, reason, path)
-    saved_env = state.get("config", {}).get("env")
-    if saved_env is not None and saved_env != env:
-        raise ConfigError(f"--resume {resume}: its checkpoint was trained on {saved_env}, not "
-                          f"{env}; a run resumes on the env it was trained on")
-    if settings:   # the set of policies first: the arrays are compared policy by policy
-        refuse_other_network(resume, state, settings, ["policy_map"])
-    for pid, net in nets.items():
-        why = net.check(saved_policy(arrays, policy_prefix(pid, multiagent)))
-        if why:
-            raise ConfigError(f"--resume {resume}: {path} does not fit a network of --hidden {hidden} "
-                              f"for {net.spec.env_id}: {why}; was it saved with other layer sizes?")
     if settings:   # the same shapes, and still another network (--activation, --normalize-obs, ...)
         refuse_other_network(resume, state, settings)
     return path, arrays, state
+
+
+def optimizer_misfit(net, arrays: dict, prefix: str) -> str | None:
+    """Why the flat parameters and Adam moments of the policy at ``prefix`` do not fit
+    ``net`` (the trained weights and the log-std rows, as PPO lays them out), or None."""
+    size = sum(int(np.prod(shape)) for _, shape, _ in net.trained_params()) + len(net.log_std_rows)
+    for name in ("params", "exp_avg", "exp_avg_sq"):
+        found = arrays.get(prefix + name)
+        if found is None or found.shape != (size,):
+            return (f"its {name!r} has shape {None if found is None else found.shape}, this network's "
+                    f"{(size,)}")
+    return None
 
 
 def refuse_other_network(resume: str, state: dict, settings: dict, keys=checkpoint.NETWORK_SETTINGS) -> None:
