@@ -63,10 +63,20 @@ def error_lines(text: str) -> list[str]:
 
 
 def shmrl_command(module: str, *args, timeout: float = 120, cwd=None, full_disk: bool = False):
-    """``python -m shmrl.MODULE ARGS`` to its end, bounded by ``timeout``."""
+    """``python -m shmrl.MODULE ARGS`` to its end, in a session of its own that is killed
+    whole (its simulators too) if it outlives ``timeout``."""
     head = [sys.executable, "-c", FULL_DISK, f"shmrl.{module}"] if full_disk else [sys.executable, "-m",
                                                                                    f"shmrl.{module}"]
-    return subprocess.run([*head, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    args = [*head, *map(str, args)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def cartpole_arrays(rng, lengths: list[int]) -> dict:
