@@ -21,8 +21,13 @@ the env took them (a Discrete's start added, a Box clipped to its bounds), and
 observations without the leaves shmrl leaves out (a Text). Minari holds one agent's
 episodes: a multi-agent recording stays in shmrl's format.
 
-Exit status: 0 when done, 2 for a bad command line or a dataset that does not fit (one
-line ``error: ...``), 3 when a part fails.
+A dataset folder has one writer at a time: ``--out`` on the folder of a live recording
+(or of a run's ``--record``) is refused, naming its pid. With ``--tcp-port 0`` it listens
+on a free port and says which.
+
+Exit status: 0 when done, 2 for a bad command line or a dataset that does not fit, is
+another's, or whose manifest is damaged or values poisoned (one line ``error: ...``), 3
+when a part fails (a shard it cannot write, a simulator that keeps dying).
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import sys
 
 from shmrl.config.flags import face_parser, parse_settings
 from shmrl.config.settings import EXIT_FAILED, EXIT_USAGE, Config, ConfigError, resolve_config
-from shmrl.files.dataset import DatasetError
+from shmrl.files.dataset import DatasetError, ValueBounds
 
 
 def serve(config: Config, policy: bytes | None, episodes: int | None, say_every: float = 10.0) -> int:
@@ -73,8 +78,9 @@ def _export_main(argv) -> int:
     a = parse_settings(p, RecordExportSettings, argv)
     if a.minari_root:
         os.environ["MINARI_DATASETS_PATH"] = a.minari_root
-    try:
-        exported = export_minari(a.dataset, a.minari_id)
+    defaults = Config()
+    try:   # poisoned values are what the learner would refuse from a client by default
+        exported = export_minari(a.dataset, a.minari_id, ValueBounds(defaults.max_obs_abs, defaults.max_reward_abs))
     except (DatasetError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

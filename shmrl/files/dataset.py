@@ -6,9 +6,15 @@ A dataset is a folder::
     shard-000001.npz         whole episodes of one policy, appended by one writer
     shard-000002.npz         ...
 
-A shard is written to a hidden temporary name, fsynced and renamed, so a reader (and a
-writer that appends later) only ever sees whole shards: a kill at any moment leaves a
-dataset that reads. Shards hold plain arrays (``np.load(allow_pickle=False)`` reads them):
+A folder has one writer at a time: ``DatasetWriter`` holds a lock on its hidden
+``.writer.lock`` (``shmrl.files.logdir.take_lock``, as a log folder's) and a second writer
+is refused naming the first one's pid. A shard is written to a hidden temporary name,
+fsynced and linked to the next shard name that is free, never over one that is there, so
+a reader (and a writer that appends later) only ever sees whole shards, and no writer
+replaces another's: a kill at any moment leaves a dataset that reads. A damaged shard
+(truncated, or whose arrays do not agree with each other or with the manifest) is passed
+over by the reader, named in one warning; a damaged manifest is refused (DatasetError).
+Shards hold plain arrays (``np.load(allow_pickle=False)`` reads them):
 
 | key | rows | what |
 |---|---|---|
@@ -24,6 +30,7 @@ This module is numpy and the standard library only.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,9 +43,11 @@ import numpy as np
 
 from shmrl.core import spaces
 from shmrl.core.episode import EpisodeBatch, obs_concat
+from shmrl.files.logdir import take_lock
 
 FORMAT, VERSION = "shmrl-dataset", 1
 MANIFEST = "manifest.json"
+WRITER_LOCK = ".writer.lock"   # hidden: readers, and the check for a folder that holds something else, pass over it
 SHARD = re.compile(r"^shard-(\d+)\.npz$")
 STEP_KEYS = ("actions", "rewards", "action_logp", "action_dist_inputs", "weights_seq_no")
 EPISODE_KEYS = ("lengths", "terminated", "truncated", "stopped", "agent_id", "episode_id", "source")
@@ -47,7 +56,13 @@ log = logging.getLogger("shmrl.dataset")
 
 
 class DatasetError(ValueError):
-    """A folder that is not a dataset, or one that does not fit what is asked of it."""
+    """A folder that is not a dataset, one that does not fit what is asked of it, or one
+    whose values are poisoned (not finite, or beyond the bounds given)."""
+
+
+class DatasetWriteError(RuntimeError):
+    """A shard could not be written (a full disk, an I/O error); the message names the
+    folder and the cause."""
 
 
 # ------------------------------------------------------------------ spaces as JSON
@@ -102,17 +117,46 @@ def manifest_for(env_id: str, policy_specs: dict, agents=None) -> dict:
 
 
 def read_manifest(path: Path) -> dict:
+    """The manifest of the dataset at ``path``, checked whole (DatasetError: missing,
+    not shmrl's, of a newer version, or damaged)."""
     try:
         manifest = json.loads((Path(path) / MANIFEST).read_text())
     except FileNotFoundError:
         raise DatasetError(f"{path}: not a dataset (no {MANIFEST})") from None
     except (OSError, ValueError) as e:
         raise DatasetError(f"{path}/{MANIFEST}: cannot read it: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise DatasetError(f"{path}: not a shmrl dataset ({MANIFEST} says format {manifest.get('format')!r})")
-    if manifest.get("version", 0) > VERSION:
-        raise DatasetError(f"{path}: dataset format version {manifest['version']}; this shmrl reads up to {VERSION}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise DatasetError(f"{path}: not a shmrl dataset ({MANIFEST} says format {found!r})")
+    version = manifest.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        raise DatasetError(f"{path}: dataset format version {version}; this shmrl reads up to {VERSION}")
+    why = manifest_problem(manifest)
+    if why:
+        raise DatasetError(f"{path}/{MANIFEST}: damaged: {why}")
     return manifest
+
+
+def manifest_problem(manifest: dict) -> str | None:
+    """What is wrong with a manifest of the right format, or None."""
+    version = manifest.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        return f"version {version!r} is not a version number"
+    if not isinstance(manifest.get("env"), str):
+        return f"env {manifest.get('env')!r} is not a name"
+    agents = manifest.get("agents")
+    if agents is not None and not (isinstance(agents, list) and all(isinstance(a, str) for a in agents)):
+        return "agents is neither null nor a list of names"
+    policies = manifest.get("policies")
+    if not isinstance(policies, dict) or not policies:
+        return "it names no policies"
+    for pid, p in policies.items():
+        try:
+            obs_space, action_space = space_from_json(p["observation_space"]), space_from_json(p["action_space"])
+            spaces.obs_layout(obs_space), spaces.action_layout(action_space)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            return f"policy {pid!r} has no spaces shmrl reads ({type(e).__name__}: {e})"
+    return None
 
 
 # ------------------------------------------------------------------ writing
@@ -128,8 +172,19 @@ def _write_whole(path: Path, write) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
+        _unlink(tmp)
+    _sync_folder(path.parent)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass   # a temporary file left is passed over by readers
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -156,34 +211,91 @@ def check_appendable(path, manifest: dict) -> dict | None:
     return old
 
 
+def last_shard(path: Path) -> int:
+    """The highest shard number in the folder ``path`` (0 if none)."""
+    return max((int(m.group(1)) for m in map(SHARD.match, os.listdir(path)) if m), default=0)
+
+
 class DatasetWriter:
     """Appends shards of whole episodes to a dataset folder (made, with its manifest, if
     new; an existing one must hold the same env and spaces). One writer per folder at a
-    time; shards are numbered on from the last one there."""
+    time: it holds the folder's lock until ``close`` (or its process ends), and another
+    writer is refused with a ConfigError naming ``flag`` and the holder's pid. Shards are
+    numbered on from the highest there, and a shard never replaces one that is there."""
 
-    def __init__(self, path, manifest: dict):
+    def __init__(self, path, manifest: dict, flag: str = "--record"):
         self.path = Path(path)
-        old = check_appendable(self.path, manifest)
-        self.path.mkdir(parents=True, exist_ok=True)
-        if old is not None:
-            if set(manifest["policies"]) - set(old["policies"]):
-                _write_whole(self.path / MANIFEST, lambda f: f.write(json.dumps(
-                    {**old, "policies": {**manifest["policies"], **old["policies"]}}, indent=1).encode()))
-        else:
-            _write_whole(self.path / MANIFEST,
-                         lambda f: f.write(json.dumps({**manifest, "created": time.time()}, indent=1).encode()))
-        self.next_shard = 1 + max((int(m.group(1)) for m in map(SHARD.match, os.listdir(self.path)) if m),
-                                  default=0)
+        check_appendable(self.path, manifest)   # before the folder is made: nothing is made for a refused one
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DatasetError(f"{self.path}: cannot create it: {e.strerror or e}") from None
+        self._lock = take_lock(self.path, flag, WRITER_LOCK)
+        try:
+            old = check_appendable(self.path, manifest)   # again, under the lock: as the last writer left it
+            self._write_manifest(old, manifest)
+            self.next_shard = 1 + last_shard(self.path)
+        except BaseException:
+            self.close()
+            raise
         self.episodes = self.steps = 0
 
+    def _write_manifest(self, old: dict | None, manifest: dict) -> None:
+        if old is not None and not set(manifest["policies"]) - set(old["policies"]):
+            return
+        new = ({**old, "policies": {**manifest["policies"], **old["policies"]}} if old is not None
+               else {**manifest, "created": time.time()})
+        try:
+            _write_whole(self.path / MANIFEST, lambda f: f.write(json.dumps(new, indent=1).encode()))
+        except OSError as e:
+            raise DatasetError(f"{self.path}: cannot write its {MANIFEST}: {e.strerror or e}") from None
+
     def write(self, policy_id: str, arrays: dict) -> Path:
-        """One shard of ``arrays`` (the keys of the module docstring, but ``policy_id``)."""
-        path = self.path / f"shard-{self.next_shard:06d}.npz"
-        self.next_shard += 1
-        _write_whole(path, lambda f: np.savez(f, policy_id=np.array(policy_id), **arrays))
+        """One shard of ``arrays`` (the keys of the module docstring, but ``policy_id``);
+        DatasetWriteError if it cannot be written (then nothing of it is left)."""
+        tmp = self.path / f".shard.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                np.savez(f, policy_id=np.array(policy_id), **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            path = self._link_new(tmp)
+            _sync_folder(self.path)
+        except OSError as e:
+            raise DatasetWriteError(f"cannot write a shard to {self.path}: {e.strerror or e}") from None
+        finally:
+            _unlink(tmp)
         self.episodes += len(arrays["lengths"])
         self.steps += int(np.sum(arrays["lengths"]))
         return path
+
+    def _link_new(self, tmp: Path) -> Path:
+        """``tmp`` under the next shard name that is free: a link, unlike a rename, fails
+        where the name is taken, so no shard is ever replaced."""
+        while True:
+            path = self.path / f"shard-{self.next_shard:06d}.npz"
+            self.next_shard += 1
+            try:
+                os.link(tmp, path)
+                return path
+            except FileExistsError:
+                continue
+            except OSError as e:   # a file system without hard links: take a name that is free, then rename
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+                    raise
+                if not path.exists():
+                    os.replace(tmp, path)
+                    return path
+
+    def close(self) -> None:
+        """Give the folder's lock up (also done by the end of the process)."""
+        self._lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _strings(values) -> np.ndarray:
@@ -255,33 +367,119 @@ class Episode:
         return len(self.actions)
 
 
-class Dataset:
-    """A dataset folder, read: ``manifest``, ``env``, ``policy_specs`` (policy id ->
-    (observation space, action space) as ``shmrl.core.spaces``), ``episodes()`` and
-    ``batch()``. Temporary files are passed over; so is a shard that cannot be read
-    (said once)."""
+@dataclass(frozen=True)
+class ValueBounds:
+    """The largest magnitude a value of a dataset that is trained on or exported may have
+    (what the learner refuses from a client, ``--max-obs-abs`` and ``--max-reward-abs``):
+    beyond it, or not finite, a shard is poisoned and the dataset refused."""
+    max_obs_abs: float      # float observation leaves and Box actions
+    max_reward_abs: float
 
-    def __init__(self, path):
+
+def shard_problem(arrays: dict, layouts: dict) -> str | None:
+    """Why a shard's ``arrays`` are not a shard of the dataset whose policies have
+    ``layouts`` (policy id -> (ObsLayout, ActionLayout)), or None: keys missing, rows that
+    disagree with ``lengths``, values that do not fit the policy's spaces."""
+    missing = [k for k in ("policy_id", *EPISODE_KEYS, *STEP_KEYS) if k not in arrays]
+    if missing:
+        return f"it has no {', '.join(missing)}"
+    if arrays["policy_id"].shape != () or arrays["policy_id"].dtype.kind != "U":
+        return "its policy_id is not a name"
+    pid = str(arrays["policy_id"])
+    if pid not in layouts:
+        return f"its policy {pid!r} is not in the manifest"
+    obs_layout, action_layout = layouts[pid]
+    lengths = arrays["lengths"]
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any():
+        return "its lengths are not counts of steps"
+    episodes, steps = len(lengths), int(lengths.sum())
+    obs = ({leaf.name: arrays.get(f"obs/{leaf.name}") for leaf in obs_layout.leaves} if obs_layout.structured
+           else {"obs": arrays.get("obs")})
+    if any(rows is None for rows in obs.values()):
+        return f"it has no observations {[name for name, rows in obs.items() if rows is None]}"
+    rows_and_kinds = {"terminated": (episodes, "b"), "truncated": (episodes, "b"), "stopped": (episodes, "b"),
+                      "agent_id": (episodes, "U"), "episode_id": (episodes, "U"), "source": (episodes, "U"),
+                      "actions": (steps, "iuf"), "rewards": (steps, "f"), "action_logp": (steps, "f"),
+                      "action_dist_inputs": (steps, "f"), "weights_seq_no": (steps, "iu")}
+    named = {**{key: arrays[key] for key in rows_and_kinds},
+             **{name if name == "obs" else f"obs/{name}": rows for name, rows in obs.items()}}
+    for key, value in named.items():
+        rows, kinds = rows_and_kinds.get(key, (steps + episodes, "fiub"))
+        if value.ndim == 0 or len(value) != rows or value.dtype.kind not in kinds:
+            return f"{key} has {len(value) if value.ndim else 0} rows of {value.dtype}; lengths say {rows}"
+    columns = arrays["action_dist_inputs"].shape[1:]
+    if steps and columns != (action_layout.dist_size,):
+        return f"action_dist_inputs have shape {columns} per step, not ({action_layout.dist_size},)"
+    why, _ = obs_layout.check(obs if obs_layout.structured else obs["obs"])
+    return why or action_layout.check(arrays["actions"])
+
+
+def poisoned(arrays: dict, bounds: ValueBounds) -> str | None:
+    """What in a (well-formed) shard's ``arrays`` is not finite or beyond ``bounds``, or None."""
+    checks = [(k, v, bounds.max_obs_abs, "--max-obs-abs") for k, v in arrays.items()
+              if (k == "obs" or k.startswith("obs/")) and v.dtype.kind == "f"]
+    if arrays["actions"].dtype.kind == "f":
+        checks.append(("actions", arrays["actions"], bounds.max_obs_abs, "--max-obs-abs"))
+    checks.append(("rewards", arrays["rewards"], bounds.max_reward_abs, "--max-reward-abs"))
+    for key, values, bound, flag in checks:
+        bad = ~(np.abs(values) <= bound)
+        if bad.any():
+            return f"{key} holds {values[bad].flat[0]:g}: not finite, or beyond the learner's {flag} {bound:g}"
+    return None
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class Dataset:
+    """A dataset folder, read: ``manifest``, ``env``, ``policy_spaces`` (policy id ->
+    (observation space, action space) as ``shmrl.core.spaces``), ``episodes()`` and
+    ``batch()``. Temporary files are passed over; so is a damaged shard (one that cannot
+    be read, or whose arrays disagree with each other or with the manifest), named once in
+    one warning (``damaged``: shard name -> why). With ``bounds``, a shard whose values are
+    not finite or beyond them refuses the dataset (DatasetError): it is poisoned."""
+
+    def __init__(self, path, bounds: ValueBounds | None = None):
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
         self.env = self.manifest["env"]
         self.policy_spaces = {pid: (space_from_json(p["observation_space"]), space_from_json(p["action_space"]))
                               for pid, p in self.manifest["policies"].items()}
+        self.layouts = {pid: (spaces.obs_layout(obs), spaces.action_layout(action))
+                        for pid, (obs, action) in self.policy_spaces.items()}
+        self.bounds = bounds
+        self.damaged: dict[str, str] = {}
 
     def shards(self) -> list[Path]:
         found = sorted((int(m.group(1)), name) for name in os.listdir(self.path) if (m := SHARD.match(name)))
         return [self.path / name for _, name in found]
 
     def shard_arrays(self):
-        """(path, arrays) of every shard that reads, in order."""
-        for path in self.shards():
-            try:
-                with np.load(path, allow_pickle=False) as z:
-                    arrays = {k: z[k] for k in z.files}
-            except (OSError, ValueError, KeyError, EOFError) as e:   # a damaged file (not one shmrl left)
-                log.warning("%s: passed over, it cannot be read: %s", path, e)
-                continue
-            yield path, arrays
+        """(path, arrays) of every shard that reads whole, in order; the damaged ones are
+        passed over and named in one warning at the end (those not named before)."""
+        found = {}
+        try:
+            for path in self.shards():
+                try:
+                    with np.load(path, allow_pickle=False) as z:
+                        arrays = {k: z[k] for k in z.files}
+                    why = shard_problem(arrays, self.layouts)
+                except Exception as e:   # a damaged file: zipfile, zlib and numpy's header parser raise many kinds
+                    why = f"cannot be read: {type(e).__name__}: {e}"
+                if why:
+                    found[path.name] = _one_line(why)
+                    continue
+                if self.bounds is not None and (why := poisoned(arrays, self.bounds)):
+                    raise DatasetError(f"{path}: poisoned: {why}")
+                yield path, arrays
+        finally:
+            new = {name: why for name, why in found.items() if name not in self.damaged}
+            self.damaged.update(new)
+            if new:
+                log.warning("%s: passed over %d damaged shard%s: %s", self.path, len(new), "s" * (len(new) > 1),
+                            "; ".join(f"{name} ({why})" for name, why in new.items()))
 
     def episodes(self, policy_id: str | None = None):
         """Every episode (of ``policy_id``, if given), in the order recorded."""

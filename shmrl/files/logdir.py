@@ -70,10 +70,11 @@ class LogdirLock:
         self.release()
 
 
-def take_lock(logdir: Path, flag: str = "--logdir") -> LogdirLock:
+def take_lock(logdir: Path, flag: str = "--logdir", name: str = LOCK_FILE) -> LogdirLock:
     """Lock ``logdir`` (which must exist) for this process, or raise ConfigError naming the
-    pid of the run that holds it. ``flag`` is what the message calls the folder."""
-    path = Path(logdir) / LOCK_FILE
+    pid of the run that holds it. ``flag`` is what the message calls the folder; ``name``
+    the lock file in it (a dataset folder's is hidden, so readers pass over it)."""
+    path = Path(logdir) / name
     try:
         # Not inherited across exec (Python's default); forked simulators come from a fork
         # server, so only this process holds the descriptor.

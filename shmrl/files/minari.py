@@ -2,13 +2,15 @@
 ``minari.load_dataset(NAME)`` then loads with the env's spaces: actions as the env took
 them (a Discrete's start added, a Box clipped to its bounds), observations without the
 leaves shmrl leaves out (a Text). Minari holds one agent's episodes: a multi-agent
-recording stays in shmrl's format. Needs gymnasium and Minari (pip install 'shmrl[minari]').
+recording stays in shmrl's format. Poisoned values (not finite, or beyond the bounds the
+learner takes from a client) are refused, never passed on to Minari. Needs gymnasium and
+Minari (pip install 'shmrl[minari]').
 """
 from __future__ import annotations
 
 import numpy as np
 
-from shmrl.files.dataset import Dataset, DatasetError
+from shmrl.files.dataset import Dataset, DatasetError, ValueBounds
 
 
 def to_gym(space):
@@ -99,14 +101,16 @@ def gym_env_spaces(env_id: str, obs_space, action_space) -> tuple:
     return env, to_gym(obs_space), to_gym(action_space)
 
 
-def export_minari(path, dataset_id: str, description: str | None = None):
-    """Write the recording at ``path`` as the Minari dataset ``dataset_id``; returns it."""
+def export_minari(path, dataset_id: str, bounds: ValueBounds, description: str | None = None):
+    """Write the recording at ``path`` as the Minari dataset ``dataset_id``; returns it. A
+    damaged shard is passed over (with a warning); a poisoned one (a value not finite or
+    beyond ``bounds``) refuses the export, as a damaged manifest does (DatasetError)."""
     try:
         import minari
         from minari.data_collector.episode_buffer import EpisodeBuffer
     except ImportError as e:
         raise DatasetError(f"export needs Minari: pip install 'shmrl[minari]' ({e})") from None
-    dataset = Dataset(path)
+    dataset = Dataset(path, bounds)
     if dataset.manifest.get("agents") or len(dataset.policy_spaces) != 1:
         raise DatasetError(f"{path}: a multi-agent recording ({len(dataset.policy_spaces)} policies); Minari holds "
                            "one agent's episodes, so it stays in shmrl's format (docs/RECORDING.md)")

@@ -13,6 +13,10 @@ falls that far behind (a disk slower than the simulators), the serving thread wa
 it up to ``max_wait`` seconds per message (back-pressure: recording stays whole), and only
 then drops the message's chunks from the recording (not from training), says so once, and
 leaves out the episodes they belong to (never an episode with a hole in it).
+
+A shard that cannot be written (a full disk) stops the recording: ``failure`` says why in
+one line, and the run that owns the recorder fails on it (``shmrl.trainer.lifecycle``)
+instead of training on without its recording.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import threading
 import time
 from collections import deque
 
-from shmrl.files.dataset import DatasetWriter, shard_arrays
+from shmrl.files.dataset import DatasetWriter, DatasetWriteError, shard_arrays
 
 log = logging.getLogger("shmrl.recorder")
 
@@ -41,7 +45,7 @@ class Recorder:
         self._cond = threading.Condition()
         self._closing = False
         self.steps_dropped = 0            # left out of the recording because the writer was behind
-        self.failure: BaseException | None = None
+        self.failure: str | None = None   # why the writer thread stopped, in one line
         # writer thread only: glue key -> (policy id, pieces, source); per policy the episodes to write
         self._open: dict = {}
         self._done: dict[str, list] = {}
@@ -114,9 +118,12 @@ class Recorder:
                 if time.monotonic() - last_flush >= self.flush_every or self._done_steps >= self.max_shard_steps:
                     self._flush()
                     last_flush = time.monotonic()
-        except BaseException as e:   # a full disk, say: training goes on, the recording says why it stopped
-            self.failure = e
+        except DatasetWriteError as e:   # a full disk: the run fails on ``failure``, which says it all
+            self.failure = str(e)
+        except BaseException as e:   # a bug: its traceback too
+            self.failure = f"{type(e).__name__}: {e}"
             log.exception("the recording stopped: writing %s failed", self.writer.path)
+        if self.failure is not None:
             with self._cond:
                 self._queue.clear()
                 self._queued_steps = 0

@@ -3,9 +3,13 @@ open the transports and the supervisor of its simulators, serve, start the simul
 loop, and always stop: whatever happens (Ctrl-C and SIGTERM included) every process it
 started is stopped, every segment it made is unlinked and every server closed.
 
-``Run`` holds what every run has (its set-up, servers, supervisor and serving side) and
-calls the parts a kind of run fills in: ``make_serving``, ``prepare``, ``loop`` and
-``end``. ``shmrl.trainer.loop.Training`` is one kind, ``shmrl.trainer.recording.Recording`` the other.
+``Run`` holds what every run has (its set-up, servers, supervisor, serving side and
+``--record``'s dataset writer) and calls the parts a kind of run fills in:
+``take_folders``, ``make_serving``, ``prepare``, ``loop`` and ``end``. The folders a run
+writes are taken first, before anything is written or started: a dataset folder (as a
+log folder) has one writer at a time. A recording that cannot write fails the run (exit
+3), however it ends. ``shmrl.trainer.loop.Training`` is one kind,
+``shmrl.trainer.recording.Recording`` the other.
 """
 from __future__ import annotations
 
@@ -14,11 +18,12 @@ import signal
 import sys
 import threading
 
-from shmrl.config.settings import EXIT_FAILED, EXIT_INTERRUPTED
+from shmrl.config.settings import EXIT_FAILED, EXIT_INTERRUPTED, ConfigError
 from shmrl.files.checkpoint import CheckpointError
 from shmrl.files.logdir import LogdirWriteError
+from shmrl.server.recorder import Recorder
 from shmrl.server.serving import Serving, open_transports
-from shmrl.trainer.setup import Setup
+from shmrl.trainer.setup import Setup, open_recording
 
 
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -95,6 +100,7 @@ class Run:
     def __init__(self, setup: Setup, servers: list, supervisor, t_start: float):
         self.setup, self.servers, self.supervisor, self.t_start = setup, servers, supervisor, t_start
         self.serving: Serving | None = None
+        self.writer = None   # --record's DatasetWriter, holding its folder's lock from the start to the end
 
     @property
     def config(self):
@@ -102,10 +108,19 @@ class Run:
 
     def run(self) -> tuple[int, dict]:
         """Serve, start the simulators, loop until the loop returns an exit status, and
-        always stop; returns (exit status, summary) as ``end`` says them."""
+        always stop; returns (exit status, summary) as ``end`` says them. ConfigError
+        (nothing written or started, the servers closed) when a folder it writes is another
+        run's."""
+        try:
+            self.take_folders()
+        except ConfigError:
+            self.close()
+            raise
         status, error, unsaid, summary = EXIT_FAILED, None, [], {}
         try:
             self.serving = self.make_serving()
+            if self.writer is not None:   # before the first client is served: every chunk is recorded
+                self.serving.store.record(self.make_recorder(self.writer))
             self.serving.start()
             if self.supervisor:
                 self.supervisor.start_all_in_background()
@@ -126,6 +141,10 @@ class Run:
             status = e.code if isinstance(e.code, int) else EXIT_FAILED
         finally:
             self.stop()
+            failure = self.recording_failure()
+            if failure is not None and error is None:   # its last shard, written at the stop, could not be
+                status, error = EXIT_FAILED, failure
+                unsaid.append(failure)
             try:
                 if self.serving is not None:
                     status, summary = self.end(status, error, unsaid)
@@ -139,6 +158,15 @@ class Run:
             raise RunFailed(self.supervisor.failure)
         if self.serving.failure:
             raise RunFailed(f"the learner's serving thread failed: {self.serving.failure!r}")
+        if self.recording_failure() is not None:
+            raise RunFailed(self.recording_failure())
+
+    def recording_failure(self) -> str | None:
+        """Why ``--record``'s writer stopped (a shard it could not write), or None."""
+        recorder = self.serving.store.recorder if self.serving is not None else None
+        if recorder is None or recorder.failure is None:
+            return None
+        return f"the recording failed: {recorder.failure}"
 
     def stop(self) -> None:
         """The serving thread and the simulators stop; from here on the store stands still."""
@@ -150,11 +178,27 @@ class Run:
             self.supervisor.stop()
 
     def close(self) -> None:
-        """The last step, after ``end``: every server closed."""
-        for server in self.servers:
-            server.close()
+        """The last step, after ``end``: every server closed, the dataset folder given up."""
+        try:
+            for server in self.servers:
+                server.close()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
 
     # ------------------------------------------------------------ what a kind of run fills in
+    record_flag = "--record"   # what its messages call the dataset folder
+
+    def take_folders(self) -> None:
+        """Take the folders the run writes, before anything is written or started
+        (ConfigError if another run writes there): ``--record``'s dataset."""
+        if self.config.record:
+            self.writer = open_recording(self.setup, self.record_flag)
+
+    def make_recorder(self, writer) -> Recorder:
+        """What records every chunk the store takes, into ``writer``."""
+        return Recorder(writer)
+
     def make_serving(self) -> Serving:
         raise NotImplementedError
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shmrl.config.settings import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, ConfigError, saved_config
+from shmrl.config.settings import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, saved_config
 from shmrl.core.episode import EpisodeBatch
 from shmrl.files.checkpoint import CheckpointError
 from shmrl.files.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
@@ -152,18 +152,18 @@ class Training(Run):
         self.lock = None                     # the log folder's, held from the start to the end
 
     def run(self) -> tuple[int, dict]:
-        config, logdir = self.config, Path(self.config.logdir)
-        spent = spent_budget(config, self.setup.resumed)
+        spent = spent_budget(self.config, self.setup.resumed)
         if spent:
             super().close()
             return EXIT_BUDGET, spent
-        try:  # the last thing that can refuse the run (another run writes there): nothing is written before it
-            self.lock = open_logdir(logdir, "--resume" if config.resume and Path(config.resume) == logdir
-                                    else "--logdir", self.setup.resumed[2]["update"] if self.setup.resumed else None)
-        except ConfigError:
-            super().close()
-            raise
         return super().run()
+
+    def take_folders(self) -> None:
+        super().take_folders()   # --record's dataset first: a busy one leaves no log folder made
+        # The last thing that can refuse the run (another run writes there): nothing is written before it.
+        config, logdir = self.config, Path(self.config.logdir)
+        self.lock = open_logdir(logdir, "--resume" if config.resume and Path(config.resume) == logdir
+                                else "--logdir", self.setup.resumed[2]["update"] if self.setup.resumed else None)
 
     def make_serving(self) -> Serving:
         serving = make_serving(self.setup, self.servers, self.supervisor)
@@ -272,7 +272,8 @@ class Training(Run):
                 self.metrics.close()
         finally:
             super().close()
-            self.lock.release()
+            if self.lock is not None:   # None: the run was refused before it took its log folder
+                self.lock.release()
 
     def final_row(self, unsaid: list) -> None:
         """The last update's row, written again with the counts and the return as the run

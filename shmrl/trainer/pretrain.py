@@ -9,7 +9,9 @@ scale start from the dataset's. A tenth of the episodes (at least one, when ther
 two or more) is held out, and the log says how well the clone fits them: the actions'
 mean log-likelihood, how often the most likely action is the recorded one (a single
 Discrete action) or the mean's distance to it (a single Box), and the value function's
-explained variance.
+explained variance. A dataset of another env, a damaged manifest, or one with a value
+that is not finite or beyond ``--max-obs-abs`` / ``--max-reward-abs`` is refused
+(ConfigError); a damaged shard is passed over with a warning.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import time
 import numpy as np
 
 from shmrl.core import spaces
-from shmrl.config.settings import ConfigError
-from shmrl.files.dataset import Dataset, DatasetError
+from shmrl.config.settings import ConfigError, env_name
+from shmrl.files.dataset import Dataset, DatasetError, ValueBounds
 from shmrl.server.store import PolicyChunks
 
 ROUNDS = 5                 # the value targets are recomputed with the critic this often
@@ -52,8 +54,10 @@ def pretrain_policies(config, nets: dict, first_weights: dict) -> dict:
 
     if config.memory not in (None, "none"):
         raise ConfigError("--pretrain clones feed-forward policies; give --memory none")
-    try:
-        dataset = Dataset(config.pretrain)
+    try:   # values the learner would refuse from a client poison the clone: refused here too
+        dataset = Dataset(config.pretrain, ValueBounds(config.max_obs_abs, config.max_reward_abs))
+        if dataset.env != env_name(config.env):
+            raise DatasetError(f"{dataset.path}: its episodes are of env {dataset.env!r}, not {env_name(config.env)!r}")
         sources = {pid: dataset_policy(dataset, pid, net.spec) for pid, net in nets.items()}
         batches = {pid: dataset.batch(source) for pid, source in sources.items()}
     except DatasetError as e:

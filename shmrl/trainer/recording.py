@@ -4,13 +4,16 @@ its simulators and stop), serving one policy that never changes."""
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
 from shmrl.config.settings import EXIT_INTERRUPTED
 from shmrl.core.episode import EpisodeBatch
+from shmrl.server.recorder import Recorder
 from shmrl.server.serving import Serving
 from shmrl.trainer.lifecycle import Run
 from shmrl.trainer.setup import Setup, make_serving
+from shmrl.transport.tcp import TcpServer
 
 
 class FixedModel:
@@ -33,9 +36,13 @@ class Recording(Run):
         super().__init__(setup, servers, supervisor, time.time())
         self.policy, self.episodes, self.say_every = policy, episodes, say_every
 
+    record_flag = "--out"
+
+    def make_recorder(self, writer) -> Recorder:
+        return Recorder(writer, max_episodes=self.episodes)   # exactly that many whole episodes, nothing cut
+
     def make_serving(self) -> Serving:
         serving = make_serving(self.setup, self.servers, self.supervisor)
-        serving.store.recorder.episodes_left = self.episodes   # exactly that many whole episodes, nothing cut
         if self.policy is not None:
             serving.templates = {pid: FixedModel(self.policy) for pid in serving.templates}
             serving.publish({pid: {} for pid in serving.templates})
@@ -43,8 +50,10 @@ class Recording(Run):
 
     def loop(self) -> int:
         config, serving, store = self.config, self.serving, self.serving.store
-        if config.tcp_port is not None:
-            print(f"recording to {config.record}: clients connect to {config.tcp_host}:{config.tcp_port}", flush=True)
+        tcp = next((server for server in self.servers if isinstance(server, TcpServer)), None)
+        if config.tcp_port is not None and tcp is not None:   # the port it listens on (--tcp-port 0 picks one)
+            host, port = tcp.address
+            print(f"recording to {config.record}: clients connect to {host}:{port}", flush=True)
         last_said = time.monotonic()
         while self.episodes is None or store.episodes_completed < self.episodes:
             got = serving.next_batch(0.2)
@@ -58,5 +67,8 @@ class Recording(Run):
         return 0
 
     def end(self, status: int, error: str | None, unsaid: list) -> tuple[int, dict]:
+        if unsaid:   # its last shard could not be written: a failed part, whatever ended it
+            print(f"error: {'; '.join(dict.fromkeys(unsaid))}", file=sys.stderr, flush=True)
+            return status, {}
         # Ctrl-C and SIGTERM are how a recording without --episodes ends: done, exit 0.
         return (0 if status in (EXIT_INTERRUPTED, 128 + signal.SIGTERM) else status), {}

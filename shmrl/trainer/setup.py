@@ -197,8 +197,21 @@ def check_recording(config, spec, policy_specs) -> None:
         raise ConfigError(f"--record {e}") from None
 
 
+def open_recording(setup: Setup, flag: str = "--record"):
+    """The DatasetWriter of --record's folder, which holds its lock until it is closed
+    (ConfigError if another run writes there, or it does not fit, or cannot be made)."""
+    from shmrl.files.dataset import DatasetError, DatasetWriter
+
+    try:
+        return DatasetWriter(setup.config.record, recording_manifest(setup.config, setup.spec, setup.policy_specs),
+                             flag)
+    except DatasetError as e:
+        raise ConfigError(f"{flag} {e}") from None
+
+
 def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
-    """The serving side, its first weights published (before torch is even imported)."""
+    """The serving side, its first weights published (before torch is even imported);
+    ``shmrl.trainer.lifecycle.Run`` gives its store the recorder of --record."""
     config = setup.config
     serving = Serving(servers, config, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
                       setup.first_weights, multiagent=setup.multiagent, first_weights_seq_no=setup.first_seq,
@@ -207,12 +220,6 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
                       agents=setup.spec.agents if setup.multiagent else None,
                       extra_config=None if not setup.multiagent else {
                           "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
-    if config.record:
-        from shmrl.files.dataset import DatasetWriter
-        from shmrl.server.recorder import Recorder
-
-        serving.store.record(Recorder(DatasetWriter(config.record, recording_manifest(config, setup.spec,
-                                                                                       setup.policy_specs))))
     for pid, (_, reward_stats) in (setup.pretrained or {}).items():
         if reward_stats is not None and serving.store.policies[pid].reward_stats is not None:
             serving.store.policies[pid].reward_stats.set_state(reward_stats, "reward_stats")
