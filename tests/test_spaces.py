@@ -280,7 +280,8 @@ def test_ppo_log_probabilities_equal_the_samplers_and_torch_distributions(action
 
 @pytest.mark.parametrize("env, inputs", [
     ("gym:MiniGrid-DoorKey-5x5-v0", {"obs.image": "tensor(uint8)", "obs.direction": "tensor(int64)"}),
-    ("gym:MinAtar/Breakout-v1", {"obs": "tensor(uint8)"}),
+    # MinAtar's run takes over 20 s: the slow set's, as the Atari one below.
+    pytest.param("gym:MinAtar/Breakout-v1", {"obs": "tensor(uint8)"}, marks=pytest.mark.slow),
 ])
 def test_image_and_dict_environments_train_end_to_end(env, inputs, tmp_path, caplog, monkeypatch, no_shm_leftovers,
                                                       no_sim_leftovers):
@@ -303,6 +304,7 @@ def test_image_and_dict_environments_train_end_to_end(env, inputs, tmp_path, cap
         assert "observation 'mission' is left out" in caplog.text
 
 
+@pytest.mark.slow
 def test_an_atari_game_is_preprocessed_and_trains_end_to_end(tmp_path, no_shm_leftovers, no_sim_leftovers):
     """gym:ALE/* is built with gymnasium's own Atari preprocessing (84x84 grey, 4 stacked,
     uint8 throughout) and trains through the rings with the preset's Nature CNN; a short
