@@ -284,6 +284,7 @@ def test_a_slow_simulator_switches_to_the_slow_profile(tmp_path, no_shm_leftover
     assert (tmp_path / "run" / "policy.onnx").stat().st_size > 4 * 256 * 256
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_a_flag_given_wins_over_the_slow_profile_and_off_never_switches(tmp_path, no_shm_leftovers):
     _, summary, _ = slow_mountain_car(tmp_path, "--hidden", "32", "--epochs", "3", name="given")
     assert summary["profile"]["name"] == "slow"

@@ -656,6 +656,7 @@ def test_a_session_against_shmrl_leaks_nothing(start_run, tmp_path):
     assert run.proc.wait(timeout=60) == 1, run.output()[-3000:]   # the step budget
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_bench_quick():
     """clients/c/bench.py's quick mode, each inference in turn: a run, 2 C clients for 2 s,
     one JSON line of figures each."""

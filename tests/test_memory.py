@@ -243,6 +243,7 @@ def test_a_memory_task_a_memoryless_policy_cannot_solve_is_solved():
     assert np.mean(returns[-200:]) >= 0.95, np.mean(returns[-200:])
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_a_recurrent_run_learns_over_shared_memory(start_run, tmp_path):
     logdir = tmp_path / "logs"
     run = start_run("--env", "CartPoleNoVel-v1", "--memory", "gru", "--sims", 2, "--stop-return", 100,
@@ -257,6 +258,7 @@ def test_a_recurrent_run_learns_over_shared_memory(start_run, tmp_path):
     assert session.get_inputs()[1].shape == ["batch", 64]
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_a_recurrent_run_learns_over_tcp_json(start_run, tmp_path):
     """The simulators' chunks, state_in among them, as RLlink JSON over TCP."""
     logdir = tmp_path / "logs"

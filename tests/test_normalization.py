@@ -147,6 +147,7 @@ def test_a_preset_is_picked_up_and_a_flag_overrides_it():
     assert "(default: True, from family.continuous in presets.toml)" in " ".join(shown.split("\n  --normalize-obs")[1].split("\n  --")[0].split())
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_a_short_mujoco_run_learns(tmp_path, no_shm_leftovers, no_sim_leftovers):
     need("mujoco", "mujoco")
     # A random policy balances InvertedPendulum-v5 for about 6 steps; 300 takes learning.

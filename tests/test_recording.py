@@ -224,6 +224,7 @@ def test_recording_survives_kill_9_of_the_learner(start_run, tmp_path):
     assert all(ep.terminated or ep.truncated for ep in episodes)
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_a_dataset_recorded_by_one_run_pretrains_another(tmp_path):
     """A run records; a second one clones its policy from that dataset before PPO and
     says how well the clone fits the held-out episodes."""

@@ -221,6 +221,7 @@ def test_supervisor_counts_the_steps_a_dead_simulator_never_sent(no_shm_leftover
         server.close()
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_sigterm_writes_a_checkpoint_and_resume_goes_on_from_it(start_run, tmp_path):
     logdir = tmp_path / "logs"
     first = start_run("--sims", 4, "--seed", 3, "--stop-return", 1e9, "--max-env-steps", 10_000_000,

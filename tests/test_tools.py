@@ -434,6 +434,7 @@ def test_multiagent_bench_quick(tool):
                                                                   and run["reached_s"] <= 600)
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_inference_bench_quick(tool):
     """tools/inference_bench.py: server-side inference's env steps/s and ACT's round trip
     at each client count, beside client-side inference's steps/s."""
@@ -498,6 +499,7 @@ def test_the_readme_commands_run_as_written_with_short_budgets():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_slow_sims_quick(tool):
     """tools/slow_sims.py --quick without SB3: shmrl on a throttled MuJoCo env, its curve
     and how busy its learner was (SB3 beside it: tests/test_adapt.py, slow)."""
@@ -513,6 +515,7 @@ def test_slow_sims_quick(tool):
     assert 0 < learner["learner_share_median"] < 1 and learner["approx_kl_max"] < 1 and learner["learn_levels"]
 
 
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_record_bench_overhead_quick(tool, tmp_path):
     """tools/record_bench.py overhead --quick, as a command: CartPole with and without
     --record, each to its short budget, and the cost of recording."""
