@@ -82,6 +82,8 @@ FLAG_VALUES = [
     (["--eval-every", "5", "--env", "pz:connect_four_v3"], "eval_every", 5),
     (["--eval-games", "50"], "eval_games", 50), (["--stop-win-rate", "0.9"], "stop_win_rate", 0.9),
     (["--max-seconds", "60"], "max_seconds", 60.0),
+    # issue 34: the learner's device
+    (["--device", "cpu"], "device", "cpu"),
 ]
 
 
@@ -96,7 +98,8 @@ def test_every_flag_of_the_old_command_line_is_still_there():
                                             "--record", "--pretrain", "--pretrain-steps",
                                             "--learn-per-step", "--target-kl", "--slow-rate", "--ortho-init", "--no-ortho-init",
                                             "--plot", "--no-plot", "--verbose", "--no-verbose",
-                                            "--eval-every", "--eval-games", "--stop-win-rate", "--max-seconds"}
+                                            "--eval-every", "--eval-games", "--stop-win-rate", "--max-seconds",
+                                            "--device"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):
@@ -153,6 +156,7 @@ def test_the_auth_token_defaults_to_its_environment_variable():
     (lambda: shmrl.train(Config(env="Pendulum-v1"), gamma=1.5), "--gamma must be in (0, 1]"),
     (lambda: shmrl.train(hidden=2.5), "--hidden must be a whole number"),
     (lambda: shmrl.train(activation="relu"), "--activation must be one of ReLU, Tanh"),
+    (lambda: shmrl.train(device="gpu"), "--device must be one of auto, cpu, cuda"),
     (lambda: shmrl.train(ray="auto", sims=0, tcp_port=0), "--ray places simulators"),
     (lambda: shmrl.train(learning_rate=1e-3), "shmrl.Config has no setting 'learning_rate'"),
     (lambda: shmrl.Config(sim=2), "shmrl.Config has no setting 'sim' (did you mean sims?)"),

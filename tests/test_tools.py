@@ -276,6 +276,44 @@ def test_bench_memory_quick(tool):
     assert positive(r["first_sample_s"]) and positive(r["first_progress_s"]) and positive(r["first_update_train_s"])
 
 
+def test_bench_update_quick(tool):
+    """bench.py update --quick: every preset network's update through the learner's code
+    path, timed part by part (tiny batches, one update each)."""
+    from tools.update_bench import CASE_NAMES, PARTS
+
+    rc, out, err = tool("bench.py", "update", "--quick", "--json", timeout=180)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    assert r["subcommand"] == "update" and len(r["method"]) > 100 and r["params"]["device"] == "cpu"
+    assert [x["net"] for x in r["nets"]] == list(CASE_NAMES)
+    for x in r["nets"]:
+        assert set(x["ms"]) == set(PARTS) and all(positive(v) for v in x["ms"].values()), x
+        assert x["total_ms"] == pytest.approx(sum(x["ms"].values()))
+        assert x["gradient_steps"] >= 1 and positive(x["per_gradient_step_ms"]) and positive(x["weights"])
+        assert x["per_gradient_step_ms"] == pytest.approx(x["ms"]["update"] / x["gradient_steps"])
+        assert positive(x["make_batch_values_ms"])
+    nets = {x["net"]: x for x in r["nets"]}
+    assert nets["mlp64-mb64"]["settings"]["minibatch_size"] == 64 and nets["mlp256"]["settings"]["hidden"] == 256
+    assert nets["lstm"]["settings"]["memory"] == "lstm"
+
+
+def test_gpu_check_quick(tool):
+    """tools/gpu_check.py --quick: on a machine without a GPU it says so and exits 0; with
+    one, every check passes."""
+    import torch
+
+    rc, out, err = tool("gpu_check.py", "--quick", "--json", timeout=300)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    assert r["subcommand"] == "gpu_check" and r["ok"] is True and r["gpu"] == torch.cuda.is_available()
+    if not r["gpu"]:
+        assert r["checks"] == r["resumes"] == r["times"] == []
+        rc, out, err = tool("gpu_check.py", "--quick", timeout=120)
+        assert rc == 0 and out.startswith("gpu_check: no CUDA GPU here"), (out, err[-3000:])
+    else:
+        assert all(x["ok"] for x in r["checks"] + r["resumes"]) and len(r["times"]) == len(r["checks"])
+
+
 def test_solve_quick(tool):
     rc, out, err = tool("solve.py", "--quick", "--json", timeout=180)
     assert rc == 0, err[-3000:]

@@ -1,11 +1,12 @@
 """Benchmarks of shmrl: sampling throughput, transport cost, time to solve, weight
-synchronization latency, and memory.
+synchronization latency, memory, and the learner's update.
 
     python tools/bench.py throughput [--sims 1 2 4 8 16 32] [--seconds 5] [--envs-per-sim 1] [--repeat 3] [--env ID]
     python tools/bench.py transport  [--steps 500] [--messages 200] [--repeat 3] [--env ID]
     python tools/bench.py solve      [--seeds 0 1 2 3 4] [--sims 8] [-- extra shmrl.run args]
     python tools/bench.py sync       [--sims 8] [--updates 50]
     python tools/bench.py memory     [--sims 8] [--repeat 1]
+    python tools/bench.py update     [--nets NAME ...] [--repeat 5] [--threads 1] [--device cpu]
     python tools/bench.py SUBCOMMAND --quick --json    # seconds: small sizes, one short window
 
 Every subcommand prints a table, or with ``--json`` one JSON object; both say what was
@@ -45,6 +46,7 @@ import numpy as np
 
 from tools.shared import (cpu_s, finished, interrupt_group, median, own_shm_files, percentile, popen_group,
                           print_method, process_tree, read_logdir, started, stop_process)
+from tools.update_bench import QUICK as QUICK_UPDATE, add_update_parser, print_update, update_bench
 
 ENV_ID = "CartPole-v1"         # the default --env of throughput and transport; the one of sync and memory
 WAIT_S = 60.0                 # the longest any single wait may take before the bench gives up
@@ -873,6 +875,7 @@ QUICK = {
     "sync": {"sims": 2, "updates": 5, "warmup": 1},
     "memory": {"sims": 2, "repeat": 1},
 }
+QUICK["update"] = QUICK_UPDATE
 QUICK_SOLVE_EXTRA = ["--stop-return", "100"]
 
 
@@ -942,6 +945,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("--steps", "--messages", "--repeat", "--warmup"):
         s.add_argument(name, type=int, required=True)
     s.add_argument("--env")
+    add_update_parser(sub, common)
 
     if "--quick" in argv:  # quick defaults; flags given on the command line still win
         for name, defaults in QUICK.items():
@@ -964,6 +968,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 COMMANDS = {"throughput": (throughput, print_throughput), "transport": (transport, print_transport),
             "solve": (solve_bench, print_solve), "sync": (sync, print_sync), "memory": (memory, print_memory)}
+COMMANDS["update"] = (update_bench, print_update)
 
 
 def _terminate(signum, frame):

@@ -387,6 +387,12 @@ class NetworkSettings:
         1, "torch threads of the learner; the simulators need the other cores. 0: every core, "
         "where the update dominates and the simulators wait through it (strict on-policy "
         "image presets) (default: %(default)s)", preset=True, check=at_least(0))
+    device: str = setting(
+        "auto", "where the learner's networks, optimizer and batches live: auto takes the GPU (CUDA) for a "
+        "convolutional network (image observations) or minibatches of 4096 steps or more when torch sees "
+        "one, else the CPU, and logs its choice; cuda without a CUDA build of torch and a GPU is refused. "
+        "Checkpoints hold CPU arrays: a run resumes on either (docs/OPERATIONS.md, 'On a GPU') "
+        "(default: %(default)s)", choices=("auto", "cpu", "cuda"))
 
 
 # The groups in the order --help shows them, under its headings (None: the first lines).

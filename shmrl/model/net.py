@@ -434,6 +434,11 @@ class PolicyNet:
     def policy_head_full(self, g: Graph, x: str, masked: bool) -> str:
         return g.node("Gemm", [x, "pi.head.w", "pi.head.b"], None if masked else OUTPUT_NAME, transB=1)
 
+    @property
+    def convolutional(self) -> bool:
+        """Whether an encoder convolves (an image leaf): the update a GPU makes far faster."""
+        return any(e.convs for e in self.actor["encoders"])
+
     # -------------------------------------------------------- torch (the learner)
     def _torch_tower(self, tower: dict, p: dict, obs: dict):
         import torch
@@ -456,7 +461,7 @@ class PolicyNet:
         penalty = (obs[self.mask.name].float() - 1.0) * -MASKED_LOGIT
         if penalty.shape[1] == out.shape[1]:
             return out + penalty
-        return out.index_add(1, self._mask_trained_columns.tensor(), penalty)
+        return out.index_add(1, self._mask_trained_columns.tensor(out.device), penalty)
 
     def critic_torch(self, p: dict, obs: dict):
         return self.value_head.torch(self._torch_tower(self.critic, p, obs), p).squeeze(-1)
@@ -481,16 +486,17 @@ class PolicyNet:
 
 
 class _LazyIndex:
-    """Integers as a torch.long tensor, made on first use (simulators never use it)."""
+    """Integers as a torch.long tensor on the device asked, made on first use (simulators
+    never use it)."""
 
     def __init__(self, values: list):
         self.values, self._tensor = values, None
 
-    def tensor(self):
-        if self._tensor is None:
-            import torch
+    def tensor(self, device=None):
+        import torch
 
-            self._tensor = torch.tensor(self.values, dtype=torch.long)
+        if self._tensor is None or (device is not None and self._tensor.device != torch.device(device)):
+            self._tensor = torch.tensor(self.values, dtype=torch.long, device=device)
         return self._tensor
 
 

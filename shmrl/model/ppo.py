@@ -43,12 +43,12 @@ class FlatAdam:
     Autograd accumulates into the existing ``.grad`` views in place.
     """
 
-    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-5):
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-5, device: str = "cpu"):
         self.params = list(params)
         self.lr, (self.beta1, self.beta2), self.eps = lr, betas, eps
         n = sum(p.numel() for p in self.params)
-        self.flat = torch.zeros(n)
-        self.flat_grad = torch.zeros(n)
+        self.flat = torch.zeros(n, device=device)
+        self.flat_grad = torch.zeros(n, device=device)
         offset = 0
         for p in self.params:
             k = p.numel()
@@ -56,8 +56,8 @@ class FlatAdam:
             p.data = self.flat[offset:offset + k].view_as(p)
             p.grad = self.flat_grad[offset:offset + k].view_as(p)
             offset += k
-        self.exp_avg = torch.zeros(n)
-        self.exp_avg_sq = torch.zeros(n)
+        self.exp_avg = torch.zeros(n, device=device)
+        self.exp_avg_sq = torch.zeros(n, device=device)
         self.t = 0
 
     def zero_grad(self) -> None:
@@ -137,10 +137,16 @@ class Normalizer:
             s.set_state(arrays, f"obs_stats.{name}")
 
 
-def tensor(x: np.ndarray) -> torch.Tensor:
+def tensor(x: np.ndarray, device: torch.device | str | None = None) -> torch.Tensor:
     """A tensor sharing ``x``'s memory, or of a copy where ``x`` is a read-only view (a
-    decoded message's arrays are)."""
-    return torch.from_numpy(x if x.flags.writeable and x.flags.c_contiguous else np.array(x))
+    decoded message's arrays are); on ``device`` (a copy there unless it is the CPU)."""
+    t = torch.from_numpy(x if x.flags.writeable and x.flags.c_contiguous else np.array(x))
+    return t if device is None else t.to(device)
+
+
+def host(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as numpy on the CPU (its own memory where it is there already)."""
+    return t.detach().cpu().numpy()
 
 
 def as_leaves(obs, net: PolicyNet) -> dict:
@@ -150,38 +156,42 @@ def as_leaves(obs, net: PolicyNet) -> dict:
 
 class PPO:
     def __init__(self, net: PolicyNet, config: PPOSettings, seed: int = 0,
-                 initial_weights: dict[str, np.ndarray] | None = None):
+                 initial_weights: dict[str, np.ndarray] | None = None, device: str = "cpu"):
         """``net``: the actor (published) and the critic (``shmrl.model.net``). ``config``: the
         PPO settings (shmrl.config.settings.PPOSettings' fields, resolved: a run's Config, or
         ``with_defaults(PPOSettings, lr=...)``). ``initial_weights``: the policy to start
         from, as published (``shmrl.run`` publishes the first one before torch is loaded);
-        by default ``net``'s own first weights for ``seed``."""
+        by default ``net``'s own first weights for ``seed``. ``device``: where the networks,
+        the optimizer and the batches live ("cpu", "cuda"); what leaves PPO (published
+        weights, its state) is numpy either way."""
         unset = [f.name for f in fields(PPOSettings) if getattr(config, f.name) is None]
         if unset:
             raise ValueError(f"PPO settings left None (resolve them first: resolve_config or with_defaults): {unset}")
         self.net, self.config, self.layout = net, config, net.spec.actions
         self.continuous = self.layout.single_box
+        self.device = torch.device(device)
         self.rng = np.random.default_rng(seed)
         init = net.init_params(seed)
         log_std = np.full(len(net.log_std_rows), net.log_std_init, np.float32)
         if initial_weights is not None:   # the actor as published; the critic drawn as always
             actor, log_std = net.split_published(initial_weights)
             init.update({k: v for k, v in actor.items() if k in init})
-        self.params = {name: nn.Parameter(torch.tensor(init[name], dtype=torch.float32))
+        self.params = {name: nn.Parameter(torch.tensor(init[name], dtype=torch.float32, device=self.device))
                        for name, _, _ in net.trained_params()}
-        self.log_std = nn.Parameter(torch.tensor(log_std, dtype=torch.float32)) if len(log_std) else None
+        self.log_std = (nn.Parameter(torch.tensor(log_std, dtype=torch.float32, device=self.device))
+                        if len(log_std) else None)
         self.normalizer = Normalizer(net) if net.normalized else None
         # Flat parameter order: the actor's (names not vf.), its log-std, the critic's.
         actor = [p for name, p in self.params.items() if not name.startswith("vf.")]
         critic = [p for name, p in self.params.items() if name.startswith("vf.")]
         self.optimizer = FlatAdam([*actor, *([self.log_std] if self.log_std is not None else []), *critic],
-                                  lr=config.lr)
+                                  lr=config.lr, device=self.device)
 
     def published_weights(self) -> dict[str, np.ndarray]:
         """The policy as the ONNX graph takes it: the actor, its log-std in the head's extra
         rows, and the observation statistics."""
-        params = {name: p.detach().numpy() for name, p in self.params.items()}
-        log_std = self.log_std.detach().numpy() if self.log_std is not None else None
+        params = {name: host(p) for name, p in self.params.items()}
+        log_std = host(self.log_std) if self.log_std is not None else None
         return self.net.publish_weights(params, log_std, self.normalizer.published() if self.normalizer else None)
 
     def normalize(self, obs) -> dict:
@@ -192,7 +202,7 @@ class PPO:
 
     def forward(self, obs: dict, values: bool = True):
         """(actor output, values or None) for observations as the networks take them."""
-        t = {k: tensor(v) if isinstance(v, np.ndarray) else v for k, v in obs.items()}
+        t = {k: tensor(v, self.device) if isinstance(v, np.ndarray) else v for k, v in obs.items()}
         if values:
             return self.net.both_torch(self.params, t)
         return self.net.actor_torch(self.params, t), None
@@ -209,8 +219,8 @@ class PPO:
             return logp, -(logp_all.exp() * logp_all).sum(-1) if entropy else None
         if layout.single_box:
             return self._gaussian(out, actions, self.log_std, entropy)
-        logp = torch.zeros(len(out))
-        ent = torch.zeros(len(out)) if entropy else None
+        logp = out.new_zeros(len(out))
+        ent = out.new_zeros(len(out)) if entropy else None
         o = s = 0   # columns of out (trained rows) and of the log-stds
         for part, _, cols in layout.slices():
             if part.kind == "categorical":
@@ -237,8 +247,8 @@ class PPO:
     @torch.inference_mode()
     def values(self, obs: dict) -> np.ndarray:
         """V of observations as the networks take them (normalized, where they are)."""
-        t = {k: tensor(v) for k, v in as_leaves(obs, self.net).items()}
-        return self.net.critic_torch(self.params, t).numpy().copy()
+        t = {k: tensor(v, self.device) for k, v in as_leaves(obs, self.net).items()}
+        return host(self.net.critic_torch(self.params, t)).copy()
 
     def make_batch(self, chunks: EpisodeBatch, reward_scale: float | None = None) -> Batch:
         """GAE over episode chunks, with no Python loop over steps or chunks.
@@ -297,14 +307,15 @@ class PPO:
         blocks = -(-(int(lengths.max()) + 1) // L) if n else 0     # a chunk has one obs row more than steps
         t = np.arange(blocks * L)
         obs_row = chunks.obs_first[:, None] + np.minimum(t, lengths[:, None])   # past its end: its last obs
-        state = tensor(chunks.state_in)
+        state = tensor(chunks.state_in, self.device)
         states = np.empty((blocks, n, state.shape[1]), np.float32)
         values = np.empty((n, blocks * L), np.float32)
         for b in range(blocks):
-            states[b] = state.numpy()
+            states[b] = host(state)
             idx = obs_row[:, b * L:(b + 1) * L].ravel()
-            _, v, state = self.net.sequence_torch(self.params, {k: tensor(x[idx]) for k, x in obs.items()}, state)
-            values[:, b * L:(b + 1) * L] = v.numpy().reshape(n, L)
+            _, v, state = self.net.sequence_torch(self.params, {k: tensor(x[idx], self.device) for k, x in obs.items()},
+                                                  state)
+            values[:, b * L:(b + 1) * L] = host(v).reshape(n, L)
         v_all = np.zeros(obs_rows(obs), np.float32)
         real = t <= lengths[:, None]
         v_all[obs_row[real]] = values[real]
@@ -341,15 +352,16 @@ class PPO:
         units = len(batch) // L
         mb = max(1, min((minibatch_size or cfg.minibatch_size) // L, units))   # units per minibatch
         actions = batch.actions.astype(self.layout.action_dtype, copy=False)
-        obs = {k: tensor(v) for k, v in batch.obs.items()}
-        actions, logp_behaviour, returns = (torch.from_numpy(x) for x in (actions, batch.logp, batch.returns))
-        advantages = torch.from_numpy(batch.advantages)
-        mask = None if batch.mask is None else torch.from_numpy(batch.mask)
-        state = None if batch.state is None else torch.from_numpy(batch.state)
+        dev = self.device
+        obs = {k: tensor(v, dev) for k, v in batch.obs.items()}
+        actions, logp_behaviour, returns = (tensor(x, dev) for x in (actions, batch.logp, batch.returns))
+        advantages = tensor(batch.advantages, dev)
+        mask = None if batch.mask is None else tensor(batch.mask, dev)
+        state = None if batch.state is None else tensor(batch.state, dev)
         real = advantages if mask is None else advantages[mask > 0]
         advantages = (advantages - real.mean()) / (real.std() + 1e-8)
         # pi_loss, v_loss, entropy, approx_kl, clip_frac, ratio_out_of_bounds: this epoch's sums, and the last whole one's
-        stats, done = torch.zeros(6), None
+        stats, done = torch.zeros(6, device=dev), None
         opt = self.optimizer    # to go back to if a loss or gradient is not finite
         before = (opt.flat.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone(), opt.t)
         steps_per_epoch, steps = max(units // mb, 1), 0
@@ -358,11 +370,11 @@ class PPO:
         for epoch in range(epochs):
             # One gather per epoch: each minibatch below is a slice (a view), not a copy.
             perm = self.rng.permutation(units)
-            rows = torch.from_numpy(perm if L == 1 else (perm[:, None] * L + np.arange(L)).ravel())
+            rows = torch.from_numpy(perm if L == 1 else (perm[:, None] * L + np.arange(L)).ravel()).to(dev)
             e_obs = {k: v[rows] for k, v in obs.items()}
             e_actions, e_logp_b, e_adv, e_returns = (x[rows] for x in (actions, logp_behaviour, advantages, returns))
             e_mask = None if mask is None else mask[rows]
-            e_state = None if state is None else state[torch.from_numpy(perm)]
+            e_state = None if state is None else state[torch.from_numpy(perm).to(dev)]
             e_logp_start = None if logp_start is None else logp_start[rows]
             # The stats are every epoch's where the update may stop early, else only the last's.
             keep = epoch == epochs - 1 or target_kl is not None
@@ -440,11 +452,11 @@ class PPO:
         # gets no policy gradient, so that it cannot blow the loss up to exp(20) and beyond.
         log_ratio = logp - logp_behaviour
         in_bounds = log_ratio.detach().abs() <= MAX_LOG_RATIO
-        log_ratio = torch.where(in_bounds, log_ratio, torch.zeros(()))
+        log_ratio = torch.where(in_bounds, log_ratio, log_ratio.new_zeros(()))
         ratio = log_ratio.exp()
         pi_loss = -mean(torch.min(advantages * ratio, advantages * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)))
         v_loss = 0.5 * mean((values - returns).pow(2))
-        ent = mean(ent) if entropy else torch.zeros(())
+        ent = mean(ent) if entropy else logp.new_zeros(())
         loss = pi_loss + cfg.vf_coef * v_loss - cfg.ent_coef * ent
         terms = [pi_loss, v_loss, ent, mean((ratio - 1) - log_ratio),
                  mean(((ratio - 1).abs() > cfg.clip).float()), mean((~in_bounds).float())]
@@ -459,8 +471,8 @@ class PPO:
         published policy (``policy/<name>``, what a resumed run publishes before torch is
         loaded) holds the observation statistics."""
         opt = self.optimizer
-        arrays = {"params": opt.flat.numpy().copy(), "exp_avg": opt.exp_avg.numpy().copy(),
-                  "exp_avg_sq": opt.exp_avg_sq.numpy().copy(),
+        arrays = {"params": host(opt.flat).copy(), "exp_avg": host(opt.exp_avg).copy(),
+                  "exp_avg_sq": host(opt.exp_avg_sq).copy(),
                   **{f"policy/{k}": v for k, v in self.published_weights().items()}}
         if self.normalizer is not None:
             arrays.update(self.normalizer.get_state())

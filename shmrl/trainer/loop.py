@@ -315,7 +315,7 @@ class Training(Run):
         if len(problems) > len(unsaid):
             status, error = EXIT_FAILED, "; ".join(dict.fromkeys(([error] if error else []) + problems))
         result = {**run_summary(self, status, error), **self.judge.summary(), "profile": setup.profile,
-                  "config": saved_config(self.config)}
+                  "device": setup.device, "config": saved_config(self.config)}
         if self.ppos is not None:
             result["checkpoint"] = str(written) if written else None
         try:

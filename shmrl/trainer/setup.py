@@ -5,6 +5,7 @@ process is started or a file written; ``shmrl.trainer.loop`` then runs it."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -16,6 +17,14 @@ from shmrl.trainer.resume import (load_resume_checkpoint, policy_arrays, policy_
                           saved_policy)
 from shmrl.server.serving import Serving, check_policy_fits_a_frame
 from shmrl.server.store import DEFAULT_POLICY
+
+log = logging.getLogger("shmrl.run")
+
+# --device auto puts an MLP's learner on a GPU for minibatches of at least this many steps:
+# below it a gradient step costs a GPU a few kernel launches' latency and a CPU less (issue 34
+# measured the MLP presets' updates slower on an H100 than on 2 CPU threads, the Nature CNN's
+# 40 times faster).
+LARGE_MINIBATCH = 4096
 
 
 def policy_net(config, spec):
@@ -43,6 +52,7 @@ class Setup:
     pretrained: dict | None = None   # --pretrain: policy id -> ((arrays, values) of its PPO, reward stats)
     slow: SlowProfile | None = None  # what it may switch to (--learn-per-step auto), until it decides
     profile: dict | None = None      # the profile it trains with and why (summary.json's "profile")
+    device: str | None = None        # where the learner's PPOs live, once torch is loaded (summary.json's "device")
 
     def ring_nets(self) -> dict:
         """Per policy, the larger of its network and its slow profile's: the rings carry either."""
@@ -78,6 +88,7 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None) -
     given = given_settings(config) if given is None else given
     config = resolve_config(config, spec)
     validate(config, spec, servers_given)
+    check_device(config)
     multiagent = spec.multiagent
     slow, profile = None, {"name": "preset", "why": f"--learn-per-step {config.learn_per_step}"}
     if config.learn_per_step != "off" and not (config.resume or config.pretrain or multiagent):
@@ -231,8 +242,46 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
     return serving
 
 
+def cuda_available() -> bool:
+    """Whether torch can put tensors on a CUDA GPU here (imports torch)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_device(config) -> None:
+    """--device cuda where torch sees no CUDA GPU: refused before anything starts. Only
+    then is torch imported this early: auto decides once torch is loaded (``make_ppos``)."""
+    if config.device != "cuda" or cuda_available():
+        return
+    import torch
+
+    why = (f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None
+           else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no GPU")
+    raise ConfigError(f"--device cuda: {why}; give --device cpu or auto, or install a CUDA build of torch "
+                      "(docs/OPERATIONS.md, 'On a GPU')")
+
+
+def learner_device(config, nets: dict, has_cuda: bool) -> tuple[str, str]:
+    """(the device of the learner's PPOs, why) for ``config.device`` and the run's networks
+    (policy id -> PolicyNet): auto takes the GPU where one is and the update is one a GPU
+    makes faster (a convolutional network, or minibatches of LARGE_MINIBATCH steps or
+    more), else the CPU."""
+    if config.device != "auto":
+        return config.device, "as given"
+    if not has_cuda:
+        return "cpu", "torch sees no CUDA GPU"
+    if any(net.convolutional for net in nets.values()):
+        return "cuda", "a convolutional network, and a CUDA GPU"
+    if config.minibatch_size >= LARGE_MINIBATCH:
+        return "cuda", f"minibatches of {config.minibatch_size} steps, and a CUDA GPU"
+    return "cpu", (f"no convolution and minibatches of {config.minibatch_size} < {LARGE_MINIBATCH} steps: "
+                   "faster on the CPU than on a GPU")
+
+
 def make_ppos(setup: Setup) -> dict:
-    """One PPO per policy (policy id -> PPO), from the checkpoint when resuming."""
+    """One PPO per policy (policy id -> PPO), from the checkpoint when resuming, on the
+    device ``learner_device`` chooses (said once in the log, kept in ``setup.device``)."""
     import torch
 
     from shmrl.model.ppo import PPO
@@ -241,7 +290,11 @@ def make_ppos(setup: Setup) -> dict:
     # 0: every core, for strict on-policy runs whose update dominates (the simulators
     # wait through it, so the learner may take their cores).
     torch.set_num_threads(config.torch_threads or os.cpu_count() or 1)
-    ppos = {pid: PPO(net, config, seed=config.seed + i, initial_weights=setup.first_weights[pid])
+    device, why = learner_device(config, setup.nets, config.device != "cpu" and cuda_available())
+    if device != setup.device:   # the slow profile's PPOs may land elsewhere: said again only then
+        log.info("learner on %s (--device %s: %s)", device, config.device, why)
+        setup.device = device
+    ppos = {pid: PPO(net, config, seed=config.seed + i, initial_weights=setup.first_weights[pid], device=device)
             for i, (pid, net) in enumerate(setup.nets.items())}
     for pid, ((arrays, values), _) in (setup.pretrained or {}).items():
         ppos[pid].set_state(arrays, values)
