@@ -232,9 +232,11 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
 
 
 def make_ppos(setup: Setup) -> dict:
-    """One PPO per policy (policy id -> PPO), from the checkpoint when resuming."""
-    import torch
+    """One PPO per policy (policy id -> PPO), from the checkpoint when resuming. torch's
+    import, begun at the run's start (``shmrl.model.torch_import``), is waited for here."""
+    from shmrl.model.torch_import import import_torch
 
+    torch = import_torch()
     from shmrl.model.ppo import PPO
 
     config = setup.config
