@@ -63,13 +63,13 @@ def train(config: Config, t_start: float | None = None, given: set[str] | None =
     command line gave (default: those ``config`` does not leave None)."""
     t_start = t_start if t_start is not None else time.time()
     validate(config)   # what can be checked before the env is made: nothing is started yet
-    # The run will train: torch's import (seconds) starts now, beside the set-up, the simulators'
-    # start and their first batch; make_ppos waits for it (why that is safe: shmrl.model.torch_import).
-    from shmrl.model.torch_import import start_torch_import
-
-    start_torch_import()
     launcher = None
     if config.ray:
+        # Joining the cluster waits on the network: torch's import (seconds) goes on meanwhile
+        # (where to start it, and why that is safe: shmrl.model.torch_import).
+        from shmrl.model.torch_import import start_torch_import
+
+        start_torch_import()
         from shmrl.launch.ray_actors import RayLauncher
 
         try:

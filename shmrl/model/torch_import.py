@@ -1,9 +1,16 @@
-"""torch's import, off a training run's critical path: started in a thread of its own as
-soon as the run knows it will train (``start_torch_import``, from ``shmrl.run.train``), it
-runs beside the set-up, the simulators' start and their first batch; the PPOs, made once
-the first policy is served (``shmrl.trainer.setup.make_ppos``), wait for it there
-(``import_torch``) and for nothing else. ``TorchImport`` says when it ran and how long the
-run waited for it (summary.json, ``bench.py memory``).
+"""torch's import in a thread of its own (``start_torch_import``), beside what a training
+run does without torch; the PPOs (``shmrl.trainer.setup.make_ppos``) wait for it
+(``import_torch``). ``TorchImport`` says when it ran and how long the run waited for it
+(summary.json, ``bench.py memory``).
+
+Where it starts: where the learner would otherwise wait on something that holds no GIL.
+The import is Python and the loading of libtorch, nearly all of it under the GIL, so
+beside the set-up (Python too) it only shares one core's worth of the interpreter with it:
+started at the process's start it ended no sooner, and the set-up, and so the simulators'
+first env steps, came later (``bench.py memory`` on a 2-core machine: the first update
+about 0.5 s later). So it starts once the simulators are launched (``Training.prepare``),
+where they sample on other cores while it loads, and with ``--ray`` before joining the
+cluster (``shmrl.run.train``), a wait on the network.
 
 Why this is safe:
 

@@ -31,7 +31,7 @@ from shmrl.files.logdir import LogdirWriteError, open_logdir, replace_file, writ
 from shmrl.server.serving import Serving
 from shmrl.trainer.learn_per_step import LearnPerStep, simulators_slow
 from shmrl.trainer.lifecycle import Run, RunFailed, open_run, signals_held
-from shmrl.model.torch_import import started_since
+from shmrl.model.torch_import import start_torch_import, started_since
 from shmrl.trainer.report import (DETAIL_EVERY, Clock, LearnerWall, books, metrics_row, progress_line, run_summary,
                                   share, wall_line)
 from shmrl.trainer.resume import policy_file, save_checkpoint, spent_budget
@@ -153,7 +153,7 @@ class Training(Run):
         self.budget = "step"                 # the budget that ended the run, if one did
         self.lock = None                     # the log folder's, held from the start to the end
         self.wall = LearnerWall()            # whether the learner is the wall, said once
-        self.torch_import = started_since(t_start)   # torch's import in the background, begun by shmrl.run.train
+        self.torch_import = started_since(t_start)   # torch's import in a thread (begun by run.train with --ray)
 
     def run(self) -> tuple[int, dict]:
         spent = spent_budget(self.config, self.setup.resumed)
@@ -177,7 +177,8 @@ class Training(Run):
     def prepare(self) -> None:
         # The first policy is published and served before torch is loaded (about 2 s): the
         # simulators start (their fork server loads numpy and onnxruntime) and sample while this
-        # process's import of torch, begun at its start, goes on; make_ppos waits for what is left.
+        # process imports torch (begun here, or while joining a Ray cluster); make_ppos waits for it.
+        self.torch_import = self.torch_import or start_torch_import()
         self.ppos = make_ppos(self.setup)
 
     def loop(self) -> int:

@@ -233,7 +233,7 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
 
 def make_ppos(setup: Setup) -> dict:
     """One PPO per policy (policy id -> PPO), from the checkpoint when resuming. torch's
-    import, begun at the run's start (``shmrl.model.torch_import``), is waited for here."""
+    import, begun in a thread (``shmrl.model.torch_import``), is waited for here."""
     from shmrl.model.torch_import import import_torch
 
     torch = import_torch()
