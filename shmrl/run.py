@@ -65,6 +65,11 @@ def train(config: Config, t_start: float | None = None, given: set[str] | None =
     validate(config)   # what can be checked before the env is made: nothing is started yet
     launcher = None
     if config.ray:
+        # Joining the cluster waits on the network: torch's import (seconds) goes on meanwhile
+        # (where to start it, and why that is safe: shmrl.model.torch_import).
+        from shmrl.model.torch_import import start_torch_import
+
+        start_torch_import()
         from shmrl.launch.ray_actors import RayLauncher
 
         try:

@@ -738,14 +738,19 @@ def memory(args) -> dict:
         f"env steps (summary.json first_sample_s). Start-up: seconds from launch to the first "
         f"progress line ('update    1 |'), which comes after the first batch (the default train "
         f"batch, shared by the {args.sims} simulators) has arrived and one PPO update; the update's "
-        f"own train_s (metrics.jsonl) is reported to subtract. Figures are medians over --repeat "
+        f"own train_s (metrics.jsonl) is reported to subtract. The start-up's split, in seconds from the "
+        f"run's process start (summary.json): torch's import, in a thread of its own beside the simulators' "
+        f"start, started (torch_import_started_s) and ended (torch_import_ended_s), how long the "
+        f"run waited for it before its first update (torch_import_waited_s: the import's cost on the "
+        f"critical path), the first env steps received (first_sample_s) and the first update done "
+        f"(metrics.jsonl's first elapsed_s). Figures are medians over --repeat "
         f"{args.repeat} runs; the process table is the first run's.",
         sims=args.sims, repeat=args.repeat)
     runs = [memory_run(args.sims) for _ in range(args.repeat)]
     result["processes"] = runs[0]["processes"]
     result["runs"] = [{k: v for k, v in r.items() if k != "processes"} for r in runs]
-    for key in ("pss_total_mib", "uss_total_mib", "rss_total_mib", "first_sample_s", "first_progress_s",
-                "first_update_train_s"):
+    for key in ("pss_total_mib", "uss_total_mib", "rss_total_mib", "first_progress_s",
+                "first_update_train_s", *START_UP_SPLIT):
         values = [r[key] for r in runs if r[key] is not None]
         result[key] = median(values) if values else None
     result["by_role"] = {}
@@ -757,6 +762,11 @@ def memory(args) -> dict:
     result["per_simulator_mib"] = ({m: sims[f"{m}_per_process_mib"] for m in ("pss", "uss", "rss")}
                                    if sims else None)
     return finished(result)
+
+
+# The start-up's split (seconds from the run's process start), in the order they happen.
+START_UP_SPLIT = ("torch_import_started_s", "first_sample_s", "torch_import_ended_s", "first_update_elapsed_s",
+                  "torch_import_waited_s")
 
 
 def memory_run(sims: int) -> dict:
@@ -782,6 +792,7 @@ def memory_run(sims: int) -> dict:
         summary, rows = read_logdir(logdir)
     return {"processes": processes, "exit_code": exit_code, "shm_files_left": left,
             "first_sample_s": summary.get("first_sample_s"),
+            **{k: summary.get(k) for k in ("torch_import_started_s", "torch_import_ended_s", "torch_import_waited_s")},
             "pss_total_mib": sum(p["pss_mib"] for p in processes),
             "uss_total_mib": sum(p["uss_mib"] for p in processes),
             "rss_total_mib": sum(p["rss_mib"] for p in processes),
@@ -860,6 +871,9 @@ def print_memory(r: dict) -> None:
     print(f"  start-up: first progress line {f(fp)} s after launch (includes the first batch and "
           f"one PPO update of {f(tr)} s); the run's own clock put update 1 at "
           f"{f(r['runs'][0]['first_update_elapsed_s'])} s from its process start")
+    print(f"  start-up split (s from the run's process start): torch import {f(r['torch_import_started_s'])} -> "
+          f"{f(r['torch_import_ended_s'])}, first sample {f(fs)}, first update done "
+          f"{f(r['first_update_elapsed_s'])}; the run waited {f(r['torch_import_waited_s'])} s for torch")
     for run in r["runs"]:
         left = run["shm_files_left"] or "none"
         print(f"  run: exit {run['exit_code']} after SIGINT, /dev/shm files left: {left}")

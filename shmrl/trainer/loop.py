@@ -31,7 +31,9 @@ from shmrl.files.logdir import LogdirWriteError, open_logdir, replace_file, writ
 from shmrl.server.serving import Serving
 from shmrl.trainer.learn_per_step import LearnPerStep, simulators_slow
 from shmrl.trainer.lifecycle import Run, RunFailed, open_run, signals_held
-from shmrl.trainer.report import DETAIL_EVERY, Clock, books, metrics_row, progress_line, run_summary, share
+from shmrl.model.torch_import import start_torch_import, started_since
+from shmrl.trainer.report import (DETAIL_EVERY, Clock, LearnerWall, books, metrics_row, progress_line, run_summary,
+                                  share, wall_line)
 from shmrl.trainer.resume import policy_file, save_checkpoint, spent_budget
 from shmrl.trainer.setup import Setup, make_ppos, make_serving, set_up, switch_to_slow
 from shmrl.trainer.win_rate import WinRateEval
@@ -150,6 +152,8 @@ class Training(Run):
         self.evaluated_at_end = False        # a budget's end evaluated the last update after its row
         self.budget = "step"                 # the budget that ended the run, if one did
         self.lock = None                     # the log folder's, held from the start to the end
+        self.wall = LearnerWall()            # whether the learner is the wall, said once
+        self.torch_import = started_since(t_start)   # torch's import in a thread (begun by run.train with --ray)
 
     def run(self) -> tuple[int, dict]:
         spent = spent_budget(self.config, self.setup.resumed)
@@ -171,9 +175,10 @@ class Training(Run):
         return serving
 
     def prepare(self) -> None:
-        # The first policy is published and served before torch is imported (about 2 s):
-        # the simulators start (their fork server loads numpy and onnxruntime) and sample
-        # on one core while this process loads torch on the other.
+        # The first policy is published and served before torch is loaded (about 2 s): the
+        # simulators start (their fork server loads numpy and onnxruntime) and sample while this
+        # process imports torch (begun here, or while joining a Ray cluster); make_ppos waits for it.
+        self.torch_import = self.torch_import or start_torch_import()
         self.ppos = make_ppos(self.setup)
 
     def loop(self) -> int:
@@ -218,6 +223,9 @@ class Training(Run):
             busy, wall = self.clock.period()
             stats.update(learner_share=share(busy, wall), learn_level=learning.level)
             learning.observe(busy, wall, stats["epochs_run"])
+            if self.wall.observe(stats["update"], stats["learner_share"]):
+                print(wall_line(self.wall.median(), config), flush=True)
+            stats["learner_wall"] = self.wall.is_wall
             if self.judge.due(stats["update"]):
                 stats.update(self.judge.evaluate(self.serving.model_bytes, stats["update"]))
             row = metrics_row(stats, self)
@@ -291,6 +299,7 @@ class Training(Run):
         # A signal before the loop took the update's share of the learner's time: the run's so far.
         stats.setdefault("learner_share", self.clock.learner_share())
         stats.setdefault("learn_level", self.learning.level if self.learning else 0)
+        stats.setdefault("learner_wall", self.wall.is_wall)
         try:
             (self.metrics.rewrite_last if written else self.metrics.write)(metrics_row(stats, self))
         except LogdirWriteError as e:

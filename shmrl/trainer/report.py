@@ -3,7 +3,9 @@ line) and, built from the same parts, the summary when it ends (summary.json).""
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 
 
 class Clock:
@@ -46,6 +48,48 @@ def share(busy: float, wall: float) -> float:
     return min(busy / wall, 1.0) if wall > 0 else 0.0
 
 
+WALL_WINDOW = 5     # updates whose median busy share decides: one slow update (a checkpoint's) is not the wall
+WALL_SHARE = 0.9    # busier than this the learner is the wall...
+WALL_LEAVE = 0.8    # ...until it is idle a fifth of the time again: between the two the marker stays as it was
+
+
+class LearnerWall:
+    """Whether the learner is the wall: the median busy share of its last WALL_WINDOW updates
+    above WALL_SHARE. Then a batch is always waiting when an update ends, so the simulators
+    wait for the learner (strict on-policy they are held through every update; with --async
+    once a whole batch waits) and more of them would only wait more. It stops being the wall
+    when that median falls below WALL_LEAVE, so a share near 90% does not flap."""
+
+    def __init__(self):
+        self.shares: deque = deque(maxlen=WALL_WINDOW)
+        self.is_wall = False
+        self.said_at: int | None = None   # the update at which the run said so (once)
+
+    def observe(self, update: int, busy_share: float) -> bool:
+        """Count one update's busy share; True the first time the learner is the wall (say it now)."""
+        self.shares.append(busy_share)
+        if len(self.shares) < WALL_WINDOW:
+            return False
+        median = self.median()
+        self.is_wall = median >= WALL_LEAVE if self.is_wall else median > WALL_SHARE
+        if not self.is_wall or self.said_at is not None:
+            return False
+        self.said_at = update
+        return True
+
+    def median(self) -> float:
+        return statistics.median(self.shares) if self.shares else 0.0
+
+
+def wall_line(busy_share: float, config) -> str:
+    """The one line that says the learner is the wall, and what may move it."""
+    gpu = "" if config.device == "cuda" else ", the learner on a GPU where there is one (--device cuda)"
+    return (f"the learner is the wall: busy {100 * busy_share:.0f}% of the time (median of the last {WALL_WINDOW} "
+            f"updates) while the simulators wait for it, so more simulators will not help; what may: fewer "
+            f"epochs (--epochs {config.epochs}), a larger minibatch (--minibatch-size {config.minibatch_size})"
+            f"{gpu}, or a smaller network")
+
+
 def counts(run) -> dict:
     """Where every env step went: received = trained + pending (waiting, or in an update
     that has not finished) + dropped (by reason); accepted: received less those refused as
@@ -84,7 +128,7 @@ def returns(serving) -> dict:
 # An update with a win-rate evaluation (--eval-every) adds these (shmrl.trainer.win_rate).
 EVAL_STATS = ("win_rate", "best_win_rate", "eval_s", "win_rate_by_policy")
 UPDATE_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "train_s", "learner_share", "learn_level",
-                "epochs_run", "batch_steps", "weights_seq_no", "policy_lag", "lr", "reward_scale")
+                "epochs_run", "batch_steps", "weights_seq_no", "policy_lag", "lr", "reward_scale", "learner_wall")
 
 
 def metrics_row(stats: dict, run) -> dict:
@@ -111,7 +155,8 @@ def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, de
     per second, the mean return of ``returns`` (the window) against the stop return (once
     an episode has ended), in a multi-agent run the share of agent episodes won (and
     ``win_rate``, the latest evaluated win rate against a random legal player, once there
-    is one), the learner's share of the time where the row has it, and the time.
+    is one), the learner's share of the time where the row has it (marked while the learner
+    is the wall, ``LearnerWall``), and the time.
     ``detail``: a second line with the losses, the policy lag and each client's env steps."""
     parts = [f"update {row['update']:4d}", f"steps {_k(row['env_steps'])} of {_k(max_env_steps)}",
              f"{_k(round(row['env_steps_per_s']))}/s"]
@@ -126,9 +171,11 @@ def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, de
     if win_rate is not None:
         parts.append(f"random {100 * win_rate:.0f}%")
     if row.get("learner_share") is not None:
-        parts.append(f"learner {100 * row['learner_share']:.0f}%")
+        parts.append(f"learner {100 * row['learner_share']:.0f}%" + (" (the wall)" if row.get("learner_wall") else ""))
     parts.append(f"{row['elapsed_s']:.1f}s")
     line = " | ".join(parts)
+    if len(line) > WIDTH and row.get("learner_wall"):   # a long line (returns of few episodes) keeps it short
+        line = line.replace("% (the wall) | ", "% wall | ")
     if detail:
         line += "\n" + detail_line(row)
     return line
@@ -170,6 +217,15 @@ def run_summary(run, status: int, error: str | None) -> dict:
             "env_steps_per_s": clock.steps_per_s(store.steps_received),
             "first_sample_s": store.first_steps_at - clock.t_start if store.first_steps_at else None,
             "updates": run.counts.done, "weights_seq_no": serving.weights_seq_no,
-            "learner_share": clock.learner_share(),
+            "learner_share": clock.learner_share(), "learner_wall_update": run.wall.said_at,
+            **torch_import_times(run),
             "simulator_recovery_s": supervisor.recovery_s if supervisor else [],
             "resumed_from": str(resumed_from) if resumed_from else None, **means}
+
+
+def torch_import_times(run) -> dict:
+    """When torch's import began and ended, from the process start, and how long the run
+    waited for it (``shmrl.model.torch_import``); None where the run did not start one."""
+    if run.torch_import is None:
+        return dict.fromkeys(("torch_import_started_s", "torch_import_ended_s", "torch_import_waited_s"))
+    return run.torch_import.times(run.clock.t_start)

@@ -281,9 +281,11 @@ def learner_device(config, nets: dict, has_cuda: bool) -> tuple[str, str]:
 
 def make_ppos(setup: Setup) -> dict:
     """One PPO per policy (policy id -> PPO), from the checkpoint when resuming, on the
-    device ``learner_device`` chooses (said once in the log, kept in ``setup.device``)."""
-    import torch
+    device ``learner_device`` chooses (said once in the log, kept in ``setup.device``).
+    torch's import, begun in a thread (``shmrl.model.torch_import``), is waited for here."""
+    from shmrl.model.torch_import import import_torch
 
+    torch = import_torch()
     from shmrl.model.ppo import PPO
 
     config = setup.config
