@@ -196,7 +196,7 @@ def measure(case: Case, device: str = "cpu", repeat: int = 5, warmup: int = 1, q
             lap()
             stats = {**result, "update": i + 1, "batch_steps": chunks.num_steps, "reward_scale": config.reward_scale,
                      "policy_lag": 0.0, "train_s": t[-1] - t[0], "weights_seq_no": i + 1, "learner_share": 1.0,
-                     "learn_level": 0, "policies": {}}
+                     "learn_level": 0, "learner_wall": False, "policies": {}}
             target.log(stats, config)
             lap()
             if i >= warmup:
