@@ -108,6 +108,24 @@ def step_beside_gymnasium(env_id: str, mine, seed: int, next_action, atol: float
     raise AssertionError(f"{env_id}: no episode end in 1000 steps")
 
 
+def simulator_threads(server, n: int = 2) -> list[threading.Thread]:
+    """``n`` of shmrl's simulator loops (CartPole, seeds 0..n-1) in daemon threads, each a
+    client of the in-process ``server``, started; each ends when the run closes the server."""
+    from shmrl.client.simulator import run_simulator
+
+    def simulate(client, seed):
+        try:
+            run_simulator(client, seed=seed)
+        except ConnectionError:
+            pass   # the run closed the server
+
+    threads = [threading.Thread(target=simulate, args=(server.connect(timeout=10), i), daemon=True)
+               for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def serve_until(learner, condition, timeout: float, what: str):
     """Serve the learner's clients (``learner.poll``) until ``condition()`` is true; bounded
     like ``wait_until``."""

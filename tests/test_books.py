@@ -21,13 +21,12 @@ from shmrl.model.ppo import PPO
 from shmrl.run import _terminate
 from shmrl.server.serving import Serving
 from shmrl.server.store import EpisodeStore
-from shmrl.sim import run_simulator
 from shmrl.trainer import loop
 from shmrl.trainer.learn_per_step import LearnPerStep
 from shmrl.trainer.report import Clock
 from shmrl.transport.inproc import InProcServer
 
-from conftest import check_books, metrics_rows, summary_of, wait_until
+from conftest import check_books, metrics_rows, simulator_threads, summary_of, wait_until
 
 
 def train_until_signalled(logdir, signum: int, arm=None) -> None:
@@ -35,17 +34,7 @@ def train_until_signalled(logdir, signum: int, arm=None) -> None:
     signal ends it. ``arm()`` is called once the run has started (it arranges the signal);
     SIGTERM is handled as ``python -m shmrl.run`` handles it."""
     server = InProcServer()
-    clients = [server.connect(timeout=10) for _ in range(2)]
-
-    def simulate(client, seed):
-        try:
-            run_simulator(client, seed=seed)
-        except ConnectionError:
-            pass   # the run closed the server
-
-    threads = [threading.Thread(target=simulate, args=(c, i), daemon=True) for i, c in enumerate(clients)]
-    for t in threads:
-        t.start()
+    threads = simulator_threads(server)
     before = signal.signal(signal.SIGTERM, _terminate)
     # Should the signal never come, Ctrl-C after 120 s ends the run (and the test fails on its checks).
     watchdog = threading.Timer(120, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))

@@ -11,14 +11,13 @@ from shmrl.model.net import PolicyNet
 from shmrl.config.settings import Config, PPOSettings, with_defaults
 from shmrl.model.ppo import PPO
 from shmrl.server.serving import Serving
-from shmrl.sim import run_simulator
 from shmrl.client.action_sampler import ActionSampler
 from shmrl.core.spaces import Discrete, action_layout
 from shmrl.server.store import DEFAULT_POLICY, EpisodeStore
 from shmrl.trainer.loop import UpdateCounts, train_with_servers, update
 from shmrl.transport.inproc import InProcServer
 
-from conftest import SPEC, chunk, request_while_serving, serve_until
+from conftest import SPEC, chunk, request_while_serving, serve_until, simulator_threads
 
 
 def test_store_glues_continuations_by_obs_and_by_id():
@@ -167,17 +166,7 @@ def test_simulator_loop_learns_in_process(tmp_path):
     """Simulators in threads behind the in-process transport, trained by shmrl's own loop
     (train_with_servers): the return climbs well above random (~22)."""
     server = InProcServer()
-    clients = [server.connect(timeout=10) for _ in range(2)]
-
-    def simulate(client, seed):
-        try:
-            run_simulator(client, seed=seed)
-        except ConnectionError:
-            pass  # the run closed the server
-
-    threads = [threading.Thread(target=simulate, args=(c, i), daemon=True) for i, c in enumerate(clients)]
-    for t in threads:
-        t.start()
+    threads = simulator_threads(server)
     try:
         config = shmrl.Config(sims=0, seed=0, hidden=64, lr=3e-3, epochs=6, minibatch_size=256, train_batch_size=512,
                               env_steps_per_sample=256, max_env_steps=30 * 512 + 1, stop_return=math.inf,
