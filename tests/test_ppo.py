@@ -190,3 +190,80 @@ def test_flat_adam_matches_torch_adam_with_clipping():
         ref.step()
     for pa, pb in zip(net_a.parameters(), net_b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6)
+
+
+def plain_ppo_update(ppo: PPO, batch, rng, target_kl: float | None) -> tuple[list, dict]:
+    """The PPO update written plainly, CleanRL's way, for ``PPO.update`` to be checked
+    against: torch.optim.Adam over the same parameters (a copy), clip_grad_norm_, the
+    Gaussian's log-probability from torch.distributions, a host sync for every check, and
+    minibatches gathered from ``rng``'s permutations as the update draws them. Returns the
+    parameters after it and the last epoch's mean losses."""
+    cfg = ppo.config
+    params = {k: v.detach().clone().requires_grad_() for k, v in ppo.params.items()}
+    log_std = ppo.log_std.detach().clone().requires_grad_()
+    order = [p for k, p in params.items() if not k.startswith("vf.")] + [log_std] + \
+        [p for k, p in params.items() if k.startswith("vf.")]
+    opt = torch.optim.Adam(order, lr=cfg.lr, eps=1e-5)
+    obs = {k: torch.from_numpy(v) for k, v in batch.obs.items()}
+    actions, logp_b, returns = (torch.from_numpy(x) for x in (batch.actions, batch.logp, batch.returns))
+    adv = torch.from_numpy(batch.advantages)
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+
+    def logp_of(rows):
+        out, values = ppo.net.both_torch(params, {k: v[rows] for k, v in obs.items()})
+        dist = torch.distributions.Normal(out, log_std.exp())
+        return dist.log_prob(actions[rows]).sum(-1), dist.entropy().sum(-1), values
+
+    with torch.no_grad():
+        logp_start = logp_of(torch.arange(len(batch)))[0]
+    n, mb = len(batch), cfg.minibatch_size
+    for epoch in range(cfg.epochs):
+        sums, taken = np.zeros(2), 0
+        perm = torch.from_numpy(rng.permutation(n))
+        for start in range(0, n - mb + 1, mb):
+            rows = perm[start:start + mb]
+            logp, entropy, values = logp_of(rows)
+            moved = (logp - logp_start[rows]).detach()
+            if target_kl and float((moved.exp() - 1 - moved).mean()) > 1.5 * target_kl:
+                return order, {"pi_loss": sums[0] / max(taken, 1), "v_loss": sums[1] / max(taken, 1), "stopped": True}
+            ratio = (logp - logp_b[rows]).exp()
+            a = adv[rows]
+            pi_loss = -torch.min(a * ratio, a * ratio.clamp(1 - cfg.clip, 1 + cfg.clip)).mean()
+            v_loss = 0.5 * ((values - returns[rows]) ** 2).mean()
+            loss = pi_loss + cfg.vf_coef * v_loss - cfg.ent_coef * entropy.mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(order, cfg.max_grad_norm)
+            opt.step()
+            sums += [pi_loss.item(), v_loss.item()]
+            taken += 1
+    return order, {"pi_loss": sums[0] / taken, "v_loss": sums[1] / taken, "stopped": False}
+
+
+@pytest.mark.parametrize("target_kl", [None, 0.02, 1e-4])
+def test_update_computes_what_a_plain_ppo_update_computes(target_kl):
+    """PPO.update's cheaper path (flat Adam, diagnostics outside autograd, one host sync an
+    epoch) gives the same losses and weights as the plain update on the same minibatches,
+    without a KL stop and with one, which ends both at the same step (1e-4 stops early)."""
+    import dataclasses
+
+    from tools.update_bench import CASES, case_config, fake_messages
+
+    case = next(c for c in CASES if c.name == "mlp64-mb256")
+    spec, config = case_config(case)
+    config = dataclasses.replace(config, train_batch_size=1024, minibatch_size=128, epochs=4, ent_coef=0.01, max_grad_norm=0.05,
+                                 lr_anneal=False)
+    from shmrl.trainer.setup import policy_net
+
+    net = policy_net(config, spec)
+    ppo = PPO(net, config, seed=3)
+    batch = ppo.make_batch(EpisodeBatch.concat(fake_messages(net, config, seed=3)))
+    rng = np.random.default_rng()
+    rng.bit_generator.state = ppo.rng.bit_generator.state       # the same permutations
+    reference, plain = plain_ppo_update(ppo, batch, rng, target_kl)
+    result = ppo.update(batch, target_kl=target_kl)
+    assert (result["epochs_run"] < config.epochs) == plain["stopped"] == (target_kl == 1e-4), result
+    assert result["pi_loss"] == pytest.approx(plain["pi_loss"], rel=1e-3, abs=1e-6)
+    assert result["v_loss"] == pytest.approx(plain["v_loss"], rel=1e-4)
+    torch.testing.assert_close(ppo.optimizer.flat, torch.cat([p.detach().reshape(-1) for p in reference]),
+                               rtol=1e-4, atol=1e-5)

@@ -64,15 +64,15 @@ class FlatAdam:
         self.flat_grad.zero_()
 
     @torch.no_grad()
-    def step(self, max_grad_norm: float | None = None) -> float:
-        """Clip the gradient to ``max_grad_norm``, take one Adam step; returns the norm. A
-        gradient that is not finite is not applied (the caller skips the update)."""
+    def step(self, max_grad_norm: float | None = None) -> torch.Tensor:
+        """Clip the gradient to ``max_grad_norm``, take one Adam step; returns the gradient's
+        norm as a tensor: nothing here waits for the device (on a GPU a host sync each step
+        costs about as much as the step). A gradient that is not finite makes the weights
+        not finite: the caller checks the norm (PPO.update undoes the whole update)."""
         g = self.flat_grad
-        norm = float(g.norm())
-        if not math.isfinite(norm):
-            return norm
-        if max_grad_norm is not None and norm > max_grad_norm:
-            g.mul_(max_grad_norm / (norm + 1e-6))
+        norm = g.norm()
+        if max_grad_norm is not None:
+            g.mul_(torch.where(norm > max_grad_norm, max_grad_norm / (norm + 1e-6), 1.0))
         self.t += 1
         self.exp_avg.lerp_(g, 1 - self.beta1)
         self.exp_avg_sq.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
@@ -240,8 +240,9 @@ class PPO:
 
     @staticmethod
     def _gaussian(mean, actions, log_std, entropy):
-        std = log_std.exp()
-        logp = (-0.5 * ((actions - mean) / std) ** 2 - log_std - HALF_LOG_2PI).sum(-1)
+        # The constant terms summed once over the action's columns, not per row.
+        z = (actions - mean) * torch.exp(-log_std)
+        logp = -0.5 * z.square().sum(-1) - (log_std.sum() + len(log_std) * HALF_LOG_2PI)
         return logp, (log_std + 0.5 + HALF_LOG_2PI).sum().expand(len(mean)) if entropy else None
 
     @torch.inference_mode()
@@ -361,7 +362,7 @@ class PPO:
         real = advantages if mask is None else advantages[mask > 0]
         advantages = (advantages - real.mean()) / (real.std() + 1e-8)
         # pi_loss, v_loss, entropy, approx_kl, clip_frac, ratio_out_of_bounds: this epoch's sums, and the last whole one's
-        stats, done = torch.zeros(6, device=dev), None
+        stats, done, not_finite = torch.zeros(6, device=dev), None, None
         opt = self.optimizer    # to go back to if a loss or gradient is not finite
         before = (opt.flat.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone(), opt.t)
         steps_per_epoch, steps = max(units // mb, 1), 0
@@ -390,12 +391,15 @@ class PPO:
                     break
                 self.optimizer.zero_grad()
                 loss.backward()
-                if not math.isfinite(self.optimizer.step(cfg.max_grad_norm)):
-                    return self._skipped(before, "its loss or gradient was not finite")
+                norm = self.optimizer.step(cfg.max_grad_norm)
+                not_finite = ~torch.isfinite(norm) if not_finite is None else not_finite | ~torch.isfinite(norm)
                 taken += 1
                 if keep:
-                    with torch.no_grad():
-                        stats += torch.stack(terms)
+                    stats += torch.stack(terms)
+            # One host sync an epoch, not one a step: a gradient that was not finite has been
+            # applied since, but the whole update is undone.
+            if not_finite is not None and bool(not_finite):
+                return self._skipped(before, "its loss or gradient was not finite")
             steps += taken
             if taken:
                 done = stats / taken
@@ -452,17 +456,22 @@ class PPO:
         # gets no policy gradient, so that it cannot blow the loss up to exp(20) and beyond.
         log_ratio = logp - logp_behaviour
         in_bounds = log_ratio.detach().abs() <= MAX_LOG_RATIO
-        log_ratio = torch.where(in_bounds, log_ratio, log_ratio.new_zeros(()))
+        log_ratio = torch.where(in_bounds, log_ratio, 0.0)
         ratio = log_ratio.exp()
-        pi_loss = -mean(torch.min(advantages * ratio, advantages * torch.clamp(ratio, 1 - cfg.clip, 1 + cfg.clip)))
-        v_loss = 0.5 * mean((values - returns).pow(2))
-        ent = mean(ent) if entropy else logp.new_zeros(())
-        loss = pi_loss + cfg.vf_coef * v_loss - cfg.ent_coef * ent
-        terms = [pi_loss, v_loss, ent, mean((ratio - 1) - log_ratio),
-                 mean(((ratio - 1).abs() > cfg.clip).float()), mean((~in_bounds).float())]
-        if logp_start is not None:
-            moved = (logp - logp_start).detach()
-            terms.append(mean(moved.exp() - 1 - moved))
+        pi_loss = -mean(torch.min(advantages * ratio, advantages * ratio.clamp(1 - cfg.clip, 1 + cfg.clip)))
+        v_loss = 0.5 * mean((values - returns).square())
+        ent = mean(ent) if entropy else None
+        loss = pi_loss + cfg.vf_coef * v_loss
+        if ent is not None and cfg.ent_coef:
+            loss = loss - cfg.ent_coef * ent
+        with torch.no_grad():   # the diagnostics: no autograd graph for them
+            ratio, log_ratio = ratio.detach(), log_ratio.detach()
+            terms = [pi_loss.detach(), v_loss.detach(), logp.new_zeros(()) if ent is None else ent.detach(),
+                     mean((ratio - 1) - log_ratio), mean(((ratio - 1).abs() > cfg.clip).float()),
+                     mean((~in_bounds).float())]
+            if logp_start is not None:
+                moved = logp.detach() - logp_start
+                terms.append(mean(moved.exp() - 1 - moved))
         return loss, terms
 
     def get_state(self) -> tuple[dict[str, np.ndarray], dict]:

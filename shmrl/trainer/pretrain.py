@@ -102,7 +102,8 @@ def clone(ppo, episodes, config, seed: int) -> tuple[dict | None, str]:
             loss = -logp.mean() + config.vf_coef * 0.5 * (values - returns[rows]).pow(2).mean()
             opt.zero_grad()
             loss.backward()
-            opt.step(config.max_grad_norm)
+            if torch.isfinite(opt.flat_grad.norm()):   # a step whose gradient is not finite is not taken
+                opt.step(config.max_grad_norm)
     with torch.no_grad():   # PPO starts with fresh moments: the clone's would steer its first steps
         opt.exp_avg.zero_()
         opt.exp_avg_sq.zero_()
