@@ -302,6 +302,46 @@ def test_bench_update_quick(tool):
     assert nets["lstm"]["settings"]["memory"] == "lstm"
 
 
+def test_bench_scaling_quick(tool, tmp_path):
+    """bench.py scaling --quick: one short shmrl.run (CartPole, --sims 1, a 4096-step budget)
+    read back from its own summary.json into a point, with the plot where matplotlib is."""
+    import importlib.util
+
+    from tools.scaling_bench import default_sims
+
+    assert default_sims(16) == [1, 2, 4, 8, 16] and default_sims(2) == [1, 2] and default_sims(1) == [1]
+    assert default_sims(6) == [1, 2, 4, 6]
+    plot = tmp_path / "scaling.png"
+    with_plot = importlib.util.find_spec("matplotlib") is not None
+    rc, out, err = tool("bench.py", "scaling", "--quick", "--json", *(["--plot", plot] if with_plot else []),
+                        timeout=240)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    assert r["subcommand"] == "scaling" and len(r["method"]) > 100 and r["torch_imported"] is False
+    assert r["params"]["envs"] == ["CartPole-v1"] and r["params"]["sims"] == [1] and r["params"]["seeds"] == [0]
+    assert r["params"]["max_env_steps"] == 4096 and r["params"]["usable_cores"] == len(os.sched_getaffinity(0))
+    assert r["host_before"]["cpus"] >= 1 and len(r["host_after"]["loadavg"]) == 3 and r["torch"]
+    [run] = r["runs"]
+    assert (run["env"], run["sims"], run["seed"]) == ("CartPole-v1", 1, 0) and run["exit"] in (0, 1)
+    assert run["target"] == 475 and run["updates"] >= 1
+    assert run["env_steps"] >= 4096 and positive(run["env_steps_per_s"]) and positive(run["wall_s"])
+    assert 0 <= run["learner_share"] <= 1
+    # The run's rate counts from its serving's start: after the process started, before its first env steps.
+    serving_s = run["env_steps"] / run["env_steps_per_s"]
+    assert run["wall_s"] - run["first_sample_s"] - 0.5 <= serving_s <= run["wall_s"] * 1.01 + 0.1
+    assert run["reached"] == (run["exit"] == 0) and (run["seconds"] is None) == (not run["reached"])
+    if run["reached"]:   # CartPole solved in 4096 steps: not expected, but then the time is the run's
+        assert 0 < run["seconds"] <= run["wall_s"]
+    [p] = r["points"]
+    assert (p["env"], p["sims"], p["seeds"], p["reached"]) == ("CartPole-v1", 1, 1, int(run["reached"]))
+    assert p["env_steps_per_s_median"] == run["env_steps_per_s"] and p["learner_share_median"] == run["learner_share"]
+    assert p["seconds_median"] == run["seconds"]
+    if with_plot:
+        assert r["plot"] == str(plot) and plot.stat().st_size > 1000
+    else:
+        assert r["plot"] is None
+
+
 def test_gpu_check_quick(tool):
     """tools/gpu_check.py --quick: on a machine without a GPU it says so and exits 0; with
     one, every check passes."""

@@ -1,5 +1,6 @@
 """Benchmarks of shmrl: sampling throughput, transport cost, time to solve, weight
-synchronization latency, memory, and the learner's update.
+synchronization latency, memory, the learner's update, and the time to solve against the
+number of simulators.
 
     python tools/bench.py throughput [--sims 1 2 4 8 16 32] [--seconds 5] [--envs-per-sim 1] [--repeat 3] [--env ID]
     python tools/bench.py transport  [--steps 500] [--messages 200] [--repeat 3] [--env ID]
@@ -7,6 +8,7 @@ synchronization latency, memory, and the learner's update.
     python tools/bench.py sync       [--sims 8] [--updates 50]
     python tools/bench.py memory     [--sims 8] [--repeat 1]
     python tools/bench.py update     [--nets NAME ...] [--repeat 5] [--threads 1] [--device cpu]
+    python tools/bench.py scaling    [--envs ENV ...] [--sims 1 2 ...] [--seeds 0 1 2] [--plot PATH.png]
     python tools/bench.py SUBCOMMAND --quick --json    # seconds: small sizes, one short window
 
 Every subcommand prints a table, or with ``--json`` one JSON object; both say what was
@@ -46,6 +48,7 @@ import numpy as np
 
 from tools.shared import (cpu_s, finished, interrupt_group, median, own_shm_files, percentile, popen_group,
                           print_method, process_tree, read_logdir, started, stop_process)
+from tools.scaling_bench import QUICK as QUICK_SCALING, add_scaling_parser, print_scaling, scaling_bench
 from tools.update_bench import QUICK as QUICK_UPDATE, add_update_parser, print_update, update_bench
 
 ENV_ID = "CartPole-v1"         # the default --env of throughput and transport; the one of sync and memory
@@ -890,6 +893,7 @@ QUICK = {
     "memory": {"sims": 2, "repeat": 1},
 }
 QUICK["update"] = QUICK_UPDATE
+QUICK["scaling"] = QUICK_SCALING
 QUICK_SOLVE_EXTRA = ["--stop-return", "100"]
 
 
@@ -960,6 +964,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         s.add_argument(name, type=int, required=True)
     s.add_argument("--env")
     add_update_parser(sub, common)
+    add_scaling_parser(sub, common)
 
     if "--quick" in argv:  # quick defaults; flags given on the command line still win
         for name, defaults in QUICK.items():
@@ -983,6 +988,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 COMMANDS = {"throughput": (throughput, print_throughput), "transport": (transport, print_transport),
             "solve": (solve_bench, print_solve), "sync": (sync, print_sync), "memory": (memory, print_memory)}
 COMMANDS["update"] = (update_bench, print_update)
+COMMANDS["scaling"] = (scaling_bench, print_scaling)
 
 
 def _terminate(signum, frame):
