@@ -107,6 +107,15 @@ def resume_across(case, quick: bool) -> dict:
             "ok": cuda_to_cpu and cpu_to_cuda}
 
 
+def guarded(check, case, quick: bool) -> dict:
+    """``check(case, quick)``, or where it raises, a failed entry that says why: one network's
+    failure is reported with the others' results, not instead of them."""
+    try:
+        return check(case, quick)
+    except Exception as e:   # noqa: BLE001 - reported, and the check fails
+        return {"net": case.name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def gpu_check(args) -> dict:
     import torch
 
@@ -127,11 +136,13 @@ def gpu_check(args) -> dict:
         result.update(ok=args.quick, checks=[], resumes=[], times=[])
         return finished(result)
     result["device_name"] = torch.cuda.get_device_name(0)
-    result["checks"] = [same_losses(c, args.quick) for c in cases]
-    result["resumes"] = [resume_across(c, args.quick) for c in cases]
-    result["times"] = [{"net": c.name, "cpu": measure(c, "cpu", args.repeat, args.warmup, args.quick),
-                        "cuda": measure(c, "cuda", args.repeat, args.warmup, args.quick)} for c in cases]
-    result["ok"] = all(x["ok"] for x in result["checks"] + result["resumes"])
+    result["checks"] = [guarded(same_losses, c, args.quick) for c in cases]
+    result["resumes"] = [guarded(resume_across, c, args.quick) for c in cases]
+    result["times"] = [guarded(lambda c, quick: {"net": c.name, "cpu": measure(c, "cpu", args.repeat, args.warmup, quick),
+                                                 "cuda": measure(c, "cuda", args.repeat, args.warmup, quick)},
+                               c, args.quick) for c in cases]
+    result["ok"] = all(x["ok"] for x in result["checks"] + result["resumes"]) and \
+        not any("error" in x for x in result["times"])
     return finished(result)
 
 
@@ -145,16 +156,25 @@ def print_gpu_check(r: dict) -> None:
           f"{'all checks pass' if r['ok'] else 'A CHECK FAILED'}")
     print("  same losses on the same minibatches, CPU against GPU (largest absolute difference):")
     for x in r["checks"]:
+        if "error" in x:
+            print(f"    {x['net']:<12} FAILED: {x['error']}")
+            continue
         d = x["max_abs_diff"]
         print(f"    {x['net']:<12} {'ok' if x['ok'] else 'FAILED ' + ', '.join(x['failed']):<8} "
               + ", ".join(f"{k} {v:.2e}" for k, v in d.items()) + f" (rtol {x['rtol']:g}, atol {x['atol']:g})")
     print("  a checkpoint resumed across devices (weights, Adam state, seed state equal):")
     for x in r["resumes"]:
+        if "error" in x:
+            print(f"    {x['net']:<12} FAILED: {x['error']}")
+            continue
         print(f"    {x['net']:<12} cuda -> cpu {'ok' if x['cuda_to_cpu'] else 'FAILED'}, "
               f"cpu -> cuda {'ok' if x['cpu_to_cuda'] else 'FAILED'}")
     print(f"  ms per update (median; {r['params']['threads']} CPU thread(s)):")
     print(f"    {'network':<12} | {'cpu':>9} | {'cuda':>9} | {'cpu/step':>8} | {'cuda/step':>9} | {'speed-up':>8}")
     for x in r["times"]:
+        if "error" in x:
+            print(f"    {x['net']:<12} FAILED: {x['error']}")
+            continue
         c, g = x["cpu"], x["cuda"]
         print(f"    {x['net']:<12} | {c['total_ms']:>9.2f} | {g['total_ms']:>9.2f} | "
               f"{c['per_gradient_step_ms']:>8.3f} | {g['per_gradient_step_ms']:>9.3f} | "

@@ -245,11 +245,14 @@ class Recurrent:
 
         weights = [p[f"{self.name}.{w}"] for w in ("w_ih", "w_hh", "b_ih", "b_hh")]
         h0 = state[:, :self.size].unsqueeze(0).contiguous()
+        # Training mode where gradients flow: cuDNN refuses a backward through an RNN run in
+        # inference mode (the CPU does not mind); with no dropout both compute the same.
+        train = torch.is_grad_enabled()
         if self.kind == "lstm":
             c0 = state[:, self.size:].unsqueeze(0).contiguous()
-            y, h, c = torch.lstm(x, (h0, c0), weights, True, 1, 0.0, False, False, True)
+            y, h, c = torch.lstm(x, (h0, c0), weights, True, 1, 0.0, train, False, True)
             return y, torch.cat([h[0], c[0]], dim=1)
-        y, h = torch.gru(x, h0, weights, True, 1, 0.0, False, False, True)
+        y, h = torch.gru(x, h0, weights, True, 1, 0.0, train, False, True)
         return y, h[0]
 
 
