@@ -631,3 +631,29 @@ def test_a_tool_runs_as_its_file_from_any_folder_and_as_a_module(tmp_path):
                                capture_output=True, text=True, timeout=60)
     for proc in (as_file, as_module):
         assert proc.returncode == 0 and "--seeds" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_group_alive_counts_live_processes_not_zombies():
+    """tools.shared.group_alive: a group whose only member has exited but is not reaped yet
+    (a zombie, as a run's fork server is until init reaps it) is gone; a sleeping one is not.
+    The tools time a run to its exit and wait for its group only to clean up."""
+    import subprocess
+    import sys
+    import time
+
+    from tools.shared import group_alive
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    done = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{done.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        assert not group_alive(done.pid)       # exited, not reaped: not alive
+        assert group_alive(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+        done.wait(10)
+    assert not group_alive(sleeper.pid)
