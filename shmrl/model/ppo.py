@@ -66,13 +66,16 @@ class FlatAdam:
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = None) -> torch.Tensor:
         """Clip the gradient to ``max_grad_norm``, take one Adam step; returns the gradient's
-        norm as a tensor: nothing here waits for the device (on a GPU a host sync each step
+        norm as a tensor. On a GPU nothing here waits for the device (a host sync each step
         costs about as much as the step). A gradient that is not finite makes the weights
         not finite: the caller checks the norm (PPO.update undoes the whole update)."""
         g = self.flat_grad
         norm = g.norm()
         if max_grad_norm is not None:
-            g.mul_(torch.where(norm > max_grad_norm, max_grad_norm / (norm + 1e-6), 1.0))
+            if g.device.type != "cpu":   # the scale stays on the device
+                g.mul_(torch.where(norm > max_grad_norm, max_grad_norm / (norm + 1e-6), 1.0))
+            elif float(norm) > max_grad_norm:   # on a CPU reading it costs nothing and saves ops
+                g.mul_(max_grad_norm / (float(norm) + 1e-6))
         self.t += 1
         self.exp_avg.lerp_(g, 1 - self.beta1)
         self.exp_avg_sq.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
@@ -392,7 +395,11 @@ class PPO:
                 self.optimizer.zero_grad()
                 loss.backward()
                 norm = self.optimizer.step(cfg.max_grad_norm)
-                not_finite = ~torch.isfinite(norm) if not_finite is None else not_finite | ~torch.isfinite(norm)
+                if dev.type == "cpu":   # no device to wait for: stop at once, as before the sync-free path
+                    if not math.isfinite(float(norm)):
+                        return self._skipped(before, "its loss or gradient was not finite")
+                else:
+                    not_finite = ~torch.isfinite(norm) if not_finite is None else not_finite | ~torch.isfinite(norm)
                 taken += 1
                 if keep:
                     stats += torch.stack(terms)
