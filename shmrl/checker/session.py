@@ -19,12 +19,11 @@ import numpy as np
 from shmrl import rllink
 from shmrl.checker.rules import (S_ACT, S_CONVERSATION, S_HEARTBEAT, S_INFERENCE, S_REPLIES, S_STATE,
                                  ActRules, EpisodeRules, read_frame)
-from shmrl.config.faces import ConformanceSettings
+from shmrl.config.faces import EXIT_GRACE_S, ConformanceSettings
 
 DEFAULTS = ConformanceSettings()   # the command line's defaults are the API's
 HEARTBEAT_S = 0.02          # asked of a binary client: short, so that sampling a message needs several
 SILENCE_S = 2.0             # the longest silence allowed while it samples (100 heartbeats: a loaded machine)
-EXIT_GRACE_S = 3.0          # how long a client may take to end once the checker stopped listening
 OUTPUT_TAIL_BYTES = 64 << 10   # of the client's output, the last kept to show; the rest is read and dropped
 
 

@@ -12,6 +12,18 @@ from shmrl.config.settings import AUTH_TOKEN_VAR, PORT, above, at_least, setting
 
 ENV_HELP = "environment, as for shmrl.run (default: %(default)s)"
 
+# The numbers every client of this repository shares: shmrl.sim, the JavaScript client
+# (clients/js: cartpole.js's flags, shmrl_client.js's runClient) and the C header
+# (clients/c/shmrl_client.h's #defines). docs/RLLINK.md and docs/CLIENTS.md give them;
+# each is written here once, and tests/test_client_numbers.py holds the others to it.
+REPLY_TIMEOUT_S = 600.0   # how long a client waits for one reply: a strict on-policy server holds
+#                           it through an update (RLLINK.md §6), RLlib's answers after its training step
+GIVE_UP_S = 5.0           # how long a client whose server went away after a session keeps trying
+#                           to reconnect before it exits 0 (the run is over)
+EXIT_GRACE_S = GIVE_UP_S + 3.0   # how long python -m shmrl.conformance lets a client end on its own
+#                                  once it stopped listening: GIVE_UP_S, the JS client's longest wait
+#                                  between attempts (2 s) and a second to spare
+
 
 @dataclass(kw_only=True)
 class SimSettings:
@@ -37,7 +49,7 @@ class SimSettings:
         False, "let the server run the policy: send observations (ACT), get actions (ACTIONS); needs no "
         "onnxruntime (shmrl's server; RLlib's does not serve actions)", switch=True)
     timeout: float = setting(
-        600.0, "seconds to wait for any one reply; RLlib's server answers only after its training step "
+        REPLY_TIMEOUT_S, "seconds to wait for any one reply; RLlib's server answers only after its training step "
         "(default: %(default)s)", check=above(0))
     # How long a client keeps trying a server that is not there (yet, or any more): about
     # 10 s by default; examples/external_client.py does the same.
