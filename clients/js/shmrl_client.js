@@ -57,7 +57,7 @@ class Columns {
 const align8 = (n) => Math.ceil(n / 8) * 8;
 
 /** A list of floats: written with a decimal point even when integral (1.0, not 1), as
- * Python writes them, so that every chunk's observations have one type. */
+ * Python writes them (the server would take 1 as well: RLLINK.md section 4, Numbers). */
 class Floats extends Array {}
 
 const floatText = (v) => (Number.isInteger(v) ? v.toFixed(1) : String(v));

@@ -193,7 +193,8 @@ class ActRules:
     """The rules over the ACTs of a server-inference client on one connection (RLLINK.md
     §11.1) beyond shmrl's validation of each (``rllink_act``): K fixed by the first ACT,
     the step's outcome absent from the first and present in every other, observations
-    (and the final ones of truncated episodes) that fit the env. For a multi-agent env
+    that fit the env, and ``final_obs`` too where an env was truncated (all its rows, as
+    shmrl's server checks them, though it uses only the truncated envs'). For a multi-agent env
     (``multi``, its ``MultiAgentSpec``; §11.3) the same per env, with the agents the env's,
     each agent's observations fitting its spaces, and no agent acting again in an episode
     it ended before the env's reset."""
@@ -228,11 +229,11 @@ class ActRules:
         if "rewards" in msg:
             truncated = np.asarray(msg["truncateds"])
             self.episodes_ended += int((truncated | np.asarray(msg["terminateds"])).sum())
-            if truncated.any():
-                why, _ = self.spec.obs.check(obs_map(lambda v: v[truncated], msg["final_obs"]))
+            if truncated.any():   # every row, as shmrl's server checks it: those of envs not truncated go unused
+                why, _ = self.spec.obs.check(msg["final_obs"])
                 if why:
-                    out.append((S_ACT, f"{where}: 'final_obs' of the truncated envs does not fit "
-                                       f"{self.spec.env_id}: {why}"))
+                    out.append((S_ACT, f"{where}: 'final_obs' does not fit {self.spec.env_id}: {why} (every row "
+                                       f"must, the rows of envs not truncated too, though they are not used)"))
         self.acts += 1
         return out
 
