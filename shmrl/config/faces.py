@@ -114,7 +114,11 @@ class ConformanceSettings:
     reconnect: bool = setting(
         True, "the client ends when its connection is closed (shmrl.sim): skip connection 2", flag="--no-reconnect",
         switch=True)
-    steps: int = setting(2000, "env_steps_per_sample of connection 1 (default: %(default)s)", check=at_least(4))
+    steps: int | None = setting(
+        None, "env_steps_per_sample of connection 1 (a server-inference client: its env steps in all). Default: "
+        "enough for each env to reach the env's time limit, max(2000, 8 x max_episode_steps) (its three messages "
+        "step up to 24 envs past it; a server-inference client gets at least max_episode_steps + 1 ACTs); 2000 for "
+        "an env without one. A run that ends no episode fails", kind=int, check=at_least(4), metavar="N")
     hold_s: float = setting(2.0, "how long the reply to message 1 is held (default: %(default)s)", check=at_least(0))
     timeout: float = setting(
         60.0, "seconds to wait for the client's connection and each request (default: %(default)s)",
