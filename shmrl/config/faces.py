@@ -105,6 +105,12 @@ class RecordExportSettings:
     minari_root: str | None = setting(
         None, "where Minari keeps its datasets (default: its own, $MINARI_DATASETS_PATH or ~/.minari/datasets)",
         kind=str, metavar="DIR")
+    author: str | None = setting(None, "the dataset's author, in its Minari metadata (default: none)", kind=str,
+                                 metavar="NAME")
+    author_email: str | None = setting(None, "the author's email or other contact, in its metadata (default: none)",
+                                       kind=str, metavar="ADDRESS")
+    code_permalink: str | None = setting(
+        None, "a link to the code that produced the dataset, in its metadata (default: none)", kind=str, metavar="URL")
 
 
 @dataclass(kw_only=True)
