@@ -134,7 +134,7 @@ class ConformanceSettings:
 @dataclass(kw_only=True)
 class PlotSettings:
     """``python -m shmrl.plot``: learning curves of runs."""
-    runs: list[Path] | None = setting(None, "log folders of shmrl.run", kind=Path, positional=True, nargs="+",
+    runs: list[Path] | None = setting(None, "log folders of shmrl.run, or folders of them (every run under one)", kind=Path, positional=True, nargs="+",
                                       metavar="RUN_DIR")
     output: Path = setting(Path("learning_curves.png"), "PNG to write (default: %(default)s)", kind=Path, short="-o")
     title: str | None = setting(None, "a title above the plots", kind=str)
