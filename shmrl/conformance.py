@@ -23,8 +23,13 @@ each chunk's weights_seq_no, heartbeats when binary was agreed, no request while
 is held, and the ACT rules (K fixed, a step's outcome in every ACT but a connection's
 first, observations that fit the env). The client's reply timeout must outlast the held
 reply (``--hold-s``). Each violation is printed with the section of RLLINK.md it breaks.
+A run in which no episode ended fails too (episode ends went unchecked); by default
+--steps is long enough for the env's time limit. --env names the env as shmrl.run does:
+a built-in id, gym:ID (any gymnasium env), pz:NAME or package.module:make_env.
 
     python -m shmrl.conformance --env CartPole-v1 -- node clients/js/cartpole.js --port {port}
+    python -m shmrl.conformance --env gym:Acrobot-v1 --no-reconnect -- python -m shmrl.sim \
+        --env gym:Acrobot-v1 --connect 127.0.0.1:{port}
     python -m shmrl.conformance -- python -m shmrl.sim --connect 127.0.0.1:{port}   # exits when closed:
         --no-reconnect
 

@@ -2,15 +2,16 @@
 
     python -m shmrl.plot runs/a runs/b runs/c -o curves.png
     python -m shmrl.plot runs/cartpole-* --title "CartPole-v1, 5 seeds"
+    python -m shmrl.plot runs                 # every run under runs/, as tensorboard --logdir runs
 
 Each RUN_DIR is a log folder of ``python -m shmrl.run`` (its metrics.jsonl: one line per
-update). Several runs are overlaid, one colour each, labelled with their folder's name;
+update), or a folder of such folders: every run under it (at any depth) is plotted. Several runs are overlaid, one colour each, labelled with their folder's name;
 a dashed line marks the stop return when all runs share one. Needs matplotlib
 (``pip install -e '.[plot]'``); where it is installed, every run also draws its own curve
 into its log folder when it ends (``learning_curves.png``, ``plot_run``).
 
-Exit status: 0 with the PNG written, 1 when a folder has no metrics yet or matplotlib is
-missing, 2 for a bad command line (one line ``error: ...``).
+Exit status: 0 with the PNG written, 1 when a folder has no metrics yet (and no run under
+it) or matplotlib is missing, 2 for a bad command line (one line ``error: ...``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,18 @@ import sys
 from pathlib import Path
 
 
-def load(run_dir: Path) -> dict:
+def run_dirs(path: Path) -> list[Path]:
+    """``path`` if it is a run's log folder (it has metrics.jsonl), else every run folder
+    under it, in name order; an error naming ``path`` when there is none."""
+    if (path / "metrics.jsonl").exists() or not path.is_dir():
+        return [path]        # a run (or what load will say is missing)
+    runs = sorted({p.parent for p in path.rglob("metrics.jsonl")})
+    if not runs:
+        raise ValueError(f"{path} is no run's log folder (no metrics.jsonl) and holds none")
+    return runs
+
+
+def load(run_dir: Path, name: str | None = None) -> dict:
     rows = []
     with open(run_dir / "metrics.jsonl") as f:
         for n, line in enumerate(f, 1):
@@ -33,7 +45,7 @@ def load(run_dir: Path) -> dict:
         raise ValueError(f"{run_dir}/metrics.jsonl has no updates yet")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return {"name": run_dir.name, "rows": rows, "stop_return": summary.get("config", {}).get("stop_return")}
+    return {"name": name or run_dir.name, "rows": rows, "stop_return": summary.get("config", {}).get("stop_return")}
 
 
 def _import_matplotlib():
@@ -97,7 +109,7 @@ def main(argv=None) -> int:
 
     a = parse_settings(face_parser(PlotSettings, "python -m shmrl.plot", __doc__), PlotSettings, argv)
     try:
-        runs = [load(d) for d in a.runs]
+        runs = [load(d, str(d.relative_to(top)) if d != top else None) for top in a.runs for d in run_dirs(top)]
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -80,7 +80,8 @@ def _export_main(argv) -> int:
         os.environ["MINARI_DATASETS_PATH"] = a.minari_root
     defaults = Config()
     try:   # poisoned values are what the learner would refuse from a client by default
-        exported = export_minari(a.dataset, a.minari_id, ValueBounds(defaults.max_obs_abs, defaults.max_reward_abs))
+        exported = export_minari(a.dataset, a.minari_id, ValueBounds(defaults.max_obs_abs, defaults.max_reward_abs),
+                                 author=a.author, author_email=a.author_email, code_permalink=a.code_permalink)
     except (DatasetError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -165,3 +165,22 @@ def test_the_c_client_conforms_in_both_codecs(tmp_path):
         violations, out = check([binary, "--port", "{port}", "--envs", "2", "--codec", codec, "--max-retries", "2"])
         assert not violations, out
         assert "ACTs of 2 envs checked" in out, out
+
+
+def test_a_run_that_ends_no_episode_fails_and_the_default_run_ends_them():
+    """Pendulum-v1 never terminates and truncates at 200 steps: 40 steps end no episode,
+    which fails the run (how a client ends one went unchecked); without --steps the run goes
+    past the env's time limit and passes."""
+    from shmrl.checker.rules import S_ACT, S_EPISODES, default_steps
+    from shmrl.envs.make import env_spec
+
+    assert default_steps(env_spec("CartPole-v1")) == 4000 and default_steps(env_spec("Pendulum-v1")) == 2000
+    sim = [sys.executable, "-m", "shmrl.sim", "--connect", "127.0.0.1:{port}", "--env", "Pendulum-v1"]
+    for flags, rule in (([], S_EPISODES), (["--server-inference"], S_ACT)):
+        violations, out = check(sim + flags, env="Pendulum-v1", reconnect=False, steps=40, hold_s=0)
+        assert [r for r, _ in violations] == [rule], out
+        assert "no episode ended" in violations[0][1] and "time limit is 200 steps" in violations[0][1], out
+    violations, out = check(sim + ["--server-inference", "--envs-per-sim", "16"], env="Pendulum-v1", reconnect=False,
+                            steps=None, hold_s=0)
+    assert not violations, out
+    assert "201 ACTs of 16 envs checked, 16 episodes ended" in out, out   # 2000 / 16 = 125 would end none

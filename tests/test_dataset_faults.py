@@ -221,6 +221,25 @@ def test_a_damaged_manifest_is_refused_by_export_and_pretrain_in_one_line(tmp_pa
     assert len(error_lines(done.stderr)) == 1 and "--pretrain" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_export_prints_no_warning_the_user_did_not_cause_and_takes_the_metadata_it_is_given(tmp_path, monkeypatch):
+    """Minari warns about every piece of metadata left None (author, permalink, ...): an
+    export without them prints nothing but its line; given, they are the dataset's."""
+    minari = need("minari", "minari")
+    ds = cartpole_dataset(tmp_path / "ds")
+    env = dict(os.environ, MINARI_DATASETS_PATH=str(tmp_path / "minari"), PYTHONWARNINGS="always")
+    for name, extra in (("shmrl/plain-v0", []), ("shmrl/signed-v0", ["--author", "Ada", "--author-email",
+                                                                      "ada@example.org", "--code-permalink",
+                                                                      "https://example.org/shmrl@abc"])):
+        done = subprocess.run([sys.executable, "-m", "shmrl.record", "export", ds, "--minari-id", name, *extra],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert done.stdout.startswith("exported 6 episodes"), done.stdout
+    monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "minari"))
+    meta = minari.load_dataset("shmrl/signed-v0").storage.metadata
+    assert (meta["author"], meta["author_email"], meta["code_permalink"]) == \
+        ({"Ada"}, {"ada@example.org"}, "https://example.org/shmrl@abc")
+
+
 def test_export_and_pretrain_pass_over_damaged_shards(tmp_path):
     need("minari", "minari")
     ds = cartpole_dataset(tmp_path / "ds", shards=4)

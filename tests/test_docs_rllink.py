@@ -250,3 +250,80 @@ if __name__ == "__main__":
                        ("frame-binary", "heartbeat"), ("frame-binary", "episodes_binary"),
                        ("head", "episodes_multi_binary"), ("onnx_file", "onnx")]:
         print(f"<!-- example: {kind} {name} -->\n```\n{render(kind, name)}\n```\n")
+
+
+# ---------------------------------------------------------------- what the page says the server takes
+
+def _server_takes(env: str, chunk: dict, **fields) -> str | None:
+    """None when shmrl's server takes an EPISODES message of ``chunk`` (JSON) for ``env``,
+    else why not: the validation of section 3 and 4, then the env's (``check_episodes``)."""
+    import json
+
+    from shmrl.envs.make import env_spec
+    from shmrl.server.hub import check_episodes
+
+    body = json.dumps({"type": "EPISODES", "episodes": [chunk], **fields}).encode()
+    try:
+        batch = rllink.validate(rllink.decode(body), "request")["episodes"]
+    except rllink.ProtocolError as e:
+        return str(e)
+    return check_episodes(batch, env_spec(env))
+
+
+def test_json_integers_go_where_floats_do_and_fractions_never_where_integers_go():
+    """Section 4, Numbers: `1` is `1.0` wherever a float goes (mixed or not, a Box's
+    actions too), and `1.0` is refused wherever an integer goes."""
+    cartpole = dict(obs=[[0, 0.5, 1, 2], [1, 1, 1, 1]], actions=[1], rewards=[1], action_dist_inputs=[[0, 1]],
+                    action_logp=[-1], is_terminated=True, is_truncated=False)
+    pendulum = dict(cartpole, obs=[[1, 0, 0], [1, 0, 0.5]], actions=[[1]], action_dist_inputs=[[0, 0]])
+    assert _server_takes("CartPole-v1", cartpole) is None
+    assert _server_takes("CartPole-v1", dict(cartpole, obs=[[0, 0, 1, 2], [1, 1, 1, 1]])) is None
+    assert _server_takes("Pendulum-v1", pendulum) is None                          # a Box's actions all integers
+    assert _server_takes("Pendulum-v1", dict(pendulum, actions=[[1.5]])) is None
+    assert "integers" in _server_takes("CartPole-v1", dict(cartpole, actions=[1.0]))
+    assert "weights_seq_no" in _server_takes("CartPole-v1", dict(cartpole, weights_seq_no=3.0))
+    assert "timesteps" in _server_takes("CartPole-v1", cartpole, timesteps=1.0)
+    assert _server_takes("CartPole-v1", dict(cartpole, weights_seq_no=3), timesteps=1) is None
+
+
+def test_an_episode_both_terminated_and_truncated_is_taken_and_trains_as_terminated():
+    from shmrl.config.settings import PPOSettings, with_defaults
+    from shmrl.envs.make import env_spec
+    from shmrl.model.net import PolicyNet
+    from shmrl.model.ppo import PPO
+
+    both = dict(obs=[[0.0] * 4, [0.5] * 4], actions=[1], rewards=[1.0], action_dist_inputs=[[0.0, 0.0]],
+                action_logp=[-0.5], is_terminated=True, is_truncated=True)
+    assert _server_takes("CartPole-v1", both) is None
+    ppo = PPO(PolicyNet(env_spec("CartPole-v1"), 16, "ReLU"), with_defaults(PPOSettings, gamma=0.5, gae_lambda=1.0))
+    batches = [ppo.make_batch(rllink.decode_request(rllink.encode({"type": "EPISODES", "episodes": [
+        dict(both, is_terminated=terminated, is_truncated=truncated)]}, "json"))["episodes"])
+        for terminated, truncated in ((True, True), (True, False), (False, True))]
+    np.testing.assert_allclose(batches[0].returns, batches[1].returns)   # no bootstrap: termination wins
+    assert not np.allclose(batches[0].returns, batches[2].returns)        # where truncation alone bootstraps
+
+
+def test_act_final_obs_both_flags_and_rows_of_envs_not_truncated():
+    """Section 11.1: an env both terminated and truncated needs its row of final_obs; every
+    row must fit the env once any env was truncated (the server's check, and the checker's)."""
+    import json
+
+    from shmrl.checker.rules import ActRules
+    from shmrl.envs.make import env_spec
+
+    def act(**fields) -> dict:
+        return rllink.validate(rllink.decode(json.dumps({"type": "ACT", **fields}).encode()), "request")
+
+    with pytest.raises(rllink.ProtocolError, match="final_obs' is missing"):
+        act(obs=[[0, 1, 2, 3]], rewards=[1], terminateds=[True], truncateds=[True])
+    assert act(obs=[[0, 1, 2, 3]], rewards=[1], terminateds=[True], truncateds=[True], final_obs=[[0, 0, 0, 0]])
+    spec = env_spec("gym:FrozenLake-v1")   # a Discrete observation: 0..15
+    rules = ActRules(spec)
+    assert rules.check(act(obs=[0, 3]), "ACT 1") == []
+    assert rules.check(act(obs=[0, 3], rewards=[0, 0], terminateds=[False, False], truncateds=[False, True],
+                           final_obs=[0, 5]), "ACT 2") == []
+    bad = rules.check(act(obs=[0, 3], rewards=[0, 0], terminateds=[False, False], truncateds=[False, True],
+                          final_obs=[99, 5]), "ACT 3")   # row 0 (not truncated) does not fit
+    assert len(bad) == 1 and "'final_obs' does not fit" in bad[0][1], bad
+    why, _ = spec.obs.check(act(obs=[0], rewards=[0], terminateds=[False], truncateds=[True], final_obs=[99])["final_obs"])
+    assert why and "outside 0..15" in why   # what the server's check of final_obs says of it

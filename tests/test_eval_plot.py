@@ -131,3 +131,26 @@ def test_plot_of_a_run_dir_without_metrics_is_a_clear_error(tmp_path):
         assert proc.returncode == 1 and proc.stderr.startswith("error:"), proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "curves.png").exists()
+
+
+def test_plot_of_a_folder_of_runs_draws_every_run_under_it(tmp_path):
+    """``python -m shmrl.plot runs``, the parent folder as ``tensorboard --logdir runs``
+    takes it: every run under it, one curve each, labelled by its path under the folder."""
+    import json
+
+    from shmrl.plot import run_dirs
+
+    need("matplotlib", "plot")
+    runs = tmp_path / "runs"
+    for name in ("a", "b", "sweep/c"):
+        (runs / name).mkdir(parents=True)
+        rows = [{"env_steps": 1000 * i, "elapsed_s": 0.5 * i, "return_mean": 10.0 * i} for i in range(1, 4)]
+        (runs / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (runs / "notes").mkdir()   # not a run: passed over
+    assert run_dirs(runs) == [runs / "a", runs / "b", runs / "sweep" / "c"]
+    assert run_dirs(runs / "a") == [runs / "a"]
+    proc = plot(runs, "-o", tmp_path / "curves.png")
+    assert proc.returncode == 0 and "(3 runs)" in proc.stdout, proc.stdout + proc.stderr
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    proc = plot(runs / "notes", "-o", tmp_path / "none.png")
+    assert proc.returncode == 1 and "holds none" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

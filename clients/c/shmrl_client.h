@@ -72,6 +72,16 @@ extern "C" {
 #define SHMRL_MAX_ENVS 4096       /* K, envs per ACT */
 #define SHMRL_ERROR_LEN 256
 
+/* shmrl_options_init's defaults. The reply timeout is every shmrl client's (shmrl.sim's
+   --timeout, cartpole.js's; REPLY_TIMEOUT_S in shmrl/config/faces.py, which
+   tests/test_client_numbers.py holds this to). The retries give up on a server that went
+   away after 0.1 + 0.2 + 0.4 + 0.8 + 1.6 = 3.1 s of waits at most, within GIVE_UP_S there. */
+#define SHMRL_CONNECT_TIMEOUT_S 5
+#define SHMRL_REPLY_TIMEOUT_S 600
+#define SHMRL_MAX_RETRIES 5
+#define SHMRL_BACKOFF_S 0.1
+#define SHMRL_BACKOFF_MAX_S 5
+
 typedef enum shmrl_status {
     SHMRL_OK = 0,
     SHMRL_ERR_ARG,          /* a bad argument (K, a NULL array, a NaN observation, ...) */
@@ -96,11 +106,11 @@ typedef struct shmrl_options {
     const char *auth_token;    /* NULL: none (the server's --auth-token) */
     int binary;                /* 1 (default): offer the binary codec; 0: JSON only */
     int server_inference;      /* 1 (default): ask for server-side inference; 0: handshake only */
-    double connect_timeout_s;  /* 5 */
-    double reply_timeout_s;    /* 60: a strict on-policy server holds replies while it trains */
-    int max_retries;           /* 5: failed attempts in a row tolerated; < 0: retry forever */
-    double backoff_s;          /* 0.1: the first wait between attempts, then doubled ... */
-    double backoff_max_s;      /* 5: ... up to this */
+    double connect_timeout_s;  /* SHMRL_CONNECT_TIMEOUT_S, 5 */
+    double reply_timeout_s;    /* SHMRL_REPLY_TIMEOUT_S, 600: a strict on-policy server holds replies while it trains */
+    int max_retries;           /* SHMRL_MAX_RETRIES, 5: failed attempts in a row tolerated; < 0: retry forever */
+    double backoff_s;          /* SHMRL_BACKOFF_S, 0.1: the first wait between attempts, then doubled ... */
+    double backoff_max_s;      /* SHMRL_BACKOFF_MAX_S, 5: ... up to this */
     size_t max_reply_bytes;    /* 64 MiB: a longer reply is a protocol error */
     long obs_size;             /* 0: the server's SET_CONFIG says; else floats per observation */
 } shmrl_options;
@@ -893,11 +903,11 @@ void shmrl_options_init(shmrl_options *opt) {
     opt->port = 5556;
     opt->binary = 1;
     opt->server_inference = 1;
-    opt->connect_timeout_s = 5;
-    opt->reply_timeout_s = 60;
-    opt->max_retries = 5;
-    opt->backoff_s = 0.1;
-    opt->backoff_max_s = 5;
+    opt->connect_timeout_s = SHMRL_CONNECT_TIMEOUT_S;
+    opt->reply_timeout_s = SHMRL_REPLY_TIMEOUT_S;
+    opt->max_retries = SHMRL_MAX_RETRIES;
+    opt->backoff_s = SHMRL_BACKOFF_S;
+    opt->backoff_max_s = SHMRL_BACKOFF_MAX_S;
     opt->max_reply_bytes = (size_t)64 << 20;
 }
 

@@ -11,7 +11,7 @@
  * connection), 1 when it could not be reached at all or broke the protocol, 2 for a bad
  * command line.
  */
-const { runClient } = require('./shmrl_client');
+const { runClient, REPLY_TIMEOUT_S, GIVE_UP_S } = require('./shmrl_client');
 
 /** gymnasium's CartPole-v1: the same constants, Euler integration, float32 observations,
  * reward 1 per step, terminated past 2.4 m or 12 degrees, truncated at 500 steps. */
@@ -47,7 +47,7 @@ const SPACE = { obsSize: 4, action: { type: 'Discrete', n: 2 } };
 
 function parseArgs(argv) {
   const args = { host: '127.0.0.1', port: null, envs: 4, seed: 0, codec: 'binary', name: null,
-    authToken: process.env.SHMRL_AUTH_TOKEN || null, timeout: 600, giveUp: 5, quiet: false, serverInference: false };
+    authToken: process.env.SHMRL_AUTH_TOKEN || null, timeout: REPLY_TIMEOUT_S, giveUp: GIVE_UP_S, quiet: false, serverInference: false };
   const flags = { '--host': 'host', '--port': 'port', '--envs': 'envs', '--seed': 'seed', '--codec': 'codec',
     '--name': 'name', '--auth-token': 'authToken', '--timeout': 'timeout', '--give-up-s': 'giveUp' };
   for (let i = 0; i < argv.length; i++) {

@@ -25,6 +25,10 @@ const zlib = require('node:zlib');
 
 const MAGIC = Buffer.from([0x93, 0x52, 0x4c, 0x42]);       // 0x93 "RLB": a binary body
 const MAX_REPLY_BYTES = 256 * 1024 * 1024;                  // never trust a header (section 1)
+// Every shmrl client's (REPLY_TIMEOUT_S and GIVE_UP_S in shmrl/config/faces.py; the C header's
+// and docs/CLIENTS.md's are the same, which tests/test_client_numbers.py checks):
+const REPLY_TIMEOUT_S = 600;   // seconds to wait for a reply: a strict on-policy server holds it through an update
+const GIVE_UP_S = 5;           // seconds a client keeps trying a server that went away after a session
 const DTYPES = {                                            // binary codec dtypes (section 7)
   '<f4': Float32Array, '<f8': Float64Array, '<i4': Int32Array, '<i8': BigInt64Array,
   '|u1': Uint8Array, '|b1': Uint8Array,
@@ -53,7 +57,7 @@ class Columns {
 const align8 = (n) => Math.ceil(n / 8) * 8;
 
 /** A list of floats: written with a decimal point even when integral (1.0, not 1), as
- * Python writes them, so that every chunk's observations have one type. */
+ * Python writes them (the server would take 1 as well: RLLINK.md section 4, Numbers). */
 class Floats extends Array {}
 
 const floatText = (v) => (Number.isInteger(v) ? v.toFixed(1) : String(v));
@@ -242,7 +246,7 @@ class Connection {
 /** PING -> PONG, GET_CONFIG -> SET_CONFIG, GET_STATE -> SET_STATE (sections 2, 3); with
  * `inference: 'server'` the PING asks the server to run the policy (section 11) and there is
  * no GET_STATE (`state` is null). */
-async function handshake(conn, { codec = 'binary', clientName = null, authToken = null, timeoutS = 30, inference = 'client' } = {}) {
+async function handshake(conn, { codec = 'binary', clientName = null, authToken = null, timeoutS = REPLY_TIMEOUT_S, inference = 'client' } = {}) {
   const ping = { type: 'PING' };
   if (authToken) ping.auth_token = authToken;
   if (codec === 'binary') ping.codecs = ['binary'];
@@ -537,7 +541,7 @@ const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
  * to 2 s. Returns 0 when the server stays unreachable for `giveUpS` after a session (the run
  * is over), 1 when no connection was ever made; a protocol error is thrown. */
 async function runClient(ort, opts) {
-  const options = { codec: 'binary', timeoutS: 600, giveUpS: 5, sessions: 0, host: '127.0.0.1', ...opts };
+  const options = { codec: 'binary', timeoutS: REPLY_TIMEOUT_S, giveUpS: GIVE_UP_S, sessions: 0, host: '127.0.0.1', ...opts };
   options.random = options.random || seededRandom(options.seed || 0);
   options.onEpisode = options.onEpisode || (() => {});
   const log = options.log || ((line) => process.stderr.write(`${line}\n`));
@@ -562,5 +566,5 @@ async function runClient(ort, opts) {
 
 module.exports = {
   Connection, ConnectionClosed, ProtocolError, NdArray, Columns, Policy, Sampler, Recorder,
-  encodeJson, encodeBinary, decodeBody, handshake, runSession, runClient, seededRandom,
+  encodeJson, encodeBinary, decodeBody, handshake, runSession, runClient, seededRandom, REPLY_TIMEOUT_S, GIVE_UP_S,
 };

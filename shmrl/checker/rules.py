@@ -33,6 +33,16 @@ S_BINARY = "RLLINK.md §7 The binary codec"
 S_INFERENCE = "RLLINK.md §11 Server-side inference"
 S_ACT = "RLLINK.md §11.1 ACT and ACTIONS"
 S_ACT_MA = "RLLINK.md §11.3 Many agents"
+MIN_STEPS = 2000       # connection 1's env_steps_per_sample at least, by default (--steps)
+LIMITS_PER_SAMPLE = 8  # ... and that many times the env's time limit: 3 messages take 24 envs past it
+
+
+def default_steps(spec) -> int:
+    """Connection 1's env_steps_per_sample when --steps is not given: enough for every env
+    of a client of up to 3 * LIMITS_PER_SAMPLE envs to reach the env's time limit (where it
+    has one) in the 3 messages, so that the run sees episodes end."""
+    limit = getattr(spec, "max_episode_steps", None) or 0
+    return max(MIN_STEPS, LIMITS_PER_SAMPLE * limit)
 
 ATOL = 2e-3   # float32 outputs of two onnxruntime builds, and log-probs summed in float32
 
@@ -103,10 +113,11 @@ class EpisodeRules:
         self.open: dict = {}                       # running episodes: key -> last obs
         self.ended: set = set()                    # ids of episodes that ended
         self.uses_ids = None
+        self.episodes_ended = 0                    # chunks that ended an episode, on this connection
 
     def new_connection(self) -> None:
         """The server forgot every running episode (RLLINK.md §2)."""
-        self.open, self.ended = {}, set()
+        self.open, self.ended, self.episodes_ended = {}, set(), 0
 
     def check(self, msg: dict, where: str, held_version: int, steps_per_sample: int) -> list[tuple]:
         batch = msg["episodes"]
@@ -115,6 +126,7 @@ class EpisodeRules:
         why = check_episodes(batch, self.spec)
         if why:
             return [(S_EPISODES, f"{where}: the chunks do not fit {self.spec.env_id}: {why}")]
+        self.episodes_ended += int((batch.is_terminated | batch.is_truncated).sum())
         out = []
         n = batch.num_steps
         if not steps_per_sample <= n < 2 * steps_per_sample:
@@ -193,7 +205,8 @@ class ActRules:
     """The rules over the ACTs of a server-inference client on one connection (RLLINK.md
     §11.1) beyond shmrl's validation of each (``rllink_act``): K fixed by the first ACT,
     the step's outcome absent from the first and present in every other, observations
-    (and the final ones of truncated episodes) that fit the env. For a multi-agent env
+    that fit the env, and ``final_obs`` too where an env was truncated (all its rows, as
+    shmrl's server checks them, though it uses only the truncated envs'). For a multi-agent env
     (``multi``, its ``MultiAgentSpec``; §11.3) the same per env, with the agents the env's,
     each agent's observations fitting its spaces, and no agent acting again in an episode
     it ended before the env's reset."""
@@ -228,11 +241,11 @@ class ActRules:
         if "rewards" in msg:
             truncated = np.asarray(msg["truncateds"])
             self.episodes_ended += int((truncated | np.asarray(msg["terminateds"])).sum())
-            if truncated.any():
-                why, _ = self.spec.obs.check(obs_map(lambda v: v[truncated], msg["final_obs"]))
+            if truncated.any():   # every row, as shmrl's server checks it: those of envs not truncated go unused
+                why, _ = self.spec.obs.check(msg["final_obs"])
                 if why:
-                    out.append((S_ACT, f"{where}: 'final_obs' of the truncated envs does not fit "
-                                       f"{self.spec.env_id}: {why}"))
+                    out.append((S_ACT, f"{where}: 'final_obs' does not fit {self.spec.env_id}: {why} (every row "
+                                       f"must, the rows of envs not truncated too, though they are not used)"))
         self.acts += 1
         return out
 

@@ -17,14 +17,13 @@ import time
 import numpy as np
 
 from shmrl import rllink
-from shmrl.checker.rules import (S_ACT, S_CONVERSATION, S_HEARTBEAT, S_INFERENCE, S_REPLIES, S_STATE,
-                                 ActRules, EpisodeRules, read_frame)
-from shmrl.config.faces import ConformanceSettings
+from shmrl.checker.rules import (S_ACT, S_CONVERSATION, S_EPISODES, S_HEARTBEAT, S_INFERENCE, S_REPLIES, S_STATE,
+                                 ActRules, EpisodeRules, default_steps, read_frame)
+from shmrl.config.faces import EXIT_GRACE_S, ConformanceSettings
 
 DEFAULTS = ConformanceSettings()   # the command line's defaults are the API's
 HEARTBEAT_S = 0.02          # asked of a binary client: short, so that sampling a message needs several
 SILENCE_S = 2.0             # the longest silence allowed while it samples (100 heartbeats: a loaded machine)
-EXIT_GRACE_S = 3.0          # how long a client may take to end once the checker stopped listening
 OUTPUT_TAIL_BYTES = 64 << 10   # of the client's output, the last kept to show; the rest is read and dropped
 
 
@@ -137,6 +136,7 @@ class Checker:
         self.violations: list[tuple[str, str]] = []
         self.checked: list[str] = []        # what the run exercised, for the summary
         self.stepped = 0                    # env steps received on the connection
+        self.min_acts = 0                   # connection 1's ACTs at least (by default: past the time limit)
 
     def violate(self, rule: str, text: str) -> None:
         self.violations.append((rule, text))
@@ -284,11 +284,13 @@ class Checker:
         else:
             k = len(first["obs"]) if not isinstance(first["obs"], dict) else len(next(iter(first["obs"].values())))
         if label == "connection 1":
-            n = max(-(-steps // k), 12)
+            n = max(-(-steps // k), 12, self.min_acts)
             if self.acts(conn, first, n, label, hold_at=3, new_version_at=6):
                 ended = self.act_rules.episodes_ended
-                self.note(f"{label}: {n} ACTs of {k} envs checked, {ended} episodes ended"
-                          + ("" if ended else " (episode ends not exercised: more --steps would)"))
+                if ended:
+                    self.note(f"{label}: {n} ACTs of {k} envs checked, {ended} episodes ended")
+                else:
+                    self.unended(S_ACT, f"{label}: {n} ACTs of {k} envs", n - 1)
         elif self.acts(conn, first, 10, label):
             self.note(f"{label}: the first ACT carried no outcome again, 10 ACTs checked")
             conn.reply(self.actions(conn.version, first))
@@ -329,6 +331,16 @@ class Checker:
                 return False
         self.note(f"{where}: waited {seconds:g} s for a held reply")
         return True
+
+    def unended(self, rule: str, what: str, per_env: int | None) -> None:
+        """No episode ended on connection 1: how the client ends one (the flags, a reset, a new
+        chunk or final_obs) went unchecked, so the run cannot pass."""
+        limit = self.spec.max_episode_steps
+        self.violate(rule, f"{what}, and no episode ended: how the client ends an episode was not checked. "
+                           + (f"Each env stepped {per_env} times; " if per_env else "")
+                           + (f"{self.spec.env_id}'s time limit is {limit} steps: " if limit else "")
+                           + "give more --steps (connection 1's env steps per message; a server-inference "
+                             "client's in all)")
 
     def accept(self, listener: socket.socket, label: str) -> socket.socket | None:
         """The client's next connection; None (a violation) if it exits or does not connect
@@ -384,6 +396,8 @@ class Checker:
             conn.reply(self.set_state(1))   # the same version again: nothing to reload
             if not self.episodes(conn, 3, steps, "connection 1"):
                 return
+            if not self.rules.episodes_ended:
+                self.unended(S_EPISODES, f"connection 1: 3 messages, {self.stepped} env steps", None)
             if conn.heartbeat_s and not conn.server_inference:
                 if conn.beats:
                     self.note(f"connection 1: {conn.beats} HEARTBEATs while sampling")
@@ -432,10 +446,12 @@ def make_models(spec, hidden: int = 32) -> tuple[dict, dict]:
 
 
 def check_client(command: list[str], env: str = DEFAULTS.env, reconnect: bool = DEFAULTS.reconnect,
-                 steps: int = DEFAULTS.steps, timeout: float = DEFAULTS.timeout, hold_s: float = DEFAULTS.hold_s,
-                 out=sys.stdout) -> list[tuple[str, str]]:
+                 steps: int | None = DEFAULTS.steps, timeout: float = DEFAULTS.timeout,
+                 hold_s: float = DEFAULTS.hold_s, out=sys.stdout) -> list[tuple[str, str]]:
     """Run the client ``command`` (``{port}`` replaced) against the scripted server; the
-    violations it found. The client is stopped at the end, whatever happened."""
+    violations it found. The client is stopped at the end, whatever happened. ``steps``:
+    connection 1's env_steps_per_sample; None: ``default_steps`` of the env, and a
+    server-inference client's ACTs past its time limit."""
     from shmrl.envs.make import env_spec
 
     spec, multi = env_spec(env), None
@@ -445,6 +461,9 @@ def check_client(command: list[str], env: str = DEFAULTS.env, reconnect: bool = 
         multi, (spec,) = spec, spec.policy_specs(policy_mapper("shared")).values()
     models, files = make_models(spec)
     checker = Checker(spec, models, files, reconnect, timeout, hold_s, out, multi)
+    if steps is None:
+        steps = default_steps(multi or spec)
+        checker.min_acts = (getattr(multi or spec, "max_episode_steps", None) or 0) + 1
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         argv = [part.replace("{port}", str(port)) for part in command]

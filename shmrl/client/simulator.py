@@ -25,6 +25,7 @@ from shmrl.envs.make import env_spec, make_vec_env
 from shmrl.client.rollout import Rollout
 from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file
 from shmrl.client.action_sampler import ActionSampler
+from shmrl.config.faces import REPLY_TIMEOUT_S   # how long a simulator of a run waits for any one reply
 from shmrl.transport.base import ConnectionClosed
 
 log = logging.getLogger("shmrl.sim")
@@ -112,9 +113,6 @@ def _sample(client, config: dict, state: dict, env_id: str, seed: int, envs_per_
             log.info("sent %d env steps; weights %s; mean return of the last %d episodes: %s",
                      sent, seq, len(recent), mean)
     return sent
-
-
-REPLY_TIMEOUT_S = 600.0   # how long a simulator of a run waits for any one reply
 
 
 def run_server_inference(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_sim: int = 1,

@@ -12,6 +12,18 @@ from shmrl.config.settings import AUTH_TOKEN_VAR, PORT, above, at_least, setting
 
 ENV_HELP = "environment, as for shmrl.run (default: %(default)s)"
 
+# The numbers every client of this repository shares: shmrl.sim, the JavaScript client
+# (clients/js: cartpole.js's flags, shmrl_client.js's runClient) and the C header
+# (clients/c/shmrl_client.h's #defines). docs/RLLINK.md and docs/CLIENTS.md give them;
+# each is written here once, and tests/test_client_numbers.py holds the others to it.
+REPLY_TIMEOUT_S = 600.0   # how long a client waits for one reply: a strict on-policy server holds
+#                           it through an update (RLLINK.md §6), RLlib's answers after its training step
+GIVE_UP_S = 5.0           # how long a client whose server went away after a session keeps trying
+#                           to reconnect before it exits 0 (the run is over)
+EXIT_GRACE_S = GIVE_UP_S + 3.0   # how long python -m shmrl.conformance lets a client end on its own
+#                                  once it stopped listening: GIVE_UP_S, the JS client's longest wait
+#                                  between attempts (2 s) and a second to spare
+
 
 @dataclass(kw_only=True)
 class SimSettings:
@@ -37,7 +49,7 @@ class SimSettings:
         False, "let the server run the policy: send observations (ACT), get actions (ACTIONS); needs no "
         "onnxruntime (shmrl's server; RLlib's does not serve actions)", switch=True)
     timeout: float = setting(
-        600.0, "seconds to wait for any one reply; RLlib's server answers only after its training step "
+        REPLY_TIMEOUT_S, "seconds to wait for any one reply; RLlib's server answers only after its training step "
         "(default: %(default)s)", check=above(0))
     # How long a client keeps trying a server that is not there (yet, or any more): about
     # 10 s by default; examples/external_client.py does the same.
@@ -93,6 +105,12 @@ class RecordExportSettings:
     minari_root: str | None = setting(
         None, "where Minari keeps its datasets (default: its own, $MINARI_DATASETS_PATH or ~/.minari/datasets)",
         kind=str, metavar="DIR")
+    author: str | None = setting(None, "the dataset's author, in its Minari metadata (default: none)", kind=str,
+                                 metavar="NAME")
+    author_email: str | None = setting(None, "the author's email or other contact, in its metadata (default: none)",
+                                       kind=str, metavar="ADDRESS")
+    code_permalink: str | None = setting(
+        None, "a link to the code that produced the dataset, in its metadata (default: none)", kind=str, metavar="URL")
 
 
 @dataclass(kw_only=True)
@@ -102,7 +120,11 @@ class ConformanceSettings:
     reconnect: bool = setting(
         True, "the client ends when its connection is closed (shmrl.sim): skip connection 2", flag="--no-reconnect",
         switch=True)
-    steps: int = setting(2000, "env_steps_per_sample of connection 1 (default: %(default)s)", check=at_least(4))
+    steps: int | None = setting(
+        None, "env_steps_per_sample of connection 1 (a server-inference client: its env steps in all). Default: "
+        "enough for each env to reach the env's time limit, max(2000, 8 x max_episode_steps) (its three messages "
+        "step up to 24 envs past it; a server-inference client gets at least max_episode_steps + 1 ACTs); 2000 for "
+        "an env without one. A run that ends no episode fails", kind=int, check=at_least(4), metavar="N")
     hold_s: float = setting(2.0, "how long the reply to message 1 is held (default: %(default)s)", check=at_least(0))
     timeout: float = setting(
         60.0, "seconds to wait for the client's connection and each request (default: %(default)s)",
@@ -112,7 +134,7 @@ class ConformanceSettings:
 @dataclass(kw_only=True)
 class PlotSettings:
     """``python -m shmrl.plot``: learning curves of runs."""
-    runs: list[Path] | None = setting(None, "log folders of shmrl.run", kind=Path, positional=True, nargs="+",
+    runs: list[Path] | None = setting(None, "log folders of shmrl.run, or folders of them (every run under one)", kind=Path, positional=True, nargs="+",
                                       metavar="RUN_DIR")
     output: Path = setting(Path("learning_curves.png"), "PNG to write (default: %(default)s)", kind=Path, short="-o")
     title: str | None = setting(None, "a title above the plots", kind=str)

@@ -101,10 +101,22 @@ def gym_env_spaces(env_id: str, obs_space, action_space) -> tuple:
     return env, to_gym(obs_space), to_gym(action_space)
 
 
-def export_minari(path, dataset_id: str, bounds: ValueBounds, description: str | None = None):
+# Minari warns (UserWarning) about every piece of metadata left None: the author, their
+# email and a code permalink, which are the user's to give (export's --author, ...) and not
+# shmrl's to make up; eval_env, which is the recording's env unless said otherwise; and the
+# env spec of an env gymnasium cannot make (shmrl's own env functions). None of them is
+# anything the user did: those warnings alone are silenced, any other of Minari's is shown.
+QUIET_MINARI_WARNINGS = r"`(code_permalink|author|author_email|eval_env)` is set to None|env_spec is None"
+
+
+def export_minari(path, dataset_id: str, bounds: ValueBounds, description: str | None = None, *,
+                  author: str | None = None, author_email: str | None = None, code_permalink: str | None = None):
     """Write the recording at ``path`` as the Minari dataset ``dataset_id``; returns it. A
     damaged shard is passed over (with a warning); a poisoned one (a value not finite or
-    beyond ``bounds``) refuses the export, as a damaged manifest does (DatasetError)."""
+    beyond ``bounds``) refuses the export, as a damaged manifest does (DatasetError).
+    ``author``, ``author_email``, ``code_permalink``: the dataset's metadata, where given."""
+    import warnings
+
     try:
         import minari
         from minari.data_collector.episode_buffer import EpisodeBuffer
@@ -127,7 +139,10 @@ def export_minari(path, dataset_id: str, bounds: ValueBounds, description: str |
     if not buffers:
         raise DatasetError(f"{path}: no episodes to export")
     env, observation_space, action_space = gym_env_spaces(dataset.env, obs_space, action_space)
-    return minari.create_dataset_from_buffers(
-        dataset_id, buffers, env=env, observation_space=observation_space, action_space=action_space,
-        algorithm_name="shmrl", description=description or f"recorded by shmrl from {dataset.env}",
-        jpeg_encoding=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", QUIET_MINARI_WARNINGS, UserWarning)
+        return minari.create_dataset_from_buffers(
+            dataset_id, buffers, env=env, eval_env=env, observation_space=observation_space,
+            action_space=action_space, algorithm_name="shmrl",
+            description=description or f"recorded by shmrl from {dataset.env}", jpeg_encoding=False,
+            author=author, author_email=author_email, code_permalink=code_permalink)

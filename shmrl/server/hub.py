@@ -29,7 +29,7 @@ _ACT = T.ACT.value
 def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
     """Why validated chunks do not fit the environment (and the policy's recurrent state of
     ``state_size`` floats), or None; fitting ones get their observations and actions in the
-    stored dtypes (an image's JSON integers as bytes), and zeros where a recurrent policy's
+    stored dtypes (an image's JSON integers as bytes, a Box's as floats), and zeros where a recurrent policy's
     chunks came without ``state_in`` (the state an episode starts from)."""
     if batch.state_in is None:
         if state_size:
@@ -50,6 +50,8 @@ def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> s
         return f"action_dist_inputs shape {batch.action_dist_inputs.shape[1:]} != ({layout.dist_size},)"
     if layout.single_box and actions.ndim == 1 and layout.action_size == 1:
         actions = batch.actions = actions.reshape(len(actions), 1)
+    if not layout.discrete and actions.dtype.kind in "iu":   # JSON integers where floats go: 1 is 1.0
+        actions = batch.actions = actions.astype(np.float32)
     mask = None
     if spec.obs.mask is not None:   # the mask each action was taken under: the obs of its step
         chunk_of_step = np.repeat(np.arange(batch.num_chunks), batch.lengths)
