@@ -1,13 +1,14 @@
 """Every command a user runs ends cleanly and says why: shmrl.sim and the example client
 exit 0 when the learner's run ends, stop trying after --max-retries, and name a refused
 auth token; eval names the argument that is wrong."""
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from conftest import EXAMPLE_CLIENT, need
+from conftest import EXAMPLE_CLIENT, metrics_rows, need, wait_until
 
 TOKEN = "s3cret"
 
@@ -27,21 +28,32 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
 
 
 def test_clients_exit_0_when_the_run_ends_and_1_for_a_refused_token(start_run, tmp_path):
-    run = start_run("--sims", 0, "--tcp-port", 0, "--auth-token", TOKEN, "--max-env-steps", 3000,
-                    "--logdir", tmp_path / "run")
+    logdir = tmp_path / "run"
+    run = start_run("--sims", 0, "--tcp-port", 0, "--auth-token", TOKEN, "--stop-return", 1e9,
+                    "--logdir", logdir)
     port = run.tcp_port(timeout=60)
+    good = [client("sim", port, "--auth-token", TOKEN), client("example", port, "--auth-token", TOKEN)]
     refused = {("sim", "wrong"): client("sim", port, "--auth-token", "wrong"),
                ("sim", "missing"): client("sim", port),
                ("example", "wrong"): client("example", port, "--auth-token", "wrong")}
-    good = [client("sim", port, "--auth-token", TOKEN), client("example", port, "--auth-token", TOKEN)]
     try:
         for (kind, token), proc in refused.items():
             status, out, err = finish(proc)
             assert status == 1, (kind, out, err)
             assert "the server refused the connection" in err and "auth token?" in err, (kind, err)
             assert (f"{token} auth token?" if kind == "sim" else "wrong or missing auth token?") in err, err
-        run.proc.wait(timeout=120)
-        assert run.proc.returncode == 1, run.output()     # the step budget
+        # The run ends (Ctrl-C) only once both good clients have sent it steps: a budget could
+        # run out before a client slowed by load had connected, which would then find no server.
+        def clients_counted():
+            assert run.proc.poll() is None, run.output()
+            try:
+                return sum(n > 0 for n in metrics_rows(logdir)[-1]["env_steps_by_client"].values()) >= 2
+            except (OSError, IndexError, ValueError):   # no row yet
+                return False
+        wait_until(clients_counted, 60, "both good clients' steps in the run's metrics")
+        run.proc.send_signal(signal.SIGINT)
+        run.proc.wait(timeout=60)
+        assert run.proc.returncode == 130, run.output()
         for proc in good:   # the run ended: both clients see the session end, and exit 0 at once
             status, out, err = finish(proc, timeout=30)
             assert status == 0, (out, err)
