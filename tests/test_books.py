@@ -36,6 +36,9 @@ def train_until_signalled(logdir, signum: int, arm=None) -> None:
     server = InProcServer()
     threads = simulator_threads(server)
     before = signal.signal(signal.SIGTERM, _terminate)
+    # Ctrl-C as `python -m shmrl.run` takes it, even where pytest started with SIGINT ignored
+    # (a script's background job: `nohup bash .ci/run &`), where Python leaves it ignored.
+    before_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     # Should the signal never come, Ctrl-C after 120 s ends the run (and the test fails on its checks).
     watchdog = threading.Timer(120, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     watchdog.start()
@@ -51,6 +54,7 @@ def train_until_signalled(logdir, signum: int, arm=None) -> None:
     finally:
         watchdog.cancel()
         signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGINT, before_int)
         server.close()
         for t in threads:
             t.join(10)
