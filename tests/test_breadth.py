@@ -159,7 +159,9 @@ def test_continuous_actions_are_checked_against_the_box():
     ep = episode(3, [0.3, -2.5, 7.0], 2)              # any finite torque: the env clips it
     assert check_episodes(ep, spec) is None and ep.actions.shape == (3, 1)
     assert "action space" in check_episodes(episode(3, [[0.3, 0.1]], 2), spec)   # two dimensions for one
-    assert "action space" in check_episodes(episode(3, [1, 0], 2), spec)         # integers
+    ints = episode(3, [1, 0], 2)      # JSON integers where floats go (RLLINK.md): taken, as floats
+    assert check_episodes(ints, spec) is None and ints.actions.dtype == np.float32
+    assert ints.actions.ravel().tolist() == [1.0, 0.0]
 
 
 def test_user_factory_module_trains_from_the_command_line(start_run, tmp_path):
