@@ -74,8 +74,8 @@ class FlatAdam:
         if max_grad_norm is not None:
             if g.device.type != "cpu":   # the scale stays on the device
                 g.mul_(torch.where(norm > max_grad_norm, max_grad_norm / (norm + 1e-6), 1.0))
-            elif float(norm) > max_grad_norm:   # on a CPU reading it costs nothing and saves ops
-                g.mul_(max_grad_norm / (float(norm) + 1e-6))
+            elif (n := float(norm)) > max_grad_norm:   # on a CPU reading it costs nothing and saves ops
+                g.mul_(max_grad_norm / (n + 1e-6))
         self.t += 1
         self.exp_avg.lerp_(g, 1 - self.beta1)
         self.exp_avg_sq.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
@@ -365,7 +365,8 @@ class PPO:
         real = advantages if mask is None else advantages[mask > 0]
         advantages = (advantages - real.mean()) / (real.std() + 1e-8)
         # pi_loss, v_loss, entropy, approx_kl, clip_frac, ratio_out_of_bounds: this epoch's sums, and the last whole one's
-        stats, done, not_finite = torch.zeros(6, device=dev), None, None
+        stats, done = torch.zeros(6, device=dev), None
+        not_finite = torch.zeros((), dtype=torch.bool, device=dev)   # a GPU's: read once an epoch
         opt = self.optimizer    # to go back to if a loss or gradient is not finite
         before = (opt.flat.clone(), opt.exp_avg.clone(), opt.exp_avg_sq.clone(), opt.t)
         steps_per_epoch, steps = max(units // mb, 1), 0
@@ -395,17 +396,15 @@ class PPO:
                 self.optimizer.zero_grad()
                 loss.backward()
                 norm = self.optimizer.step(cfg.max_grad_norm)
-                if dev.type == "cpu":   # no device to wait for: stop at once, as before the sync-free path
-                    if not math.isfinite(float(norm)):
-                        return self._skipped(before, "its loss or gradient was not finite")
-                else:
-                    not_finite = ~torch.isfinite(norm) if not_finite is None else not_finite | ~torch.isfinite(norm)
+                if dev.type == "cpu" and not math.isfinite(float(norm)):   # no device to wait for: at once
+                    return self._skipped(before, "its loss or gradient was not finite")
+                not_finite |= ~torch.isfinite(norm)
                 taken += 1
                 if keep:
                     stats += torch.stack(terms)
             # One host sync an epoch, not one a step: a gradient that was not finite has been
             # applied since, but the whole update is undone.
-            if not_finite is not None and bool(not_finite):
+            if bool(not_finite):
                 return self._skipped(before, "its loss or gradient was not finite")
             steps += taken
             if taken:
