@@ -484,6 +484,50 @@ def test_a_simulator_is_not_hung_before_its_first_step_within_the_startup_grace(
     assert sup._trouble(sim, serving, now=120.0) is None and sup._trouble(sim, serving, now=130.0) is None
 
 
+
+def test_the_startup_grace_doubles_for_a_slot_whose_processes_do_not_start_in_time(monkeypatch):
+    """A node too busy to start a simulator within the startup grace (a Ray actor's worker
+    importing on a loaded machine took 15 s against 4) used to see it replaced every 4 s
+    for ever; each replacement before a first sign of work now doubles the slot's grace,
+    and the first connection brings it back to the start."""
+    from types import SimpleNamespace
+
+    import shmrl.launch.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor.os, "sched_getaffinity", lambda pid: {0, 1})
+    started = []
+    launcher = SimpleNamespace(remote=True, exit_reason=lambda proc: None, starting=lambda proc: False,
+                               kill=lambda proc: None, describe=lambda proc: "simulator s (Ray actor)",
+                               start=lambda sim, args: started.append(sim.index) or object())
+    connection = {"now": None}
+    serving = SimpleNamespace(connection_named=lambda name: connection["now"], timed_out=lambda conn: False,
+                              steps_received=lambda conn: 0, refused_in_a_row=lambda conn: (0, None))
+    sup = Supervisor(["tcp:a"], env="CartPole-v1", seed=0, hang_timeout=4.0, max_restarts=10,
+                     restart_window=1000.0, launcher=launcher)
+    clock = {"now": 0.0}
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: clock["now"])
+    sup.start_all()
+    sim = sup.sims[0]
+
+    def replaced_after(limit: float) -> bool:
+        """Whether slot 0 is replaced at ``limit`` s past its process's start, and not before."""
+        t0, n = sim.started, len(started)
+        clock["now"] = t0 + limit - 0.1
+        sup.check(serving)
+        kept = len(started) == n
+        clock["now"] = t0 + limit + 0.1
+        sup.check(serving)
+        return kept and len(started) > n and started[-1] == 0
+
+    assert replaced_after(4.0) and replaced_after(8.0) and replaced_after(16.0)
+    assert sup._limit(sim) == 32.0 and "a startup grace of 32 s" in sup._limit_says(sim)
+    assert "doubled for each of the 3 processes" in sup._limit_says(sim)
+    connection["now"] = "tcp:127.0.0.1:5"          # this one connects: its sign of work
+    clock["now"] += 1.0
+    sup.check(serving)
+    assert sim.connected and sim.slow_starts == 0 and sup._limit(sim) == 4.0
+    assert sup.recovery_s and sup.failure is None
+
 SLOW_START_ENV = '''
 import time
 

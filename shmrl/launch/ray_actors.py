@@ -122,13 +122,13 @@ class RayLauncher:
         actor = self._actors.get(name)
         if actor is None:
             actor = self._actors[name] = self._actor_class.remote()
-            proc = _RayProc(actor, name, run_args)
-            proc.ref = actor.run.remote(*run_args)
-        else:
-            # Ray is restarting it (on a node that is alive): a call made now would fail as
-            # "unavailable"; this one is retried until the actor is back, then run() goes.
-            proc = _RayProc(actor, name, run_args)
-            proc.ready = actor.where.options(max_task_retries=-1).remote()
+        # run() goes once the actor answers where(): until then Ray is still making its
+        # process (a worker's start took 15-30 s on a loaded 2-core node), which is Ray's
+        # start, not the simulator's, and not timed by the startup grace. A restarted actor
+        # (on a node that is alive) would fail a call made now as "unavailable": this one
+        # is retried until it is back.
+        proc = _RayProc(actor, name, run_args)
+        proc.ready = actor.where.options(max_task_retries=-1).remote()
         return proc
 
     def exit_reason(self, proc: _RayProc) -> str | None:
@@ -139,7 +139,7 @@ class RayLauncher:
             try:
                 self.ray.get(proc.ready)
             except Exception as e:  # it will not come back (its restarts ran out, or Ray is going)
-                return f"could not be restarted by Ray ({_first_line(e)})"
+                return f"could not be started by Ray ({_first_line(e)})"
             proc.ref = proc.actor.run.remote(*proc.args)
             return None
         done, _ = self.ray.wait([proc.ref], timeout=0)
@@ -153,7 +153,7 @@ class RayLauncher:
             return f"failed: {_first_line(e)}"
 
     def starting(self, proc: _RayProc) -> bool:
-        """Ray is still bringing the actor back (a restart may take seconds on a busy node)."""
+        """Ray is still making or bringing back the actor's process (seconds on a busy node)."""
         return proc.ref is None
 
     def describe(self, proc: _RayProc) -> str:

@@ -50,6 +50,10 @@ FILES_PER_SIM, FILES_OF_THE_LEARNER = 4, 256
 # are the bounds at work, and the run goes on).
 REFUSED_IN_A_ROW = 10
 
+# A slot's startup grace doubles with each process replaced before its first sign of work,
+# up to 2**4 = 16 times the first (the restart budget ends a slot that never starts).
+MAX_GRACE_DOUBLINGS = 4
+
 
 def make_room_for(sims: int) -> None:
     """Raise this process's soft limit of open files (RLIMIT_NOFILE, often 1024) up to its
@@ -168,6 +172,7 @@ class _Sim:
         self.tcp_conn: str | None = None  # its TCP connection, when it has one
         self.failed_time: float | None = None  # when its last process failed, until the next one samples
         self.failed_at: deque = deque()  # recent failures, for the restart budget
+        self.slow_starts = 0          # its processes replaced in a row before any sign of work
 
 
 class Supervisor:
@@ -292,14 +297,21 @@ class Supervisor:
 
     def _limit(self, sim: _Sim) -> float:
         """How long ``sim`` may show no progress: --hang-timeout once its process has shown a
-        sign of work (an env step, a TCP connection), the startup grace before."""
-        return self.hang_timeout if sim.steps_seen or sim.connected else self.startup_timeout
+        sign of work (an env step, a TCP connection), the startup grace before. The grace
+        doubles with each process of the slot replaced before its first sign of work: on a
+        node too busy to start one within the grace (a Ray actor's worker importing on a
+        loaded machine), restarting at the same pace would never let one finish starting."""
+        if sim.steps_seen or sim.connected:
+            return self.hang_timeout
+        return self.startup_timeout * 2 ** min(sim.slow_starts, MAX_GRACE_DOUBLINGS)
 
     def _limit_says(self, sim: _Sim) -> str:
         if sim.steps_seen or sim.connected:
             return f"--hang-timeout {self.hang_timeout:g}"
-        return (f"before its first env step: a startup grace of {self.startup_timeout:g} s, --hang-timeout "
-                f"{self.hang_timeout:g} times the simulators per CPU")
+        doubled = (f", doubled for each of the {sim.slow_starts} processes before it that did not start in time"
+                   if sim.slow_starts else "")
+        return (f"before its first env step: a startup grace of {self._limit(sim):g} s, --hang-timeout "
+                f"{self.hang_timeout:g} times the simulators per CPU{doubled}")
 
     def _tcp_trouble(self, sim: _Sim, serving, now: float) -> str | None:
         """A TCP simulator's connection closed (the server closes one whose HEARTBEATs stop)
@@ -324,6 +336,7 @@ class Supervisor:
 
     def _back(self, sim: _Sim, now: float) -> None:
         """A replacement shows its first sign of work (an env step, or its TCP connection)."""
+        sim.slow_starts = 0
         if sim.failed_time is not None:
             self.recovery_s.append(now - sim.failed_time)
             log.info("simulator %s is back, %.1f s after it failed", sim.name, now - sim.failed_time)
@@ -339,6 +352,7 @@ class Supervisor:
             lost = serving.close(sim.conn_id, what, stepped=self.shm.env_steps(sim.index),
                                  received_before=sim.steps_received_before)
             self.shm.reset(sim.index)
+        sim.slow_starts = 0 if sim.steps_seen or sim.connected else sim.slow_starts + 1
         sim.failed_at.append(now)
         while sim.failed_at and now - sim.failed_at[0] > self.restart_window:
             sim.failed_at.popleft()
