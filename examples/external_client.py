@@ -26,7 +26,8 @@ The loop, which is all an integration has to reproduce:
    log-probability.
 3. send EPISODES_AND_GET_STATE with the chunks (an episode still running is sent as a
    chunk with both flags false and continues in the next message from its last obs),
-   install the model from the SET_STATE reply, go to 2.
+   install the model from the SET_STATE reply (and its `env_steps_per_sample`, where it
+   has one: the learner shares its batch over the clients connected), go to 2.
 4. when the server closes the connection between replies, its run is over, or it wants
    the client back (a restarted server, a conformance checker): go to 1 at once, and if
    that attempt fails, exit 0. When it cannot be reached (not started yet) or the
@@ -352,7 +353,11 @@ def run_session(host: str, port: int, on_connected, game: str = "cartpole", auth
             # after its next update, shmrl's asynchronous one at once with its latest weights
             # (it corrects for the lag with action_logp); the client does the same either way.
             msg = {"type": "EPISODES_AND_GET_STATE", "episodes": chunks, "timesteps": steps_per_sample}
-            policy = Policy(request(sock, msg, "SET_STATE"), policy.state)
+            state = request(sock, msg, "SET_STATE")
+            policy = Policy(state, policy.state)
+            # The learner shares its train batch over the clients connected: as they come and
+            # go, SET_STATE may carry this client's new share (RLLINK.md §3.3).
+            steps_per_sample = state.get("env_steps_per_sample", steps_per_sample)
             if returns:
                 print(f"mean return of the last {len(returns[-20:])} episodes: "
                       f"{sum(returns[-20:]) / len(returns[-20:]):.1f}", flush=True)
@@ -394,6 +399,7 @@ def run_multiagent(sock: socket.socket, config: dict, env, act) -> None:
         msg = {"type": "EPISODES_AND_GET_STATE", "episodes": done_chunks, "timesteps": steps}
         state = request(sock, msg, "SET_STATE")
         policies = {m: Policy(p) for m, p in state["policies"].items()}
+        steps_per_sample = state.get("env_steps_per_sample", steps_per_sample)   # its share (RLLINK.md §3.3)
         if returns:
             print(f"mean agent return of the last {len(returns[-20:])} agent episodes: "
                   f"{sum(returns[-20:]) / len(returns[-20:]):.2f}", flush=True)

@@ -545,12 +545,17 @@ def read_to_eof(sock: socket.socket, timeout: float = 5.0) -> bytes:
 class HubLoop:
     """The learner's side in a thread, as production runs it: the real Hub and EpisodeStore,
     fed by server.poll() whenever server.fileno() is readable. With ``auto_publish`` it
-    publishes new weights as soon as a client waits for them (an instant training step)."""
+    publishes new weights as soon as a client waits for them (an instant training step);
+    without, once ``publish_requested`` is set and a client waits. ``shared_batch``: the
+    Hub's batch to share over its clients (None: 8 env steps per sample, fixed)."""
 
-    def __init__(self, server: TcpServer, *, auto_publish: bool = True, onnx_file: str = "abc"):
+    def __init__(self, server: TcpServer, *, auto_publish: bool = True, onnx_file: str = "abc",
+                 shared_batch: int | None = None):
         self.server, self.auto_publish, self.onnx_file = server, auto_publish, onnx_file
         self.store = EpisodeStore()
-        self.hub = Hub({DEFAULT_POLICY: env_spec("CartPole-v1")}, self.store, env_steps_per_sample=8, on_policy=True)
+        self.hub = Hub({DEFAULT_POLICY: env_spec("CartPole-v1")}, self.store, env_steps_per_sample=8, on_policy=True,
+                       shared_batch=shared_batch)
+        self.publish_requested = threading.Event()
         self.seq = 1
         self.publish()
         self.received: list[tuple[str, str | None]] = []  # (conn_id, type), None: closed
@@ -570,7 +575,8 @@ class HubLoop:
                         # After handling: a test that sees a close in closed() may read what the
                         # hub did with it (steps counted lost, its log lines) at once.
                         self.received.append((conn_id, msg and msg["type"]))
-                    if self.auto_publish and self.hub.waiting:
+                    if self.hub.waiting and (self.auto_publish or self.publish_requested.is_set()):
+                        self.publish_requested.clear()
                         self.seq += 1
                         self.publish()
                     self.hub.flush_actions()   # server-side inference: the round's ACTs

@@ -443,7 +443,7 @@ async function runSession(ort, opts, onConnected) {
     let policy = await Policy.load(ort, state);
     const { k, space } = opts;
     const sampler = new Sampler(space.action, opts.random);
-    const stepsPerEnv = Math.ceil(config.env_steps_per_sample / k);
+    let stepsPerEnv = Math.ceil(config.env_steps_per_sample / k);
     const envs = opts.makeEnvs(k);
     const recorder = new Recorder(k, space.obsSize, sampler.width, `${opts.clientName || 'js'}-${opts.sessions++}`);
     const obs = new Float32Array(k * space.obsSize);
@@ -475,6 +475,8 @@ async function runSession(ort, opts, onConnected) {
       const reply = await conn.request({ type: 'EPISODES_AND_GET_STATE', episodes, timesteps: steps },
         'SET_STATE', opts.timeoutS);    // strict on-policy: held until the next update (section 6)
       if (reply.weights_seq_no !== policy.version) policy = await Policy.load(ort, reply);
+      // The learner shares its train batch over the clients connected (RLLINK.md section 3.3).
+      if (reply.env_steps_per_sample !== undefined) stepsPerEnv = Math.ceil(reply.env_steps_per_sample / k);
     }
   } finally {
     conn.close();

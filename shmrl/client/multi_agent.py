@@ -298,6 +298,7 @@ def run_simulator(client, env_id, seed: int = 0, envs_per_sim: int = 1, max_mess
             raise ConnectionError(f"expected a multi-agent SET_STATE, got {reply['type']}")
         policies.update(reply["policies"])
         sampler.prune_policies()
+        per_sample = reply.get("env_steps_per_sample", per_sample)   # the server shares its batch anew
         if log_every_s and time.monotonic() >= next_log:
             next_log += log_every_s
             log.info("sent %d agent steps; policies %s; mean returns %s", sent, policies.seqs,

@@ -34,6 +34,13 @@ class Rollout:
         self._bufs: dict[str, np.ndarray] | None = None
         self._final_obs: list[tuple] = []  # (step, envs that ended, their final obs)
 
+    def resize(self, steps: int) -> None:
+        """Make the next rollouts ``steps`` long (the server shares its batch anew, RLLINK.md
+        §3.3): call between rollouts (after ``batch``, or after ``start`` before the first
+        ``record``). Episode ids and running returns carry on."""
+        if steps != self.steps:
+            self.steps, self._bufs = steps, None   # the arrays are made anew at the next record
+
     def start(self, obs, state: np.ndarray | None = None) -> None:
         """Begin a rollout from ``obs`` (one row per env; a dict of leaves for a Dict space)
         and, for a recurrent policy, each env's ``state`` ([envs, state_size])."""

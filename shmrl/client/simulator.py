@@ -105,6 +105,9 @@ def _sample(client, config: dict, state: dict, env_id: str, seed: int, envs_per_
         if reply["weights_seq_no"] != seq:
             seq = reply["weights_seq_no"]
             actor.load(OnnxPolicy(decode_onnx_file(reply["onnx_file"])))
+        if "env_steps_per_sample" in reply:   # the server shares its batch anew (RLLINK.md §3.3)
+            steps_per_env = -(-reply["env_steps_per_sample"] // envs_per_sim)
+            rollout.resize(steps_per_env)
         recent.extend(rollout.completed)
         rollout.completed.clear()
         if log_every_s and time.monotonic() >= next_log:

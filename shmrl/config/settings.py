@@ -286,8 +286,9 @@ class SamplingSettings:
         "together they have sent fewer (default: %(default)s)", preset=True, check=at_least(1), metavar="N")
     env_steps_per_sample: int | None = setting(
         None, "env steps per EPISODES message of each client, what SET_CONFIG tells them "
-        "(default: the train batch spread over the simulators, {env_steps_per_sample} for {sims}; "
-        "the slow profile's where the run may switch to it and its batch is smaller)",
+        "(default: the train batch shared over whoever samples, the run's simulators and the "
+        "clients connected, {env_steps_per_sample} for {sims} simulators alone, followed as clients "
+        "come and go; the slow profile's batch where the run may switch to it and it is smaller)",
         kind=int, check=at_least(1), metavar="N", flag_default_none=True)
     envs_per_sim: int | None = setting(
         1, "environments each simulator steps together, one batched ONNX call per step "

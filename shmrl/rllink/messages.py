@@ -179,6 +179,8 @@ def _reply(msg: dict, t: MessageType) -> dict:
                                 f"got {type(msg['onnx_file']).__name__}")
         require(msg, "weights_seq_no", t.value)
         out["weights_seq_no"] = count(msg, "weights_seq_no", t.value)
+        if "env_steps_per_sample" in msg:   # the server shares its batch anew (optional)
+            out["env_steps_per_sample"] = count(msg, "env_steps_per_sample", t.value, minimum=1)
     return out
 
 

@@ -187,6 +187,7 @@ class Connection:
     over_budget: bool = False        # told (in the log) that it is over its budget
     refused_in_a_row: int = 0        # its last messages with steps, every one refused for its values
     refused_why: str | None = None   # the reason of the last refusal
+    first_per_sample: int = 0        # the env_steps_per_sample of its SET_CONFIG (a client may keep it)
 
 
 class Hub:
@@ -204,7 +205,7 @@ class Hub:
                  on_policy: bool = True, max_pending_steps: int | None = None,
                  auth_token: str | None = None, state_size: int = 0, multiagent: bool = False,
                  extra_config: dict | None = None, client_budget: int | None = None, agents=None,
-                 bounds: Bounds = Bounds()):
+                 bounds: Bounds = Bounds(), shared_batch: int | None = None, local_sims: int = 0):
         """``policy_specs``: the run's policies (policy id -> EnvSpec of its agents; a
         single-agent run's one is ``DEFAULT_POLICY``); ``multiagent``: the clients speak in
         agents and modules (RLlib's multi-agent messages); ``extra_config``: more fields
@@ -212,7 +213,10 @@ class Hub:
         connection may have waiting for training, past which its chunks are dropped and
         counted (None: no budget); ``agents``: the env's agent ids, the only ones a
         multi-agent chunk may carry (None: any); ``bounds``: what a chunk may hold (chunks
-        beyond them are refused and counted, the connection goes on)."""
+        beyond them are refused and counted, the connection goes on); ``shared_batch``: the
+        train batch to spread over whoever samples (``share``), None where
+        ``env_steps_per_sample`` was set and stays; ``local_sims``: the simulators the
+        run starts itself, counted from the start."""
         self.policy_specs, self.store = policy_specs, store
         self.messages = run_messages(policy_specs, multiagent, state_size, agents)
         self.auth_token = auth_token
@@ -237,13 +241,42 @@ class Hub:
         self.inference, spaces = server_inference(policy_specs, env_steps_per_sample, state_size, multiagent,
                                                   agents, self.config_msg)
         self.config_msg.update(spaces)
+        self.shared_batch, self.local_sims = shared_batch, local_sims
+        self.sharing: set[str] = set()           # connections that took a config or sample: they share the batch
+        self.share()
 
     def set_state(self, weights_seq_no: int, policies: dict) -> None:
         """Publish new weights and release every client waiting for them. ``policies``: the
         SET_STATE ``policies`` entries (policy id -> onnx_file, weights_seq_no[, frozen])."""
         self.state_msg = self.messages.set_state(weights_seq_no, policies)
+        if self.shared_batch is not None:
+            self.state_msg["env_steps_per_sample"] = self.config_msg["env_steps_per_sample"]
         self.inference.load(weights_seq_no, policies)
         self.release_waiting()
+
+    def _shares(self, conn_id: str) -> None:
+        if conn_id not in self.sharing:
+            self.sharing.add(conn_id)
+            self.share()
+
+    def share(self) -> None:
+        """Spread the train batch over whoever samples: each connection that took a config
+        (or asked for server-side inference), and at least the run's own simulators, gets
+        ``env_steps_per_sample`` = the batch / their number, rounded up. New clients read it
+        in SET_CONFIG, sampling ones in every SET_STATE (RLLINK.md §3.3; a client that
+        reads it only at its handshake keeps its first), and server-side inference cuts
+        each connection's samples by it at once. So 4 external clients of a --sims 0 run
+        each send a quarter of the batch, not the whole of it."""
+        if self.shared_batch is None:
+            return
+        per_sample = -(-self.shared_batch // max(self.local_sims, len(self.sharing), 1))
+        if per_sample == self.config_msg["env_steps_per_sample"]:
+            return
+        # New dicts, not changed in place: a transport may hold a reply not yet sent.
+        self.config_msg = {**self.config_msg, "env_steps_per_sample": per_sample}
+        self.inference.env_steps_per_sample = per_sample
+        if self.state_msg is not None:
+            self.state_msg = {**self.state_msg, "env_steps_per_sample": per_sample}
 
     def all_waiting(self) -> bool:
         return bool(self.sampling) and len(self.waiting) == len(self.sampling)
@@ -294,9 +327,12 @@ class Hub:
             pong = {"type": T.PONG.value}
             if msg.get("inference") == "server":   # granted where the run serves actions
                 conn.inference = self.inference
+                self._shares(conn_id)
                 pong.update(self.inference.pong_fields)
             self._reply(conn_id, pong)
         elif kind == T.GET_CONFIG.value:
+            self._shares(conn_id)
+            conn.first_per_sample = conn.first_per_sample or self.config_msg["env_steps_per_sample"]
             self._reply(conn_id, self.config_msg)
         elif kind == T.GET_STATE.value:
             self.sampling.add(conn_id)
@@ -379,7 +415,8 @@ class Hub:
     def _heartbeat(self, conn_id: str, conn: Connection, env_steps: int) -> None:
         """Keep what a HEARTBEAT says was stepped (what is never sent counts as lost), unless
         more than the connection could have stepped since it opened (ignored, counted)."""
-        could = (self.store.steps_by_conn.get(conn_id, 0) + self.config_msg["env_steps_per_sample"]
+        per_sample = max(conn.first_per_sample, self.config_msg["env_steps_per_sample"])
+        could = (self.store.steps_by_conn.get(conn_id, 0) + per_sample
                  + self.bounds.max_env_steps_per_s * (time.monotonic() - conn.opened))
         if env_steps > could:
             self.heartbeats_ignored += 1
@@ -476,6 +513,9 @@ class Hub:
             self.store.steps_lost += conn.inference.forget(conn_id)
             del self.connections[conn_id]
         self.sampling.discard(conn_id)
+        if conn_id in self.sharing:
+            self.sharing.discard(conn_id)
+            self.share()
         self.held.discard(conn_id)
         if conn_id in self.waiting:
             self.waiting.remove(conn_id)

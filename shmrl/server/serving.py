@@ -46,7 +46,8 @@ class Serving:
 
     def __init__(self, servers: list, config, policy_specs: dict[str, EnvSpec], templates: dict[str, ModelTemplate],
                  initial_weights: dict[str, dict], *, multiagent: bool = False, first_weights_seq_no: int = 1,
-                 housekeeping=None, state_size: int = 0, extra_config: dict | None = None, agents=None):
+                 housekeeping=None, state_size: int = 0, extra_config: dict | None = None, agents=None,
+                 shared_batch: int | None = None):
         """Serves the policies ``policy_specs`` (policy id -> EnvSpec; a single-agent run's
         one is ``DEFAULT_POLICY``) and publishes their ``initial_weights`` (into the graphs
         ``templates``, by policy id) at once, as version ``first_weights_seq_no``: clients
@@ -67,7 +68,8 @@ class Serving:
         of requests (the supervisor watches the simulators from there). ``state_size``: the
         floats of a recurrent policy's state (0: none). ``extra_config``: more fields for
         SET_CONFIG (a multi-agent run's policy map); ``agents``: a multi-agent env's agent
-        ids, the only ones its chunks may carry."""
+        ids, the only ones its chunks may carry. ``shared_batch``: the train batch spread over
+        whoever samples (``Hub.share``); None: every client gets ``config.env_steps_per_sample``."""
         self.servers, self.multiagent = servers, multiagent
         self.train_batch_size = config.train_batch_size
         self.max_policy_lag = config.max_policy_lag
@@ -79,7 +81,8 @@ class Serving:
                        max_pending_steps=None if on_policy else self.train_batch_size, auth_token=config.auth_token,
                        state_size=state_size, multiagent=multiagent, extra_config=extra_config,
                        client_budget=client_budget(config), agents=agents,
-                       bounds=Bounds(max_obs_abs=config.max_obs_abs, max_reward_abs=config.max_reward_abs))
+                       bounds=Bounds(max_obs_abs=config.max_obs_abs, max_reward_abs=config.max_reward_abs),
+                       shared_batch=shared_batch, local_sims=config.sims)
         self.league_size, self.league_every = config.league or 0, max(1, config.league_every or 1)
         self.league: dict = {}          # "policy@version" -> (version, ONNX file): frozen snapshots
         self.model_seqs: dict = {}      # policy id -> the version its current model was published at

@@ -53,6 +53,7 @@ class Setup:
     slow: SlowProfile | None = None  # what it may switch to (--learn-per-step auto), until it decides
     profile: dict | None = None      # the profile it trains with and why (summary.json's "profile")
     device: str | None = None        # where the learner's PPOs live, once torch is loaded (summary.json's "device")
+    shared_batch: int | None = None  # the train batch the Hub spreads over its clients (None: --env-steps-per-sample)
 
     def ring_nets(self) -> dict:
         """Per policy, the larger of its network and its slow profile's: the rings carry either."""
@@ -138,8 +139,12 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None) -
     config = dataclasses.replace(config, tensorboard=chosen_tensorboard(config), plot=chosen_plot(config))
     if slow is not None:   # the settings decided here (the stop return, the log folder) are the slow profile's too
         slow.config = dataclasses.replace(config, **{k: getattr(slow.config, k) for k in SLOW_SETTINGS})
+    # Unless --env-steps-per-sample is given, each client's message is its share of the batch
+    # (of the smaller of the two profiles': a client may read it only once), over whoever samples.
+    shared_batch = None if "env_steps_per_sample" in given else min(
+        [config.train_batch_size] + ([slow.config.train_batch_size] if slow is not None else []))
     return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained,
-                 slow, profile)
+                 slow, profile, shared_batch=shared_batch)
 
 
 def chosen_stop_return(config, spec) -> float:
@@ -227,7 +232,7 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
     serving = Serving(servers, config, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
                       setup.first_weights, multiagent=setup.multiagent, first_weights_seq_no=setup.first_seq,
                       housekeeping=supervisor.check if supervisor else None,
-                      state_size=max(net.state_size for net in setup.nets.values()),
+                      state_size=max(net.state_size for net in setup.nets.values()), shared_batch=setup.shared_batch,
                       agents=setup.spec.agents if setup.multiagent else None,
                       extra_config=None if not setup.multiagent else {
                           "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})

@@ -144,10 +144,10 @@ class TcpClient(Closeable):
 
     def close(self) -> None:
         """Idempotent; a request blocked in another thread ends with ConnectionClosed."""
-        if self._sock is not None:
+        sock, self._sock = self._sock, None   # taken first: another thread may close it at the same time
+        if sock is not None:
             try:
-                self._sock.shutdown(socket.SHUT_RDWR)  # close() alone would not wake a blocked recv
+                sock.shutdown(socket.SHUT_RDWR)  # close() alone would not wake a blocked recv
             except OSError:
                 pass
-            self._sock.close()
-            self._sock = None
+            sock.close()

@@ -146,6 +146,7 @@ class ServerInference(Inference):
         batch = slots.rollout.batch(slots.oldest)
         slots.rollout.completed.clear()
         slots.rollout.start(obs, slots.state)
+        slots.rollout.resize(-(-self.env_steps_per_sample // slots.k))   # the Hub may share its batch anew
         slots.oldest = None
         return batch
 
