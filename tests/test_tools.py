@@ -234,6 +234,21 @@ def test_bench_solve_quick(tool):
     assert r["all_solved"] is True and r["median_wall_s"] == run["wall_s"] and r["median_env_steps"] == run["env_steps"]
 
 
+def test_external_bench_quick(tool):
+    """tools/external_bench.py --quick: the learner with external clients (examples/external_client.py,
+    the C client) against local simulators, each run to the stop return, every process stopped."""
+    rc, out, err = tool("external_bench.py", "--quick", "--json", "--kinds", "local", "python", "c", timeout=240)
+    assert rc == 0, err[-3000:]
+    r = last_json(out)
+    check_common(r, "external_bench")
+    assert r["params"]["clients"] == [2] and r["params"]["stop_return"] == 100.0
+    assert [(run["kind"], run["n"], run["exit"], run["solved"]) for run in r["runs"]] == \
+        [("local", 2, 0, True), ("python", 2, 0, True), ("c", 2, 0, True)]
+    assert all(run["return_mean"] >= 100 and positive(run["env_steps"]) for run in r["runs"])
+    local = r["summary"]["local/2"]["median_env_steps"]
+    assert r["summary"]["python/2"]["env_steps_vs_local"] == round(r["runs"][1]["env_steps"] / local, 2)
+
+
 def test_bench_sync_quick(tool):
     rc, out, err = tool("bench.py", "sync", "--quick", "--json", timeout=120)
     assert rc == 0, err[-3000:]
