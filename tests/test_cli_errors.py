@@ -145,7 +145,7 @@ def test_bad_command_lines_of_sim(args, fragments):
 
 
 def test_a_simulator_whose_env_does_not_fit_the_servers_policy(start_run, tmp_path):
-    run = start_run("--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "server")
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "server")
     proc = command("shmrl.sim", "--connect", f"127.0.0.1:{run.tcp_port(timeout=60)}", "--env", "Pendulum-v1", "--timeout", 30)
     assert_one_line_error(proc, "input 'onnx::Gemm_0' takes (4,); Pendulum-v1's observation 'obs' is (3,)")
 
