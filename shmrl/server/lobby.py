@@ -25,8 +25,6 @@ from shmrl.server.serving import open_tcp
 
 log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
-# Before the env is known a client sends only its PING and GET_CONFIG: no frame above this is read.
-LOBBY_FRAME_BYTES = 64 << 10
 NO_SPACES = ("the learner has no --env and the client declared no spaces in its GET_CONFIG "
              "(docs/CLIENTS.md, 'Declaring the spaces'): declare them, or start the learner with --env")
 
@@ -112,9 +110,9 @@ class Replay:
 def wait_for_spaces(config, t_start: float) -> tuple[EnvSpec, Replay] | None:
     """The spaces the first client declares and the TCP server it came through (opened on
     --tcp-host and --tcp-port), or None when --max-seconds passed first (the server closed)."""
-    # Until the env is known, its preset settings are the house defaults: set again once it is.
-    tcp = open_tcp(resolve_config(config), config.tcp_host, max_json_frame_bytes=LOBBY_FRAME_BYTES,
-                   max_binary_frame_bytes=LOBBY_FRAME_BYTES)
+    # Until the env is known, its preset settings are the house defaults, and its frames are
+    # bound by --max-frame-bytes alone: the env's limits are set once it is (``open_transports``).
+    tcp = open_tcp(resolve_config(config), config.tcp_host)
     try:
         host, port = tcp.address
         print(f"listening for RLlink clients on {host}:{port}", flush=True)

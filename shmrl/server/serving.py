@@ -309,7 +309,14 @@ def open_transports(config, spec, nets: dict, launcher=None, tcp=None) -> tuple[
         servers.append(shm)
         addresses = [f"shm:{shm.address(i)}" for i in range(config.sims)]
     if tcp is not None:
-        tcp.set_limits(limits=message_limits(config), **env_frame_limits(config, spec, nets))
+        # Its connections opened before keep the frame limits they had (--max-frame-bytes):
+        # new ones get the env's.
+        from shmrl.transport.tcp import BodyLimits
+
+        frames = env_frame_limits(config, spec, nets)
+        tcp.limits = message_limits(config)
+        tcp.body_limits = BodyLimits(frames["max_json_frame_bytes"], frames["max_binary_frame_bytes"])
+        tcp.act_limits = frames["act_limits"] and frames["act_limits"].within(tcp.body_limits)
         servers.append(tcp)
     elif config.tcp_port is not None or (config.sims and config.transport == "tcp") or remote:
         host = launcher.node_ip if remote and config.tcp_host == type(config).tcp_host else config.tcp_host

@@ -217,18 +217,6 @@ class TcpServer(Closeable):
             if not self._batching:
                 self._wake_io_locked()
 
-    def set_limits(self, *, max_json_frame_bytes: int, max_binary_frame_bytes: int,
-                   act_limits: BodyLimits | None, limits: rllink.MessageLimits | None) -> None:
-        """The limits of messages, of each codec's frames (and of a server-inference client's
-        ACTs), once the env they follow from is known (a learner that waited for a client to
-        declare its spaces): new connections get them all, the open ones all but the ACTs'."""
-        with self._lock:
-            self.limits = limits
-            self.body_limits = BodyLimits(max_json_frame_bytes, max_binary_frame_bytes)
-            self.act_limits = None if act_limits is None else act_limits.within(self.body_limits)
-            for conn in self._conns.values():
-                conn.limits = self.body_limits
-
     @contextlib.contextmanager
     def batched(self):
         """The replies of this block (the ACTIONS of one forward pass) go out together at its
