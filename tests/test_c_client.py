@@ -113,7 +113,10 @@ def handshake(server, *, codec="binary", name="c-0", inference=True) -> socket.s
     send(conn, pong)
     if not inference:
         return conn
-    assert read_body(conn) == b'{"type": "GET_CONFIG"}'
+    body = read_body(conn)   # declaring CartPole's spaces (RLLINK.md 3.2), as Python's json.dumps writes them
+    assert body == json.dumps({"type": "GET_CONFIG", "observation_shape": [4], "observation_dtype": "<f4",
+                               "action_space": {"type": "Discrete", "n": 2}}).encode()
+    assert rllink.decode_request(body)["action_space"] == {"type": "Discrete", "n": 2}
     send(conn, SET_CONFIG, codec)
     return conn
 
