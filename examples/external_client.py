@@ -293,6 +293,8 @@ def pair_spaces():
     return Spaces()
 
 
+DECLARED = {"cartpole": {"observation_shape": [4], "observation_dtype": "<f4",
+                         "action_space": {"type": "Discrete", "n": 2}}}
 GAMES = {"cartpole": (CartPole, act), "cartpole-novel": (CartPoleNoVel, act), "forager": (Forager, act_forager),
          "pair": (Pair, act)}
 
@@ -323,7 +325,8 @@ def run_session(host: str, port: int, on_connected, game: str = "cartpole", auth
             # A server that checks tokens closes the connection, saying nothing, on a wrong one.
             raise Refused("the server refused the connection: wrong or missing auth token?") from None
         on_connected()
-        config = request(sock, {"type": "GET_CONFIG"}, "SET_CONFIG")
+        # CartPole's spaces declared (docs/RLLINK.md §3.2): a learner started without --env trains them.
+        config = request(sock, {"type": "GET_CONFIG", **DECLARED.get(game, {})}, "SET_CONFIG")
         if game == "pair":
             return run_multiagent(sock, config, make_env(), act)
         policy = Policy(request(sock, {"type": "GET_STATE"}, "SET_STATE"))

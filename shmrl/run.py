@@ -30,7 +30,7 @@ from pathlib import Path
 
 from shmrl.config.flags import (OneLineErrorParser, add_arguments, config_from_args, setting_origins,
                                 settings_parser)
-from shmrl.config.settings import (AUTH_TOKEN_VAR, EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED,  # noqa: F401
+from shmrl.config.settings import (AUTH_TOKEN_VAR, DECLARED_ENV, EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED,  # noqa: F401
                                    EXIT_SOLVED, EXIT_USAGE, Config, ConfigError, config_from_saved, env_name,
                                    preset_values, resolve_config, validate)
 
@@ -152,14 +152,19 @@ def parse_command_line(argv=None) -> tuple[Config, set[str]]:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     # The defaults depend on the env (or on the run being resumed): find those first, so
     # that --help shows the ones that apply.
-    known, _ = settings_parser(("env", "sims", "resume"), "python -m shmrl.run").parse_known_args(argv)
+    known, _ = settings_parser(("env", "sims", "resume", "tcp_port"), "python -m shmrl.run",
+                               Config(env=None)).parse_known_args(argv)
+    # No --env, --sims 0 and a TCP port: the spaces the first client declares (its presets, once known).
+    declared = known.env == DECLARED_ENV or (known.env is None and known.sims == 0 and known.tcp_port is not None
+                                              and not known.resume)
+    env = DECLARED_ENV if declared else known.env or Config.env
     from shmrl.envs.make import env_spec
 
     try:
-        spec = env_spec(known.env)
+        spec = None if declared else env_spec(env)
     except ValueError as e:
         OneLineErrorParser(prog="python -m shmrl.run").error(str(e))
-    defaults = resolve_config(Config(env=known.env, sims=known.sims), spec)
+    defaults = resolve_config(Config(env=env, sims=known.sims), spec)
     if known.resume:
         from shmrl.files import checkpoint
 
@@ -171,11 +176,14 @@ def parse_command_line(argv=None) -> tuple[Config, set[str]]:
     given = given_flags(build_parser(defaults, spec), argv)
     p = build_parser(defaults, spec, given if "-h" in argv or "--help" in argv else None)
     config = resolve_config(config_from_args(p.parse_args(argv)), spec)
+    if declared:   # its preset settings wait for its spaces (``trainer.setup.set_up``), unless given
+        config = dataclasses.replace(config, **{f.name: None for f in dataclasses.fields(Config) if f.name not in given
+                                                and (f.metadata["preset"] or f.name == "env_steps_per_sample")})
     try:
         validate(config, spec)
     except ConfigError as e:
         p.error(str(e))
-    if spec.multiagent:
+    if spec is not None and spec.multiagent:
         from shmrl.envs.spec import policy_mapper
 
         try:

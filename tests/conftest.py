@@ -378,7 +378,7 @@ def run_beside_example_client(start_run, tmp_path, game: str, *run_args, timeout
     example is importable from the run's folder too (``--env examples.external_client:...``)."""
     (tmp_path / "examples").mkdir(exist_ok=True)
     shutil.copy(EXAMPLE_CLIENT, tmp_path / "examples" / "external_client.py")
-    run = start_run("--sims", 0, "--tcp-port", 0, *run_args)
+    run = start_run("--sims", 0, "--tcp-port", 0, *(() if "--env" in run_args else ("--env", "CartPole-v1")), *run_args)
     client = subprocess.Popen([sys.executable, str(EXAMPLE_CLIENT), "--port", str(run.tcp_port()),
                                "--max-retries", "0", "--game", game],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

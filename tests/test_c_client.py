@@ -113,7 +113,10 @@ def handshake(server, *, codec="binary", name="c-0", inference=True) -> socket.s
     send(conn, pong)
     if not inference:
         return conn
-    assert read_body(conn) == b'{"type": "GET_CONFIG"}'
+    body = read_body(conn)   # declaring CartPole's spaces (RLLINK.md 3.2), as Python's json.dumps writes them
+    assert body == json.dumps({"type": "GET_CONFIG", "observation_shape": [4], "observation_dtype": "<f4",
+                               "action_space": {"type": "Discrete", "n": 2}}).encode()
+    assert rllink.decode_request(body)["action_space"] == {"type": "Discrete", "n": 2}
     send(conn, SET_CONFIG, codec)
     return conn
 
@@ -677,7 +680,7 @@ def test_trains_cartpole_through_8_c_clients(start_run, procs, cartpole, tmp_pat
     16 envs per ACT solve faster than 4: fewer round trips per env step). When the run
     ends, every client exits 0."""
     t0 = time.monotonic()
-    run = start_run("--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "run")
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "run")
     port = run.tcp_port()
     clients = [start(procs, cartpole, "--port", port, "--envs", 16, "--name", f"c{i}", "--quiet") for i in range(8)]
     assert run.proc.wait(timeout=300) == 0, run.output()[-3000:]
@@ -698,7 +701,7 @@ def test_trains_cartpole_through_8_onnx_c_clients(start_run, procs, cartpole_onn
     spread over the 8); the time from the server's start is printed. When the run ends,
     every client exits 0."""
     t0 = time.monotonic()
-    run = start_run("--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 256, "--logdir", tmp_path / "run")
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 256, "--logdir", tmp_path / "run")
     port = run.tcp_port()
     clients = [start(procs, cartpole_onnx, "--port", port, "--envs", 4, "--name", f"c{i}", "--seed", i, "--quiet")
                for i in range(8)]

@@ -60,6 +60,8 @@ EXAMPLES = {
     "pong": {"type": "PONG"},
     "pong_binary": {"type": "PONG", "codec": "binary", "heartbeat_s": 1.0},
     "get_config": {"type": "GET_CONFIG"},
+    "get_config_declared": {"type": "GET_CONFIG", "observation_shape": [3], "observation_dtype": "<f4",
+                            "action_space": {"type": "Box", "shape": [1], "low": [-2.0], "high": [2.0]}},
     "set_config": {"type": "SET_CONFIG", "env_steps_per_sample": 500, "force_on_policy": True},
     "get_state": {"type": "GET_STATE"},
     "set_state": {"type": "SET_STATE", "onnx_file": ONNX_FILE, "weights_seq_no": 3},

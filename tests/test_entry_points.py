@@ -29,7 +29,7 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
 
 def test_clients_exit_0_when_the_run_ends_and_1_for_a_refused_token(start_run, tmp_path):
     logdir = tmp_path / "run"
-    run = start_run("--sims", 0, "--tcp-port", 0, "--auth-token", TOKEN, "--stop-return", 1e9,
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--auth-token", TOKEN, "--stop-return", 1e9,
                     "--logdir", logdir)
     port = run.tcp_port(timeout=60)
     good = [client("sim", port, "--auth-token", TOKEN), client("example", port, "--auth-token", TOKEN)]

@@ -334,7 +334,7 @@ def test_refused_steps_do_not_spend_the_step_budget(start_run, tmp_path):   # dr
     import socket
     import time
 
-    run = start_run("--sims", 0, "--tcp-port", 0, "--max-env-steps", 128, "--train-batch-size", 64,
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--max-env-steps", 128, "--train-batch-size", 64,
                     "--env-steps-per-sample", 64, "--logdir", tmp_path / "logs")
     with socket.create_connection(("127.0.0.1", run.tcp_port()), timeout=60) as s:
         s.settimeout(60)

@@ -114,7 +114,7 @@ def test_the_js_sampler_draws_actions_with_their_log_probabilities():
 def test_js_clients_train_in_both_codecs_and_with_server_inference_and_exit_0_when_the_run_ends(start_run, tmp_path):
     """Against a run with an auth token, which the clients take from SHMRL_AUTH_TOKEN."""
     js = need_js_client()
-    run = start_run("--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 256, "--max-env-steps", 3000,
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 256, "--max-env-steps", 3000,
                     "--logdir", tmp_path / "run", "--auth-token", "s3cret")
     port = run.tcp_port()
     env = {**os.environ, "SHMRL_AUTH_TOKEN": "s3cret"}   # the clients' PING carries it
@@ -146,7 +146,7 @@ def test_eight_js_clients_solve_cartpole(start_run, tmp_path, inference):
     the policy run in the clients or by the server."""
     js = need_js_client()
     flags = ["--server-inference"] if inference == "server" else []
-    run = start_run("--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 256, "--max-env-steps", 400_000,
+    run = start_run("--env", "CartPole-v1", "--sims", 0, "--tcp-port", 0, "--env-steps-per-sample", 256, "--max-env-steps", 400_000,
                     "--logdir", tmp_path / "run")
     port = run.tcp_port()
     clients = [subprocess.Popen(["node", js / "cartpole.js", "--port", str(port), "--envs", "4", "--seed", str(i),

@@ -484,7 +484,7 @@ def run_client(a, kids: Children, work: Path) -> dict:
         if is_listening(p):
             raise SetupError(f"port {p} is already in use")
     logdir = Path(a.logdir) if a.logdir else work / "shmrl-run"
-    cmd = [sys.executable, "-m", "shmrl.run", "--sims", "0", "--tcp-port", str(server_port),
+    cmd = [sys.executable, "-m", "shmrl.run", "--env", "CartPole-v1", "--sims", "0", "--tcp-port", str(server_port),
            "--stop-return", str(a.stop_return), "--logdir", str(logdir), *a.extra]
     t0 = time.time()
     learner = kids.start("shmrl-run", cmd, REPO)

@@ -57,7 +57,7 @@ def build(inference: str) -> Path:
 def start_run(tmp: Path, run_args: list[str]) -> tuple[subprocess.Popen, int]:
     log = open(tmp / "run.log", "w")
     env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(ROOT)}   # this checkout's shmrl
-    run = subprocess.Popen([sys.executable, "-m", "shmrl.run", "--sims", "0", "--tcp-port", "0",
+    run = subprocess.Popen([sys.executable, "-m", "shmrl.run", "--env", "CartPole-v1", "--sims", "0", "--tcp-port", "0",
                             "--logdir", str(tmp / "run"), "--stop-return", "1e9", "--max-env-steps", str(10 ** 12),
                             *run_args], stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=env, start_new_session=True)
     deadline = time.monotonic() + 60

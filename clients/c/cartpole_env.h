@@ -205,6 +205,12 @@ static int parse_args(int argc, char **argv, args *a) {
     }
     if (a->envs < 1 || a->envs > SHMRL_MAX_ENVS) { fprintf(stderr, "%s: --envs must be 1..%d\n", prog, SHMRL_MAX_ENVS); return 0; }
     a->opt.obs_size = 4;
+    /* CartPole-v1's spaces, declared: a learner started without --env trains them */
+    a->opt.declare.obs_ndim = 1;
+    a->opt.declare.obs_shape[0] = 4;
+    a->opt.declare.action_type = SHMRL_DISCRETE;
+    a->opt.declare.action_n = 2;
+    a->opt.declare.action_dim = 1;
     if (a->probe) a->opt.server_inference = 0;
     return 1;
 }

@@ -99,21 +99,6 @@ typedef enum shmrl_action_type {
     SHMRL_ACTION_UNKNOWN = 0, SHMRL_DISCRETE, SHMRL_MULTI_DISCRETE, SHMRL_BOX
 } shmrl_action_type;
 
-typedef struct shmrl_options {
-    const char *host;          /* "127.0.0.1" */
-    int port;                  /* 5556 */
-    const char *client_name;   /* NULL: none; else 1-64 printable ASCII characters */
-    const char *auth_token;    /* NULL: none (the server's --auth-token) */
-    int binary;                /* 1 (default): offer the binary codec; 0: JSON only */
-    int server_inference;      /* 1 (default): ask for server-side inference; 0: handshake only */
-    double connect_timeout_s;  /* SHMRL_CONNECT_TIMEOUT_S, 5 */
-    double reply_timeout_s;    /* SHMRL_REPLY_TIMEOUT_S, 600: a strict on-policy server holds replies while it trains */
-    int max_retries;           /* SHMRL_MAX_RETRIES, 5: failed attempts in a row tolerated; < 0: retry forever */
-    double backoff_s;          /* SHMRL_BACKOFF_S, 0.1: the first wait between attempts, then doubled ... */
-    double backoff_max_s;      /* SHMRL_BACKOFF_MAX_S, 5: ... up to this */
-    size_t max_reply_bytes;    /* 64 MiB: a longer reply is a protocol error */
-    long obs_size;             /* 0: the server's SET_CONFIG says; else floats per observation */
-} shmrl_options;
 
 /* What the server's SET_CONFIG said (read only). */
 typedef struct shmrl_config {
@@ -128,6 +113,25 @@ typedef struct shmrl_config {
     long nvec[SHMRL_MAX_ACTION_DIM];        /* MultiDiscrete */
     float low[SHMRL_MAX_ACTION_DIM], high[SHMRL_MAX_ACTION_DIM];  /* Box */
 } shmrl_config;
+
+typedef struct shmrl_options {
+    const char *host;          /* "127.0.0.1" */
+    int port;                  /* 5556 */
+    const char *client_name;   /* NULL: none; else 1-64 printable ASCII characters */
+    const char *auth_token;    /* NULL: none (the server's --auth-token) */
+    int binary;                /* 1 (default): offer the binary codec; 0: JSON only */
+    int server_inference;      /* 1 (default): ask for server-side inference; 0: handshake only */
+    double connect_timeout_s;  /* SHMRL_CONNECT_TIMEOUT_S, 5 */
+    double reply_timeout_s;    /* SHMRL_REPLY_TIMEOUT_S, 600: a strict on-policy server holds replies while it trains */
+    int max_retries;           /* SHMRL_MAX_RETRIES, 5: failed attempts in a row tolerated; < 0: retry forever */
+    double backoff_s;          /* SHMRL_BACKOFF_S, 0.1: the first wait between attempts, then doubled ... */
+    double backoff_max_s;      /* SHMRL_BACKOFF_MAX_S, 5: ... up to this */
+    size_t max_reply_bytes;    /* 64 MiB: a longer reply is a protocol error */
+    long obs_size;             /* 0: the server's SET_CONFIG says; else floats per observation */
+    shmrl_config declare;      /* obs_ndim 0 (default): none; else the spaces its GET_CONFIG declares (obs_ndim,
+                                  obs_shape; action_type with action_n [, action_start], nvec or low/high, and
+                                  action_dim), so that a learner started without --env trains them (RLLINK.md 3.2) */
+} shmrl_options;
 
 /* One ACT and its ACTIONS: the caller's arrays, none copied or kept. */
 typedef struct shmrl_step {
@@ -830,6 +834,31 @@ static shmrl_status shmrl__read_spaces(shmrl_client *c, const shmrl__msg *m) {
     return SHMRL_OK;
 }
 
+/* The fields of a GET_CONFIG that declare the spaces d (none where d->obs_ndim is 0):
+   SET_CONFIG's format, a float32 observation (RLLINK.md 3.2). */
+static void shmrl__put_spaces(shmrl__buf *b, const shmrl_config *d) {
+    int i;
+    if (d->obs_ndim < 1) return;
+    shmrl__puts(b, ", \"observation_shape\": [");
+    for (i = 0; i < d->obs_ndim; i++) shmrl__putf(b, i ? ", %ld" : "%ld", d->obs_shape[i]);
+    shmrl__puts(b, "], \"observation_dtype\": \"<f4\", \"action_space\": ");
+    if (d->action_type == SHMRL_DISCRETE) {
+        shmrl__putf(b, "{\"type\": \"Discrete\", \"n\": %ld", d->action_n);
+        if (d->action_start) shmrl__putf(b, ", \"start\": %ld", d->action_start);
+    } else if (d->action_type == SHMRL_MULTI_DISCRETE) {
+        shmrl__puts(b, "{\"type\": \"MultiDiscrete\", \"nvec\": [");
+        for (i = 0; i < d->action_dim; i++) shmrl__putf(b, i ? ", %ld" : "%ld", d->nvec[i]);
+        shmrl__puts(b, "]");
+    } else {
+        shmrl__putf(b, "{\"type\": \"Box\", \"shape\": [%d], \"low\": [", d->action_dim);
+        for (i = 0; i < d->action_dim; i++) { if (i) shmrl__puts(b, ", "); shmrl__put_float(b, d->low[i]); }
+        shmrl__puts(b, "], \"high\": [");
+        for (i = 0; i < d->action_dim; i++) { if (i) shmrl__puts(b, ", "); shmrl__put_float(b, d->high[i]); }
+        shmrl__puts(b, "]");
+    }
+    shmrl__puts(b, "}");
+}
+
 static shmrl_status shmrl__handshake(shmrl_client *c) {
     shmrl__buf b = shmrl__start(c);
     shmrl__msg m;
@@ -855,8 +884,13 @@ static shmrl_status shmrl__handshake(shmrl_client *c) {
     if (c->opt.server_inference && !c->inference)
         return shmrl__lost(c, SHMRL_ERR_REFUSED, "the server does not serve actions (its PONG grants no "
                            "\"inference\": \"server\"): it is not shmrl, or too old, or a multi-agent run");
-    if ((st = shmrl_send_json(c, "{\"type\": \"GET_CONFIG\"}")) != SHMRL_OK
-        || (st = shmrl__expect(c, &m, "SET_CONFIG")) != SHMRL_OK)
+    b = shmrl__start(c);
+    shmrl__puts(&b, "{\"type\": \"GET_CONFIG\"");
+    shmrl__put_spaces(&b, &c->opt.declare);
+    shmrl__puts(&b, "}");
+    st = shmrl__send_body(c, &b);
+    shmrl__keep(c, &b);
+    if (st != SHMRL_OK || (st = shmrl__expect(c, &m, "SET_CONFIG")) != SHMRL_OK)
         return st;
     memset(&c->config, 0, sizeof c->config);
     if (!shmrl__get_number(m.head, m.end, "env_steps_per_sample", &num) || !shmrl__int_in(num, 1, 2e9))

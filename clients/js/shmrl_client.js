@@ -245,8 +245,9 @@ class Connection {
 
 /** PING -> PONG, GET_CONFIG -> SET_CONFIG, GET_STATE -> SET_STATE (sections 2, 3); with
  * `inference: 'server'` the PING asks the server to run the policy (section 11) and there is
- * no GET_STATE (`state` is null). */
-async function handshake(conn, { codec = 'binary', clientName = null, authToken = null, timeoutS = REPLY_TIMEOUT_S, inference = 'client' } = {}) {
+ * no GET_STATE (`state` is null). With `space` ({obsSize, action}) the GET_CONFIG declares
+ * the env's spaces. */
+async function handshake(conn, { codec = 'binary', clientName = null, authToken = null, timeoutS = REPLY_TIMEOUT_S, inference = 'client', space = null } = {}) {
   const ping = { type: 'PING' };
   if (authToken) ping.auth_token = authToken;
   if (codec === 'binary') ping.codecs = ['binary'];
@@ -261,7 +262,9 @@ async function handshake(conn, { codec = 'binary', clientName = null, authToken 
   if (inference === 'server' && pong.inference !== 'server') {
     throw new ProtocolError("the server does not serve actions (its PONG did not grant 'inference': 'server'); run without --server-inference");
   }
-  const config = await conn.request({ type: 'GET_CONFIG' }, 'SET_CONFIG', timeoutS);
+  // The env's spaces declared (RLLINK.md 3.2): a learner started without --env trains them.
+  const declared = space ? { observation_shape: [space.obsSize], observation_dtype: '<f4', action_space: space.action } : {};
+  const config = await conn.request({ type: 'GET_CONFIG', ...declared }, 'SET_CONFIG', timeoutS);
   const state = inference === 'server' ? null : await conn.request({ type: 'GET_STATE' }, 'SET_STATE', timeoutS);
   return { config, state };
 }

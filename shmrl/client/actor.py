@@ -117,8 +117,9 @@ class Actor:
             self.state[rows] = 0.0
 
 
-def handshake(client, auth_token: str | None = None) -> tuple[dict, dict]:
-    """PING (with the shared secret, if any), GET_CONFIG, GET_STATE: returns (SET_CONFIG, SET_STATE)."""
+def handshake(client, auth_token: str | None = None, declare: dict | None = None) -> tuple[dict, dict]:
+    """PING (with the shared secret, if any), GET_CONFIG (declaring the spaces ``declare``
+    gives: ``shmrl.envs.spec.declaration``), GET_STATE: returns (SET_CONFIG, SET_STATE)."""
     ping = {"type": T.PING.value}
     if auth_token is not None:
         ping["auth_token"] = auth_token
@@ -133,7 +134,7 @@ def handshake(client, auth_token: str | None = None) -> tuple[dict, dict]:
                            f"{'wrong' if auth_token is not None else 'missing'} auth token?") from e
     if pong["type"] != T.PONG.value:
         raise ConnectionError(f"expected PONG, got {pong['type']}")
-    config = client.request({"type": T.GET_CONFIG.value})
+    config = client.request({"type": T.GET_CONFIG.value, **(declare or {})})
     if config["type"] != T.SET_CONFIG.value:
         raise ConnectionError(f"expected SET_CONFIG, got {config['type']}")
     state = client.request({"type": T.GET_STATE.value})

@@ -22,6 +22,7 @@ from shmrl import rllink
 from shmrl.client import multi_agent as multiagent
 from shmrl.client.actor import Actor, SimulatorError, check_sample, handshake
 from shmrl.envs.make import env_spec, make_vec_env
+from shmrl.envs.spec import declaration
 from shmrl.client.rollout import Rollout
 from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file
 from shmrl.client.action_sampler import ActionSampler
@@ -39,7 +40,7 @@ def make_sampler(spec, rng: np.random.Generator) -> ActionSampler:
 
 def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_sim: int = 1,
                   max_messages: int | None = None, log_every_s: float | None = None,
-                  auth_token: str | None = None) -> int:
+                  auth_token: str | None = None, declare: bool = False) -> int:
     """Sample with the learner's latest policy until the connection ends.
 
     ``envs_per_sim`` envs are stepped together (one batched ONNX call per step); every
@@ -51,8 +52,10 @@ def run_simulator(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_s
 
     A recurrent policy (its graph takes ``state_in.<i>``) gets each env's state, zeroed
     where an episode starts; every chunk carries the state before its first step.
+    ``declare``: the GET_CONFIG declares the env's spaces, where they can be declared (a
+    learner without an env trains them, one with an env refuses other spaces).
     """
-    config, state = handshake(client, auth_token)
+    config, state = handshake(client, auth_token, declaration(env_spec(env_id)) if declare else None)
     try:
         if "policies" in state:
             return multiagent.run_simulator(client, env_id, seed, envs_per_sim, max_messages, log_every_s,
@@ -120,7 +123,7 @@ def _sample(client, config: dict, state: dict, env_id: str, seed: int, envs_per_
 
 def run_server_inference(client, env_id: str = "CartPole-v1", seed: int = 0, envs_per_sim: int = 1,
                          max_messages: int | None = None, log_every_s: float | None = None,
-                         auth_token: str | None = None) -> int:
+                         auth_token: str | None = None, declare: bool = False) -> int:
     """Step the envs with actions the server chooses (server-side inference, docs/RLLINK.md):
     each ACT carries the envs' observations and the outcome of their last step, each
     ACTIONS the next actions; the server keeps the trajectories. No policy runs here (no
@@ -133,7 +136,7 @@ def run_server_inference(client, env_id: str = "CartPole-v1", seed: int = 0, env
         raise ConnectionError("the server does not serve actions (its PONG did not grant 'inference': 'server'); "
                               "run without --server-inference")
     try:
-        return _act_loop(client, env_id, seed, envs_per_sim, max_messages, log_every_s)
+        return _act_loop(client, env_id, seed, envs_per_sim, max_messages, log_every_s, declare)
     except ConnectionClosed as e:
         if e.mid_reply:
             raise
@@ -141,10 +144,11 @@ def run_server_inference(client, env_id: str = "CartPole-v1", seed: int = 0, env
 
 
 def _act_loop(client, env_id: str, seed: int, envs_per_sim: int, max_messages: int | None,
-              log_every_s: float | None) -> int:
+              log_every_s: float | None, declare: bool = False) -> int:
     """``run_server_inference``'s loop, after PING: ACT, step the envs with the ACTIONS, repeat."""
-    config = client.request({"type": T.GET_CONFIG.value})
-    if env_spec(env_id).multiagent:   # per env: the agents that act now
+    spec = env_spec(env_id)
+    config = client.request({"type": T.GET_CONFIG.value, **(declaration(spec) if declare else {})})
+    if spec.multiagent:   # per env: the agents that act now
         return multiagent.act_loop(client, config, env_id, seed, envs_per_sim, max_messages, log_every_s)
     if "agent_spaces" in config:
         raise ValueError(f"the server trains a multi-agent env, but {env_id} is single-agent")

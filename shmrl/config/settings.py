@@ -43,6 +43,9 @@ class ConfigError(ValueError):
 
 # The environment variable that gives --auth-token its default, on every command line.
 AUTH_TOKEN_VAR = "SHMRL_AUTH_TOKEN"
+# --env declared: the spaces the first external client declares in its GET_CONFIG
+# (docs/RLLINK.md §3.2); what a command line of --sims 0 --tcp-port P without --env trains.
+DECLARED_ENV = "declared"
 
 
 # ---------------------------------------------------------------- how a setting is declared
@@ -109,8 +112,10 @@ class RunSettings:
         preset=True, check=at_least(0))
     env: str | Callable = setting(
         "CartPole-v1", "environment: a built-in id (CartPole-v1, Pendulum-v1), gym:ID for any gymnasium env "
-        "(pip install -e '.[gym]' in shmrl's clone), or package.module:make_env, a function that makes one; "
-        "the defaults below are this env's (default: %(default)s)")
+        "(pip install -e '.[gym]' in shmrl's clone), package.module:make_env, a function that makes one, or "
+        "declared: the spaces the first external client declares in its GET_CONFIG (docs/CLIENTS.md), what "
+        "--sims 0 --tcp-port P trains without --env; the defaults below are this env's (default: %(default)s; "
+        "with --sims 0 --tcp-port P: declared)")
     seed: int = setting(0, "seed of the learner and, offset per simulator, of the environments and action "
                            "sampling (default: %(default)s)")
     stop_return: float | None = setting(
@@ -520,6 +525,9 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
         raise ConfigError("--sims 0 runs no local simulator: give --tcp-port for external clients")
     if config.ray is not None and config.sims == 0:
         raise ConfigError("--ray places simulators: give --sims N (N >= 1)")
+    if config.env == DECLARED_ENV and (config.sims or config.tcp_port is None or servers_given):
+        raise ConfigError(f"--env {DECLARED_ENV} trains the spaces an external client declares: give --sims 0 "
+                          "and --tcp-port, or an env that simulators can make")
     if spec is not None and spec.multiagent and config.memory not in (None, "none"):
         raise ConfigError("--memory: recurrent policies are single-agent for now; a multi-agent env takes "
                           "--memory none")

@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from shmrl.envs import pettingzoo_envs as pz_envs
+from shmrl.config.settings import DECLARED_ENV
 from shmrl.envs.builtin import ENVS, MIN_VECTORIZED_ENVS, VECTORIZED
 from shmrl.envs.spec import EnvSpec, load_function, space_spec
 
@@ -117,6 +118,9 @@ def resolve_env(env) -> tuple[Callable[[], object], EnvSpec]:
         raise ValueError(f"env must be an id string or a callable that makes an env, got {env!r}")
     if env in ENVS:
         return ENVS[env], ENVS[env].spec
+    if env == DECLARED_ENV:
+        raise ValueError(f"env {DECLARED_ENV!r} is the spaces an external client declares to a learner of --sims 0 "
+                         "--tcp-port: there is no env to make from it here")
     if env.startswith("gym:"):
         factory = functools.partial(_gym_make, env[4:])
     elif env.startswith("pz:"):

@@ -4,7 +4,12 @@ the policies that play them (``--policy-map``).
 
 The lowest module of the env adapters: ``shmrl.envs.make`` (the registry), ``shmrl.envs.pettingzoo_envs``
 (PettingZoo) and everything above them build specs from here; it imports only
-``shmrl.core.spaces``.
+``shmrl.core.spaces`` (and the name of a declared env, ``shmrl.config.settings``).
+
+An env's spaces travel in RLlink in one format (docs/RLLINK.md §11): SET_CONFIG describes
+them to a client (``space_config``), and a client with no Python env declares its own in
+GET_CONFIG the same way (§3.2), from which a learner started without --env builds its spec
+(``declared_spec``).
 """
 from __future__ import annotations
 
@@ -14,6 +19,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
+from shmrl.config.settings import DECLARED_ENV
 from shmrl.core import spaces
 
 SHARED_POLICY = "shared"
@@ -69,6 +77,87 @@ def space_spec(env_id: str, observation_space, action_space, threshold: float | 
         raise ValueError(f"{env_id}: the observation's action_mask has shape {mask.shape}; it must have one "
                          f"entry per value of every Discrete action part ({len(actions.mask_columns)})")
     return spec
+
+
+def space_config(spec: EnvSpec) -> dict:
+    """SET_CONFIG's description of the env's spaces, for clients that run no policy: the
+    observation's shape and dtype (a structured one's leaves), and the action space as
+    ACTIONS carries it."""
+    leaves = spec.obs.leaves
+    out = {}
+    if spec.obs.structured:
+        out["observation_leaves"] = {leaf.name: {"shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).str}
+                                     for leaf in leaves}
+    else:
+        out["observation_shape"] = list(leaves[0].shape)
+        out["observation_dtype"] = np.dtype(leaves[0].dtype).str
+    out["action_space"] = action_space(spec.actions)
+    return out
+
+
+def action_space(layout) -> dict:
+    """The action space as ACTIONS carries it: Discrete (n), Box (shape, low, high),
+    MultiDiscrete (nvec: every part categorical) or, for mixed parts, Parts (each part's
+    columns of a float32 row)."""
+    parts = layout.parts
+    if layout.single_discrete:
+        return {"type": "Discrete", "n": parts[0].size, **({"start": parts[0].start} if parts[0].start else {})}
+    if layout.single_box:
+        return {"type": "Box", "shape": [parts[0].size], "low": list(parts[0].low), "high": list(parts[0].high)}
+    if layout.discrete:
+        return {"type": "MultiDiscrete", "nvec": [p.size for p in parts]}
+    return {"type": "Parts", "parts": [{"type": "Discrete", "n": p.size} if p.kind == "categorical" else
+                                       {"type": "Box", "shape": [p.size], "low": list(p.low), "high": list(p.high)}
+                                       for p in parts]}
+
+
+def declaration(spec) -> dict:
+    """The fields of a GET_CONFIG that declares ``spec``'s spaces (docs/RLLINK.md §3.2), or
+    {} where they cannot be declared (a multi-agent env, an observation that is not one
+    float32 array, mixed action parts, a Box action without finite bounds)."""
+    if spec.multiagent:
+        return {}
+    config = space_config(spec)
+    action = config["action_space"]
+    if config.get("observation_dtype") != "<f4" or action["type"] not in ("Discrete", "Box", "MultiDiscrete"):
+        return {}
+    if action["type"] == "Box" and not np.isfinite([*action["low"], *action["high"]]).all():
+        return {}
+    return config
+
+
+def declared_spec(declared: dict) -> EnvSpec:
+    """The EnvSpec of the spaces a client declared (GET_CONFIG's fields, as
+    ``rllink.declared_spaces`` normalized them): a float32 observation of that shape
+    without bounds, and the action space. Its env is named ``declared``."""
+    shape = tuple(declared["observation_shape"])
+    observation = spaces.Box((-np.inf,), (np.inf,), shape, "float32")
+    action = declared["action_space"]
+    if action["type"] == "Discrete":
+        action_space = spaces.Discrete(action["n"], action.get("start", 0))
+    elif action["type"] == "MultiDiscrete":
+        action_space = spaces.MultiDiscrete(tuple(action["nvec"]))
+    else:
+        action_space = spaces.Box(tuple(action["low"]), tuple(action["high"]), tuple(action["shape"]), "float32")
+    return space_spec(DECLARED_ENV, observation, action_space)
+
+
+def declared_differs(declared: dict, spec) -> str | None:
+    """Why spaces a client declared are not those of ``spec`` (a single-agent env's),
+    naming both, or None when they are."""
+    ours = space_config(spec)
+    if space_config(declared_spec(declared)) == ours:
+        return None
+    return f"its declared spaces {_said(declared)} are not the learner's {spec.env_id} {_said(ours)}"
+
+
+def _said(config: dict) -> str:
+    """Spaces in SET_CONFIG's format, as one short phrase."""
+    obs = (f"observation {config['observation_dtype']} {config['observation_shape']}" if "observation_shape" in config
+           else f"observation leaves {sorted(config.get('observation_leaves', {}))}")
+    action = {k: ([float(v) for v in vals] if k in ("low", "high") else vals)
+              for k, vals in config["action_space"].items()}
+    return f"({obs}, action {action})"
 
 
 def say_left_out(spec) -> None:

@@ -10,10 +10,10 @@ from shmrl.rllink.act import MAX_ACT_ENVS
 from shmrl.rllink.codec import (CODECS, HEADER_LEN, MAGIC, MAX_BODY_LEN, ProtocolError, decode, encode,
                                 encode_binary, encode_json, episodes_body_bytes, frame, parse_header,
                                 set_state_body_bytes, show)
-from shmrl.rllink.messages import (REPLY_TYPES, REQUEST_TYPES, MessageLimits, MessageType, decode_reply,
-                                   decode_request, validate)
+from shmrl.rllink.messages import (DECLARED_FIELDS, REPLY_TYPES, REQUEST_TYPES, MessageLimits, MessageType,
+                                   declared_spaces, decode_reply, decode_request, validate)
 
-__all__ = ["CODECS", "HEADER_LEN", "MAGIC", "MAX_ACT_ENVS", "MAX_BODY_LEN", "REPLY_TYPES", "REQUEST_TYPES",
+__all__ = ["CODECS", "DECLARED_FIELDS", "declared_spaces", "HEADER_LEN", "MAGIC", "MAX_ACT_ENVS", "MAX_BODY_LEN", "REPLY_TYPES", "REQUEST_TYPES",
            "MessageLimits", "MessageType", "ProtocolError", "decode", "decode_reply", "decode_request", "encode",
            "encode_binary", "encode_json", "episodes_body_bytes", "frame", "parse_header", "set_state_body_bytes",
            "show", "validate"]

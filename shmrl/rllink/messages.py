@@ -9,6 +9,7 @@ This module knows nothing of sockets, shared memory or torch.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,7 @@ from shmrl.core.episode import EpisodeBatch, MultiAgentBatch
 from shmrl.rllink.codec import MAGIC, Columns, MultiColumns, ProtocolError, decode, show
 from shmrl.rllink.act import act_request, actions_reply, binary_act_arrays, inference_mode
 from shmrl.rllink.episodes import columns_batch, episode_fields, episodes_batch
-from shmrl.rllink.fields import count, is_bool, module_id, require
+from shmrl.rllink.fields import count, is_bool, is_int, module_id, require
 
 
 class MessageType(str, enum.Enum):
@@ -48,7 +49,9 @@ _MAX_CODECS = 16   # offered in a PING
 REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE, _T.ACTIONS})
 _REQUEST_FIELDS = {
     _T.PING: frozenset({"type", "auth_token", "codecs", "client_name", "inference"}),
-    _T.GET_CONFIG: frozenset({"type"}),
+    # optional: the client's spaces, declared in SET_CONFIG's format (docs/RLLINK.md §3.2)
+    _T.GET_CONFIG: frozenset({"type", "observation_shape", "observation_dtype", "observation_leaves",
+                              "action_space"}),
     _T.GET_STATE: frozenset({"type"}),
     _T.EPISODES: frozenset({"type", "episodes", "timesteps", "env_steps"}),
     _T.EPISODES_AND_GET_STATE: frozenset({"type", "episodes", "timesteps", "env_steps"}),
@@ -103,6 +106,9 @@ def _request(msg: dict, t: MessageType, limits: MessageLimits | None = None) -> 
         out["client_name"] = name
     if t is _T.PING and "inference" in msg:
         out["inference"] = inference_mode(msg, "PING")
+    if t is _T.GET_CONFIG:
+        out.update(declared_spaces(msg))
+        return out
     if t is _T.HEARTBEAT:
         out["env_steps"] = count(msg, "env_steps", t.value) if "env_steps" in msg else None
         return out
@@ -144,6 +150,90 @@ def _request(msg: dict, t: MessageType, limits: MessageLimits | None = None) -> 
                                 f"(lengths that disagree)")
     out["timesteps"] = steps
     return out
+
+
+DECLARED_FIELDS = ("observation_shape", "observation_dtype", "action_space")
+_MAX_DECLARED_SIZE = 1 << 24   # values of one observation
+_MAX_DECLARED_PARTS = 4096     # components of a Box action, parts of a MultiDiscrete
+_DECLARED_ACTION_FIELDS = {"Discrete": ({"n"}, {"start"}), "Box": ({"shape", "low", "high"}, set()),
+                           "MultiDiscrete": ({"nvec"}, set())}
+
+
+def declared_spaces(msg: dict) -> dict:
+    """The spaces a GET_CONFIG declares, normalized, in SET_CONFIG's format (docs/RLLINK.md
+    §3.2): a flat float32 observation (``observation_shape``, ``observation_dtype`` "<f4")
+    and a Discrete, Box (finite bounds) or MultiDiscrete ``action_space``; {} when it
+    declares none. ProtocolError for a partial, malformed or unsupported declaration."""
+    if "observation_leaves" in msg:
+        raise ProtocolError("GET_CONFIG: 'observation_leaves' (a Dict or Tuple observation) cannot be declared; "
+                            "start the learner with --env")
+    given = [key for key in DECLARED_FIELDS if key in msg]
+    if not given:
+        return {}
+    if len(given) < len(DECLARED_FIELDS):
+        raise ProtocolError(f"GET_CONFIG: a declaration of spaces needs all of {', '.join(DECLARED_FIELDS)}; "
+                            f"got only {', '.join(given)}")
+    shape = msg["observation_shape"]
+    if not (type(shape) is list and 1 <= len(shape) <= 8 and all(is_int(d) and d >= 1 for d in shape)
+            and int(np.prod(shape, dtype=np.float64)) <= _MAX_DECLARED_SIZE):
+        raise ProtocolError(f"GET_CONFIG: 'observation_shape' must be a list of 1 to 8 ints >= 1 of at most "
+                            f"{_MAX_DECLARED_SIZE} values in all, got {show(shape)}")
+    if msg["observation_dtype"] != "<f4":
+        raise ProtocolError(f"GET_CONFIG: 'observation_dtype' {show(msg['observation_dtype'])} cannot be declared: "
+                            "only \"<f4\" (float32); start the learner with --env for other observations")
+    return {"observation_shape": [int(d) for d in shape], "observation_dtype": "<f4",
+            "action_space": _declared_action(msg["action_space"])}
+
+
+def _declared_action(space) -> dict:
+    where = "GET_CONFIG: 'action_space'"
+    kind = space.get("type") if isinstance(space, dict) else None
+    if kind not in _DECLARED_ACTION_FIELDS:
+        raise ProtocolError(f"{where} must be an object of type Discrete, Box or MultiDiscrete (others cannot be "
+                            f"declared: start the learner with --env), got {show(space)}")
+    needed, optional = _DECLARED_ACTION_FIELDS[kind]
+    for key in space:
+        if key != "type" and key not in needed | optional:
+            raise ProtocolError(f"{where}: unexpected field {show(key)} for a {kind}")
+    for key in sorted(needed):
+        require(space, key, where)
+    if kind == "Discrete":
+        out = {"type": kind, "n": _declared_int(space, "n", 1)}
+        start = _declared_int(space, "start", -(1 << 31)) if "start" in space else 0
+        return {**out, "start": start} if start else out
+    if kind == "MultiDiscrete":
+        nvec = space["nvec"]
+        if not (type(nvec) is list and 1 <= len(nvec) <= _MAX_DECLARED_PARTS
+                and all(is_int(n) and 1 <= n < 1 << 31 for n in nvec)):
+            raise ProtocolError(f"{where}: 'nvec' must be a list of 1 to {_MAX_DECLARED_PARTS} ints >= 1, "
+                                f"got {show(nvec)}")
+        return {"type": kind, "nvec": [int(n) for n in nvec]}
+    shape = space["shape"]
+    if not (type(shape) is list and len(shape) == 1 and is_int(shape[0]) and 1 <= shape[0] <= _MAX_DECLARED_PARTS):
+        raise ProtocolError(f"{where}: a Box's 'shape' must be [d], 1 <= d <= {_MAX_DECLARED_PARTS}, got {show(shape)}")
+    bounds = {}
+    for key in ("low", "high"):
+        values = space[key]
+        if not (type(values) is list and len(values) == shape[0]
+                and all(_finite(v) for v in values)):
+            raise ProtocolError(f"{where}: a Box's {key!r} must be a list of {shape[0]} finite numbers, "
+                                f"got {show(values)}")
+        bounds[key] = [float(v) for v in values]
+    if not all(lo < hi for lo, hi in zip(bounds["low"], bounds["high"])):
+        raise ProtocolError(f"{where}: a Box's 'low' must be below its 'high' in every component")
+    return {"type": kind, "shape": [int(shape[0])], **bounds}
+
+
+def _finite(v) -> bool:
+    return (type(v) is float and math.isfinite(v)) or (is_int(v) and abs(v) < 1 << 53)
+
+
+def _declared_int(space: dict, key: str, minimum: int) -> int:
+    value = space[key]
+    if not is_int(value) or not minimum <= value < 1 << 31:
+        raise ProtocolError(f"GET_CONFIG: 'action_space' {key!r} must be an int in [{minimum}, 2**31), "
+                            f"got {show(value)}")
+    return int(value)
 
 
 def _chunks(episodes) -> int:

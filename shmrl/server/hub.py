@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shmrl import rllink
-from shmrl.envs.spec import EnvSpec
+from shmrl.envs.spec import EnvSpec, declared_differs
 from shmrl.core.episode import EpisodeBatch, MultiAgentBatch
 from shmrl.server.inference import server_inference
 from shmrl.server.inference.base import Inference, NoInference
@@ -25,6 +25,19 @@ log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
 OVER_BUDGET = "over the client's budget"   # of pending env steps: why a flood's steps are dropped
 _ACT = T.ACT.value
+
+def auth_refusal(msg: dict, auth_token: str) -> str | None:
+    """Why a connection's first message does not open it with ``auth_token``, or None: only
+    a PING with the token does; anything else gets nothing but a closed connection (the
+    reason is logged, never sent)."""
+    kind = msg["type"]
+    token = msg.get("auth_token", "") if kind == T.PING.value else ""
+    # "surrogatepass": a lone surrogate (valid JSON) is a wrong token, not a crash.
+    if hmac.compare_digest(token.encode("utf-8", "surrogatepass"), auth_token.encode()):
+        return None
+    return ("authentication failed: PING without the right auth_token" if kind == T.PING.value
+            else f"{kind} before an authenticated PING")
+
 
 def check_episodes(batch: EpisodeBatch, spec: EnvSpec, state_size: int = 0) -> str | None:
     """Why validated chunks do not fit the environment (and the policy's recurrent state of
@@ -219,6 +232,7 @@ class Hub:
         run starts itself, counted from the start."""
         self.policy_specs, self.store = policy_specs, store
         self.messages = run_messages(policy_specs, multiagent, state_size, agents)
+        self.multiagent = multiagent
         self.auth_token = auth_token
         self.max_pending_steps = max_pending_steps
         self.config_msg = {"type": T.SET_CONFIG.value, "env_steps_per_sample": env_steps_per_sample,
@@ -302,14 +316,10 @@ class Hub:
             conn = self.connections[conn_id] = Connection(server, self.inference.unasked)
         kind = msg["type"]
         if self.auth_token is not None and not conn.authenticated:
-            # Only a PING with the token opens a connection; anything else gets nothing
-            # but a closed connection (the reason is logged, never sent).
-            token = msg.get("auth_token", "") if kind == T.PING.value else ""
-            # "surrogatepass": a lone surrogate (valid JSON) is a wrong token, not a crash.
-            if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), self.auth_token.encode()):
+            why = auth_refusal(msg, self.auth_token)
+            if why:
                 self.auth_failures += 1
-                conn.server.drop(conn_id, "authentication failed: PING without the right auth_token"
-                                 if kind == T.PING.value else f"{kind} before an authenticated PING")
+                conn.server.drop(conn_id, why)
                 self.forget(conn_id)
                 return
             conn.authenticated = True
@@ -331,9 +341,13 @@ class Hub:
                 pong.update(self.inference.pong_fields)
             self._reply(conn_id, pong)
         elif kind == T.GET_CONFIG.value:
-            self._shares(conn_id)
-            conn.first_per_sample = conn.first_per_sample or self.config_msg["env_steps_per_sample"]
-            self._reply(conn_id, self.config_msg)
+            why = self._declared_differs(msg)
+            if why:
+                self._close(conn_id, conn, why)
+            else:
+                self._shares(conn_id)
+                conn.first_per_sample = conn.first_per_sample or self.config_msg["env_steps_per_sample"]
+                self._reply(conn_id, self.config_msg)
         elif kind == T.GET_STATE.value:
             self.sampling.add(conn_id)
             self._reply(conn_id, self.state_msg)
@@ -343,6 +357,16 @@ class Hub:
             if kind == T.EPISODES_AND_GET_STATE.value:
                 self.sampling.add(conn_id)
                 self._wait_or_answer(conn_id, conn)
+
+    def _declared_differs(self, msg: dict) -> str | None:
+        """Why the spaces a GET_CONFIG declares are not the run's (naming both), or None
+        (the same spaces, or none declared)."""
+        if not any(key in msg for key in rllink.DECLARED_FIELDS):
+            return None
+        if self.multiagent:
+            return ("it declares spaces, but the learner trains a multi-agent env: only a single-agent env's "
+                    "spaces can be declared")
+        return declared_differs(msg, self.policy_specs[DEFAULT_POLICY])
 
     def _take(self, conn_id: str, conn: Connection, batch) -> bool:
         """A message's chunks checked and into the store (those beyond the bounds or the

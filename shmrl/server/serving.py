@@ -298,11 +298,12 @@ def finite_weights(weights: dict) -> dict:
     return {pid: w for pid, w in weights.items() if pid not in poisoned}
 
 
-def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list[str], object]:
+def open_transports(config, spec, nets: dict, launcher=None, tcp=None) -> tuple[list, list[str], object]:
     """The learner's servers, the address each local simulator connects to, and the
     shared-memory server (None if the simulators use TCP or there are none). With a remote
     ``launcher`` (Ray) the TCP server also listens, on the address this node has in the
-    cluster unless --tcp-host names another: the simulators on other nodes connect there."""
+    cluster unless --tcp-host names another: the simulators on other nodes connect there.
+    ``tcp``: the TCP server already open (``shmrl.server.lobby``), given the env's limits."""
     servers, addresses, shm = [], [], None
     remote = launcher is not None and launcher.remote
     if config.sims and config.transport == "shm":
@@ -310,26 +311,23 @@ def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list
         shm = ShmServer(config.sims, **ring_bytes(config, spec, nets))
         servers.append(shm)
         addresses = [f"shm:{shm.address(i)}" for i in range(config.sims)]
-    if config.tcp_port is not None or (config.sims and config.transport == "tcp") or remote:
-        from shmrl.transport.tcp import TcpServer
+    if tcp is not None:
+        # Its connections opened before keep the frame limits they had (--max-frame-bytes):
+        # new ones get the env's.
+        from shmrl.transport.tcp import BodyLimits
+
+        frames = env_frame_limits(config, spec, nets)
+        tcp.limits = message_limits(config)
+        tcp.body_limits = BodyLimits(frames["max_json_frame_bytes"], frames["max_binary_frame_bytes"])
+        tcp.act_limits = frames["act_limits"] and frames["act_limits"].within(tcp.body_limits)
+        servers.append(tcp)
+    elif config.tcp_port is not None or (config.sims and config.transport == "tcp") or remote:
         host = launcher.node_ip if remote and config.tcp_host == type(config).tcp_host else config.tcp_host
         try:
-            limits = message_limits(config)
-            # A frame larger than the largest message within the limits is refused from its
-            # first bytes, before it is read (JSON writes a number in up to ~8 times the bytes).
-            largest = episodes_bytes(spec, list(nets.values()), limits.max_chunks)
-            tcp = TcpServer(host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
-                            max_binary_frame_bytes=min(config.max_frame_bytes, largest),
-                            max_json_frame_bytes=(config.max_json_frame_bytes
-                                                  or min(config.max_frame_bytes, 8 * largest)),
-                            limits=limits, act_limits=act_limits(spec),
-                            first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None,
-                            heartbeat_s=heartbeat_period(config.hang_timeout), heartbeat_timeout=config.hang_timeout)
-        except BaseException as e:
+            tcp = open_tcp(config, host, **env_frame_limits(config, spec, nets))
+        except BaseException:
             for server in servers:
                 server.close()
-            if isinstance(e, (OSError, OverflowError)):
-                raise ConfigError(listen_error(config, e)) from None
             raise
         servers.append(tcp)
         host, port = tcp.address
@@ -340,6 +338,31 @@ def open_transports(config, spec, nets: dict, launcher=None) -> tuple[list, list
         if config.transport == "tcp":
             addresses = [f"tcp:{host}:{port}"] * config.sims
     return servers, addresses, shm
+
+
+def env_frame_limits(config, spec, nets: dict) -> dict:
+    """The TCP server's frame limits that follow from the env: a frame larger than the
+    largest message within the limits is refused from its first bytes, before it is read
+    (JSON writes a number in up to ~8 times the bytes), and an ACT larger than the env's."""
+    largest = episodes_bytes(spec, list(nets.values()), message_limits(config).max_chunks)
+    return {"max_binary_frame_bytes": min(config.max_frame_bytes, largest),
+            "max_json_frame_bytes": config.max_json_frame_bytes or min(config.max_frame_bytes, 8 * largest),
+            "act_limits": act_limits(spec)}
+
+
+def open_tcp(config, host: str, **frame_limits):
+    """The learner's TCP server on ``host`` and --tcp-port (ConfigError, in the flags' words,
+    where it cannot listen); ``frame_limits``: the env's (``env_frame_limits``)."""
+    from shmrl.transport.tcp import TcpServer
+
+    try:
+        return TcpServer(host, config.tcp_port or 0, max_frame_bytes=config.max_frame_bytes,
+                         limits=message_limits(config),
+                         first_frame_max_bytes=FIRST_FRAME_MAX_BYTES if config.auth_token else None,
+                         heartbeat_s=heartbeat_period(config.hang_timeout), heartbeat_timeout=config.hang_timeout,
+                         **frame_limits)
+    except (OSError, OverflowError) as e:
+        raise ConfigError(listen_error(config, e)) from None
 
 
 def client_budget(config) -> int:

@@ -72,10 +72,11 @@ class RunFailed(RuntimeError):
     """A part of the run failed (a simulator died, a transport broke)."""
 
 
-def open_run(setup: Setup, launcher=None) -> tuple[list, object]:
+def open_run(setup: Setup, launcher=None, tcp=None) -> tuple[list, object]:
     """The run's servers and the supervisor of its simulators (None without simulators),
     which restarts them as the run's settings say (--max-restarts within
-    --restart-window, --hang-timeout). RunFailed when /dev/shm is too small for the rings."""
+    --restart-window, --hang-timeout). RunFailed when /dev/shm is too small for the rings.
+    ``tcp``: its TCP server, already open (a run that waited for a client's spaces)."""
     from shmrl.launch.supervisor import Supervisor, make_room_for
     from shmrl.transport.ring import ShmSpaceError
 
@@ -83,7 +84,7 @@ def open_run(setup: Setup, launcher=None) -> tuple[list, object]:
     if config.sims and not (launcher is not None and launcher.remote):
         make_room_for(config.sims)
     try:
-        servers, addresses, shm = open_transports(config, setup.spec, setup.ring_nets(), launcher)
+        servers, addresses, shm = open_transports(config, setup.spec, setup.ring_nets(), launcher, tcp)
     except ShmSpaceError as e:
         raise RunFailed(str(e)) from None
     supervisor = None if not addresses else Supervisor(

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shmrl.config.settings import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED, saved_config
+from shmrl.config.settings import (DECLARED_ENV, EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_SOLVED,
+                                   saved_config, validate)
 from shmrl.core.episode import EpisodeBatch
 from shmrl.files.checkpoint import CheckpointError
 from shmrl.files.logdir import LogdirWriteError, open_logdir, replace_file, write_json_file
@@ -46,13 +47,29 @@ __all__ = ["RunFailed", "Training", "UpdateCounts", "train_with_servers", "train
 def train_with_simulators(config, t_start: float, launcher=None, given: set[str] | None = None) -> tuple[int, dict]:
     """Train ``config``'s run: its simulators (placed by ``launcher``, default: forked
     here) and external clients when it opens a TCP port; returns (exit status, summary).
-    ``given``: the settings the command line gave (``setup.set_up``)."""
-    setup = set_up(config, given=given)
+    ``given``: the settings the command line gave (``setup.set_up``). ``--env declared``:
+    the run waits for a client to declare its spaces first (``shmrl.server.lobby``)."""
+    spec = tcp = None
+    if config.env == DECLARED_ENV:
+        from shmrl.server.lobby import wait_for_spaces
+
+        validate(config)
+        waited = wait_for_spaces(config, t_start)
+        if waited is None:
+            print(f"time budget exhausted: no client declared its spaces within --max-seconds {config.max_seconds:g}",
+                  flush=True)
+            return EXIT_BUDGET, {}
+        spec, tcp = waited
     try:
-        servers, supervisor = open_run(setup, launcher)
+        setup = set_up(config, given=given, spec=spec)
+        servers, supervisor = open_run(setup, launcher, tcp)
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED, {}
+    except BaseException:
+        if tcp is not None:
+            tcp.close()
+        raise
     return Training(setup, servers, supervisor, t_start).run()
 
 

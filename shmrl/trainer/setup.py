@@ -75,16 +75,17 @@ def parameters(net) -> int:
     return sum(math.prod(shape) for shape in net.template.shapes.values())
 
 
-def set_up(config, servers_given: bool = False, given: set[str] | None = None) -> Setup:
+def set_up(config, servers_given: bool = False, given: set[str] | None = None, spec=None) -> Setup:
     """Everything that can refuse the run (ConfigError) short of opening its transports.
     ``given``: the settings the command line gave (default: those ``config`` does not
     leave None), which the env's slow profile leaves as they are. ``config`` is left as
     it is: the Setup's is a copy, with what is decided here (the stop return, the log
-    folder, TensorBoard, the plot) filled in."""
+    folder, TensorBoard, the plot) filled in. ``spec``: the env's (default: made from
+    ``config.env``; ``--env declared``: the spaces a client declared)."""
     from shmrl.envs.make import env_spec
     from shmrl.envs.spec import say_left_out
 
-    spec = env_spec(config.env)
+    spec = spec if spec is not None else env_spec(config.env)
     say_left_out(spec)
     given = given_settings(config) if given is None else given
     config = resolve_config(config, spec)

@@ -89,7 +89,7 @@ class Server:
 
     def __init__(self, logdir: str, max_frame_bytes: int, extra: tuple = ()):
         env = repo_on_pythonpath({k: v for k, v in os.environ.items() if k != "SHMRL_AUTH_TOKEN"})  # auth-free
-        self.cmd = [sys.executable, "-m", "shmrl.run", "--sims", "0", "--tcp-port", "0",
+        self.cmd = [sys.executable, "-m", "shmrl.run", "--env", "CartPole-v1", "--sims", "0", "--tcp-port", "0",
                     "--max-frame-bytes", str(max_frame_bytes), "--stop-return", "1e9",
                     "--max-env-steps", str(10 ** 12), "--logdir", logdir, "--log-every", "0", *extra]
         self.lines: list[tuple[float, str]] = []   # (time.monotonic(), line), appended by the reader

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from shmrl.client.actor import check_policy_fits
-from shmrl.envs.spec import EnvSpec
+from shmrl.envs.spec import EnvSpec, action_space, space_config  # noqa: F401  (their home was here)
 from shmrl.core.episode import EpisodeBatch, obs_map, obs_rows
 from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file
 from shmrl.client.rollout import Rollout
@@ -192,35 +192,3 @@ class ServerInference(Inference):
 def _any(flags: np.ndarray) -> bool:
     """``flags.any()`` for a bool array, in a tenth of its time for the few flags of an ACT."""
     return b"\x01" in flags.tobytes()
-
-
-def space_config(spec: EnvSpec) -> dict:
-    """SET_CONFIG's description of the env's spaces, for clients that run no policy: the
-    observation's shape and dtype (a structured one's leaves), and the action space as
-    ACTIONS carries it."""
-    leaves = spec.obs.leaves
-    out = {}
-    if spec.obs.structured:
-        out["observation_leaves"] = {leaf.name: {"shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).str}
-                                     for leaf in leaves}
-    else:
-        out["observation_shape"] = list(leaves[0].shape)
-        out["observation_dtype"] = np.dtype(leaves[0].dtype).str
-    out["action_space"] = action_space(spec.actions)
-    return out
-
-
-def action_space(layout) -> dict:
-    """The action space as ACTIONS carries it: Discrete (n), Box (shape, low, high),
-    MultiDiscrete (nvec: every part categorical) or, for mixed parts, Parts (each part's
-    columns of a float32 row)."""
-    parts = layout.parts
-    if layout.single_discrete:
-        return {"type": "Discrete", "n": parts[0].size, **({"start": parts[0].start} if parts[0].start else {})}
-    if layout.single_box:
-        return {"type": "Box", "shape": [parts[0].size], "low": list(parts[0].low), "high": list(parts[0].high)}
-    if layout.discrete:
-        return {"type": "MultiDiscrete", "nvec": [p.size for p in parts]}
-    return {"type": "Parts", "parts": [{"type": "Discrete", "n": p.size} if p.kind == "categorical" else
-                                       {"type": "Box", "shape": [p.size], "low": list(p.low), "high": list(p.high)}
-                                       for p in parts]}
