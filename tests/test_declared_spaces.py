@@ -5,7 +5,9 @@ differ, or that declares none while it has no env; with --env, a declaration mus
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ from shmrl.envs.make import env_spec
 from shmrl.envs.spec import declaration, declared_differs, declared_spec
 from shmrl.transport import connect
 from shmrl.transport.base import ConnectionClosed
-from tests.conftest import summary_of
+from conftest import summary_of
 
 ROOT = Path(__file__).resolve().parents[1]
 CARTPOLE = {"observation_shape": [4], "observation_dtype": "<f4", "action_space": {"type": "Discrete", "n": 2}}
@@ -143,25 +145,45 @@ def test_a_learner_without_env_trains_the_first_clients_spaces_and_refuses_other
                     "--logdir", tmp_path / "run")
     port = run.tcp_port(timeout=120)
     run.wait_for("waiting for a client to declare its spaces on", timeout=60)
-    # (c) no declaration while the learner has no env: refused in one line, the run waits on
-    assert refused(port)
-    run.wait_for("declared no spaces in its GET_CONFIG", timeout=60)
-    assert run.proc.poll() is None
     # (a) a client that declares CartPole's spaces (shmrl.sim over TCP declares its env's)
     sim = subprocess.Popen([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--timeout", "300"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     clients.append(sim)
     run.wait_for("training the spaces", timeout=120)
-    # (b) a later client whose declared spaces differ: refused in one line; one that matches is served
+    # (b) a later client whose declared spaces differ: refused in one line; one that matches is served,
+    # and so is one that declares nothing (as every client before declarations)
     assert refused(port, **PENDULUM)
     run.wait_for("are not the learner's declared", timeout=60)
     assert handshake(port, **CARTPOLE)["observation_shape"] == [4]
+    assert handshake(port)["observation_shape"] == [4]
     assert run.proc.wait(timeout=300) == 1, run.output()[-3000:]   # the step budget, after the updates
     summary = summary_of(tmp_path / "run")
     assert summary["config"]["env"] == "declared" and summary["updates"] >= 1, summary
     assert sim.wait(timeout=60) == 0
     lines = [line for line in run.output().splitlines() if "WARNING" in line and "closing connection" in line]
-    assert len(lines) == 2, lines
+    assert len(lines) == 1, lines
+
+
+def test_a_first_client_that_declares_nothing_gets_the_default_env(start_run, tmp_path):
+    """RLlib's client, and every client written before declarations, send a bare GET_CONFIG:
+    a learner without --env trains the default env for them, as it always did. Before any
+    GET_CONFIG, a request that needs an env closes its connection and the run waits on."""
+    run = start_run("--sims", 0, "--tcp-port", 0, "--logdir", tmp_path / "run")
+    port = run.tcp_port(timeout=120)
+    early = connect(f"tcp:127.0.0.1:{port}", timeout=120)
+    try:
+        with pytest.raises(ConnectionClosed):
+            early.request({"type": "GET_STATE"})
+    finally:
+        early.close()
+    assert run.proc.poll() is None
+    config = handshake(port)                                         # (c) no declaration: CartPole-v1
+    assert config["observation_shape"] == [4] and config["action_space"] == {"type": "Discrete", "n": 2}
+    assert refused(port, **PENDULUM)                                 # then other spaces are refused
+    assert handshake(port, **CARTPOLE)["observation_shape"] == [4]
+    os.killpg(run.proc.pid, signal.SIGINT)
+    assert run.proc.wait(timeout=60) == 130, run.output()[-3000:]
+    assert summary_of(tmp_path / "run")["config"]["env"] == "CartPole-v1"
 
 
 def test_a_learner_with_env_refuses_other_declared_spaces(start_run, tmp_path):

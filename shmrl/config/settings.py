@@ -113,9 +113,9 @@ class RunSettings:
     env: str | Callable = setting(
         "CartPole-v1", "environment: a built-in id (CartPole-v1, Pendulum-v1), gym:ID for any gymnasium env "
         "(pip install -e '.[gym]' in shmrl's clone), package.module:make_env, a function that makes one, or "
-        "declared: the spaces the first external client declares in its GET_CONFIG (docs/CLIENTS.md), what "
-        "--sims 0 --tcp-port P trains without --env; the defaults below are this env's (default: %(default)s; "
-        "with --sims 0 --tcp-port P: declared)")
+        "declared: the spaces the first external client declares in its GET_CONFIG (docs/CLIENTS.md; if it "
+        "declares none, the default env), what --sims 0 --tcp-port P trains without --env; the defaults below "
+        "are this env's (default: %(default)s; with --sims 0 --tcp-port P: declared)")
     seed: int = setting(0, "seed of the learner and, offset per simulator, of the environments and action "
                            "sampling (default: %(default)s)")
     stop_return: float | None = setting(

@@ -2,10 +2,12 @@
 
 ``python -m shmrl.run --sims 0 --tcp-port P`` without --env (``--env declared``) opens its
 TCP port before it has an env. ``wait_for_spaces`` serves the port until the first
-GET_CONFIG that declares a client's spaces, and returns their EnvSpec with the port. Until
-then it answers PING (with --auth-token exactly as the Hub does), holds every connection's
-requests, and refuses in one line a client that asks for what needs an env (GET_CONFIG
-without a declaration, GET_STATE, episodes, ACT). The run is then set up with that spec,
+GET_CONFIG, and returns the env it decides with the port: the spaces that GET_CONFIG
+declares, or, when it declares none (RLlib's client, any client written before
+declarations), the default env, CartPole-v1, as such a learner trained before. Until then
+it answers PING (with --auth-token exactly as the Hub does), holds every connection's
+requests, and refuses in one line a client that asks for what needs an env before any
+GET_CONFIG (GET_STATE, episodes, ACT). The run is then set up with that spec,
 and ``Replay`` hands the held requests to its Hub first, in order: each client gets its
 replies as if the Hub had been there all along (the Hub's PONGs to PINGs answered here are
 not sent twice), and a later client whose declared spaces differ is refused by the Hub.
@@ -17,7 +19,7 @@ import logging
 import time
 
 from shmrl import rllink
-from shmrl.config.settings import resolve_config
+from shmrl.config.settings import DECLARED_ENV, Config, resolve_config
 from shmrl.envs.spec import EnvSpec, declared_spec, space_config
 from shmrl.server.hub import auth_refusal
 from shmrl.server.inference.base import Inference
@@ -25,8 +27,8 @@ from shmrl.server.serving import open_tcp
 
 log = logging.getLogger("shmrl.learner")
 T = rllink.MessageType
-NO_SPACES = ("the learner has no --env and the client declared no spaces in its GET_CONFIG "
-             "(docs/CLIENTS.md, 'Declaring the spaces'): declare them, or start the learner with --env")
+NO_ENV_YET = ("the learner has no --env and no client has sent GET_CONFIG yet, which decides it "
+              "(docs/CLIENTS.md, 'Declaring the spaces')")
 
 
 class Lobby:
@@ -36,6 +38,7 @@ class Lobby:
     def __init__(self, tcp, auth_token: str | None):
         self.tcp, self.auth_token = tcp, auth_token
         self.spec: EnvSpec | None = None
+        self.env = DECLARED_ENV   # or the default env, for a first GET_CONFIG that declares nothing
         self.held: list[tuple[str, dict]] = []
         self.answered: collections.Counter = collections.Counter()   # conn_id -> PINGs answered here
         self.authenticated: set[str] = set()
@@ -61,15 +64,19 @@ class Lobby:
             self.tcp.reply(conn_id, {"type": T.PONG.value, **(Inference.pong_fields if asked else {})})
             self.answered[conn_id] += 1
         elif self.spec is None and kind == T.GET_CONFIG.value:
-            if not any(key in msg for key in rllink.DECLARED_FIELDS):
-                self._refuse(conn_id, NO_SPACES)
-                return
-            self.spec = declared_spec(msg)
-            config = space_config(self.spec)
-            print(f"training the spaces {conn_id} declared: observation {config['observation_dtype']} "
-                  f"{config['observation_shape']}, action {config['action_space']}", flush=True)
+            if any(key in msg for key in rllink.DECLARED_FIELDS):
+                self.spec = declared_spec(msg)
+                config = space_config(self.spec)
+                print(f"training the spaces {conn_id} declared: observation {config['observation_dtype']} "
+                      f"{config['observation_shape']}, action {config['action_space']}", flush=True)
+            else:
+                from shmrl.envs.make import env_spec
+
+                self.env, self.spec = Config.env, env_spec(Config.env)
+                print(f"{conn_id} declared no spaces: training the default env, {Config.env} (--env chooses "
+                      f"another; a client may declare its spaces in GET_CONFIG)", flush=True)
         elif self.spec is None and kind != T.HEARTBEAT.value:
-            self._refuse(conn_id, f"{kind} before the learner has an env: {NO_SPACES}")
+            self._refuse(conn_id, f"{kind} before the learner has an env: {NO_ENV_YET}")
             return
         self.held.append((conn_id, msg))
 
@@ -107,9 +114,10 @@ class Replay:
         return getattr(self.server, name)
 
 
-def wait_for_spaces(config, t_start: float) -> tuple[EnvSpec, Replay] | None:
-    """The spaces the first client declares and the TCP server it came through (opened on
-    --tcp-host and --tcp-port), or None when --max-seconds passed first (the server closed)."""
+def wait_for_spaces(config, t_start: float) -> tuple[str, EnvSpec, Replay] | None:
+    """The env the first GET_CONFIG decides (``DECLARED_ENV`` or the default env's id), its
+    spec, and the TCP server it came through (opened on --tcp-host and --tcp-port); None
+    when --max-seconds passed first (the server closed)."""
     # Until the env is known, its preset settings are the house defaults, and its frames are
     # bound by --max-frame-bytes alone: the env's limits are set once it is (``open_transports``).
     tcp = open_tcp(resolve_config(config), config.tcp_host)
@@ -123,7 +131,7 @@ def wait_for_spaces(config, t_start: float) -> tuple[EnvSpec, Replay] | None:
                 tcp.close()
                 return None
             lobby.serve(tcp.poll(0.2))
-        return lobby.spec, Replay(tcp, lobby.held, lobby.answered)
+        return lobby.env, lobby.spec, Replay(tcp, lobby.held, lobby.answered)
     except BaseException:
         tcp.close()
         raise

@@ -15,6 +15,8 @@ the clients of transports the caller brings.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import sys
@@ -59,7 +61,8 @@ def train_with_simulators(config, t_start: float, launcher=None, given: set[str]
             print(f"time budget exhausted: no client declared its spaces within --max-seconds {config.max_seconds:g}",
                   flush=True)
             return EXIT_BUDGET, {}
-        spec, tcp = waited
+        env, spec, tcp = waited
+        config = dataclasses.replace(config, env=env)   # the default env, where the first client declared nothing
     try:
         setup = set_up(config, given=given, spec=spec)
         servers, supervisor = open_run(setup, launcher, tcp)
