@@ -58,6 +58,64 @@ def test_the_js_client_decodes_shmrls_binary_replies():
     assert json.loads(node(script, js)) == ["SET_STATE", "H4sI", 3, [0, 1, 2]]
 
 
+HANDSHAKE = """
+const c = require('./shmrl_client');
+(async () => {
+  const conn = await c.Connection.open('127.0.0.1', PORT);
+  try {
+    await c.handshake(conn, { codec: 'json', space: { obsSize: 4, action: { type: 'Discrete', n: 2 } } });
+    process.stdout.write('accepted');
+  } catch (e) {
+    process.stdout.write(`${e.constructor.name}: ${e.message}`);
+  } finally { conn.close(); }
+})();
+"""
+
+
+@pytest.mark.parametrize("extra, names", [
+    ({"observation_leaves": {"pos": {"shape": [2], "dtype": "<f4"}}}, "Dict or Tuple observations"),
+    ({"policy_map": "shared", "league_prob": 0.0}, "multi-agent envs"),
+    ({}, None),
+])
+def test_the_js_client_names_what_it_does_not_support_at_the_handshake(extra, names):
+    """Issue 35, item 4: the JS client has no Dict observations or multi-agent envs; a server
+    whose SET_CONFIG describes one gets a ProtocolError naming it, at the handshake."""
+    import socket
+    import threading
+
+    js = need_js_client()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    seen = []
+
+    def serve():
+        conn, _ = listener.accept()
+        replies = [{"type": "PONG"}, {"type": "SET_CONFIG", "env_steps_per_sample": 64, "force_on_policy": True,
+                                      "observation_shape": [4], "observation_dtype": "<f4",
+                                      "action_space": {"type": "Discrete", "n": 2}, **extra}]
+        if names is None:    # a CartPole it can play: on to GET_STATE
+            replies.append({"type": "SET_STATE", "onnx_file": "H4sI", "weights_seq_no": 1})
+        with conn:
+            for reply in replies:
+                n = int(conn.recv(8, socket.MSG_WAITALL))
+                seen.append(json.loads(conn.recv(n, socket.MSG_WAITALL))["type"])
+                body = json.dumps(reply).encode()
+                conn.sendall(b"%08d" % len(body) + body)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        out = node(HANDSHAKE.replace("PORT", str(port)), js)
+    finally:
+        listener.close()
+    thread.join(10)
+    if names is None:
+        assert seen == ["PING", "GET_CONFIG", "GET_STATE"] and out == "accepted", out
+    else:
+        assert seen == ["PING", "GET_CONFIG"]
+        assert out.startswith("ProtocolError: this client does not support " + names), out
+
+
 def test_the_js_cartpole_steps_as_gymnasiums():
     js = need_js_client()
     gym = need("gymnasium", "gym")

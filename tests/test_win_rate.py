@@ -5,7 +5,6 @@ policy evaluated is the one written, whatever ends the run; and the time budget
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.shared import (REPO, finished, interrupt_group, median, own_shm_files, popen_group, print_method,
+from tools.shared import (REPO, finished, interrupt_group, median, own_shm_files, popen_group, print_method, quick_asked,
                           read_logdir, repo_on_pythonpath, started)
 
 KINDS = ("local", "python", "python-set", "c", "c-set")
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
                    help="seconds: 2 clients, seed 0, local and python, --stop-return 100 (flags given still win)")
     p.add_argument("extra", nargs="*", help="more arguments for shmrl.run (after --)")
     argv = sys.argv[1:] if argv is None else argv
-    if "--quick" in argv[:argv.index("--") if "--" in argv else len(argv)]:
+    if quick_asked(argv):
         p.set_defaults(**QUICK, stop_return=100.0)
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds if not k.startswith("c") or C_CLIENT.exists()]

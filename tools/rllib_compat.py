@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 
 from tools import shared
-from tools.shared import REPO, SetupError, read_logdir
+from tools.shared import REPO, SetupError, quick_asked, read_logdir
 
 MARK = "RLLIB_COMPAT "          # prefix of the machine-readable lines of the ray-side driver
 CAPTURE_PORT_OFFSET = 100       # with --capture, the server listens on P + 100 behind a proxy on P
@@ -758,7 +758,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
-    if "--quick" in argv[:argv.index("--") if "--" in argv else len(argv)]:
+    if quick_asked(argv):
         for name, defaults in QUICK.items():
             sub.choices[name].set_defaults(**defaults)
     a = p.parse_args(argv)

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         h.add_argument("--stop-return", type=float, required=True)
         h.add_argument("--max-env-steps", type=int, default=ZOO_STEPS)
         return sb3_main(h.parse_args(argv[1:]))
-    if "--quick" in argv[:argv.index("--") if "--" in argv else len(argv)]:
+    if shared.quick_asked(argv):
         p.set_defaults(**QUICK)
     a = p.parse_args(argv)
     if a.setup:

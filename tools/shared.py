@@ -298,6 +298,12 @@ ZOO = Venv("zoo-venv", "rl-zoo3", (TORCH, "rl_zoo3", "gymnasium[mujoco,atari]", 
            ("rl_zoo3", "sb3_contrib", "mujoco", "ale_py", "cv2", "torch"))
 
 
+def quick_asked(argv: list[str]) -> bool:
+    """Whether a tool's own flags (those before a ``--``, after which come shmrl.run's) ask
+    for --quick: its quick defaults are then set before parsing, so flags given still win."""
+    return "--quick" in argv[:argv.index("--") if "--" in argv else len(argv)]
+
+
 # ---------------------------------------------------------------- the frame of every report
 
 def median(xs) -> float:

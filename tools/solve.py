@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 
-from tools.shared import read_logdir, run_shmrl
+from tools.shared import quick_asked, read_logdir, run_shmrl
 
 QUICK = {"seeds": [0], "sims": 2, "timeout": 120.0}   # --quick; and --stop-return 100 for shmrl.run
 QUICK_EXTRA = ["--stop-return", "100"]
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                    help="seconds, not minutes: seed 0, --sims 2, --stop-return 100 (flags given still win)")
     p.add_argument("extra", nargs="*", help="arguments for shmrl.run (after --)")
     argv = sys.argv[1:] if argv is None else argv
-    if "--quick" in argv[:argv.index("--") if "--" in argv else len(argv)]:
+    if quick_asked(argv):
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
     if args.quick and not any(x == "--stop-return" or x.startswith("--stop-return=") for x in args.extra):

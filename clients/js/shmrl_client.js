@@ -265,6 +265,13 @@ async function handshake(conn, { codec = 'binary', clientName = null, authToken 
   // The env's spaces declared (RLLINK.md 3.2): a learner started without --env trains them.
   const declared = space ? { observation_shape: [space.obsSize], observation_dtype: '<f4', action_space: space.action } : {};
   const config = await conn.request({ type: 'GET_CONFIG', ...declared }, 'SET_CONFIG', timeoutS);
+  // What this client does not do, named here rather than failing later in a reply it cannot read.
+  const unsupported = config.observation_leaves !== undefined ? 'Dict or Tuple observations (SET_CONFIG observation_leaves)'
+    : config.policy_map !== undefined ? 'multi-agent envs (SET_CONFIG policy_map)' : null;
+  if (unsupported) {
+    throw new ProtocolError(`this client does not support ${unsupported}; the Python client (python -m shmrl.sim --connect) `
+      + 'and examples/external_client.py do');
+  }
   const state = inference === 'server' ? null : await conn.request({ type: 'GET_STATE' }, 'SET_STATE', timeoutS);
   return { config, state };
 }
