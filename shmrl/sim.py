@@ -95,9 +95,8 @@ def session(address: str, args, after_a_session: bool = False) -> tuple[int | No
         return None, f"cannot connect to {address}: {e}"
     try:
         loop = run_server_inference if args.server_inference else run_simulator
-        # Over TCP it declares its env's spaces: a learner started without --env trains them.
         loop(client, args.env, args.seed, args.envs_per_sim, log_every_s=10.0, auth_token=args.auth_token,
-             declare=bool(args.connect))
+             declare=args.declare)
         return 0, None
     except SessionEnded as e:
         log.info("%s: %s", address, e)

@@ -145,8 +145,8 @@ def test_a_learner_without_env_trains_the_first_clients_spaces_and_refuses_other
                     "--logdir", tmp_path / "run")
     port = run.tcp_port(timeout=120)
     run.wait_for("waiting for a client to declare its spaces on", timeout=60)
-    # (a) a client that declares CartPole's spaces (shmrl.sim over TCP declares its env's)
-    sim = subprocess.Popen([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--timeout", "300"],
+    # (a) a client that declares CartPole's spaces (shmrl.sim --declare declares its env's)
+    sim = subprocess.Popen([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--declare", "--timeout", "300"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     clients.append(sim)
     run.wait_for("training the spaces", timeout=120)

@@ -48,6 +48,10 @@ class SimSettings:
     server_inference: bool = setting(
         False, "let the server run the policy: send observations (ACT), get actions (ACTIONS); needs no "
         "onnxruntime (shmrl's server; RLlib's does not serve actions)", switch=True)
+    declare: bool = setting(
+        False, "declare the env's spaces in GET_CONFIG (docs/RLLINK.md 3.2): a learner started without --env "
+        "trains them; one whose env differs closes the connection (the reason is in its log only, so without "
+        "this flag a mismatch is found here and named)", switch=True)
     timeout: float = setting(
         REPLY_TIMEOUT_S, "seconds to wait for any one reply; RLlib's server answers only after its training step "
         "(default: %(default)s)", check=above(0))

@@ -68,7 +68,8 @@ class Lobby:
                 self.spec = declared_spec(msg)
                 config = space_config(self.spec)
                 print(f"training the spaces {conn_id} declared: observation {config['observation_dtype']} "
-                      f"{config['observation_shape']}, action {config['action_space']}", flush=True)
+                      f"{config['observation_shape']}, action {config['action_space']} (the house presets; no "
+                      f"target return unless --stop-return: --env ID trains a known env with its own)", flush=True)
             else:
                 from shmrl.envs.make import env_spec
 
