@@ -290,9 +290,10 @@ def test_bench_memory_quick(tool):
     assert run["exit_code"] == 130 and run["shm_files_left"] == []     # stopped as after Ctrl-C, clean
     assert positive(r["first_sample_s"]) and positive(r["first_progress_s"]) and positive(r["first_update_train_s"])
     # The start-up's split: torch's import began at the run's start, beside the simulators' first
-    # steps, and the first update came after it ended.
+    # steps, and the first update came after it ended (whether the import began before the first
+    # sample arrived is the machine's load's to decide: not asserted).
     started, ended = r["torch_import_started_s"], r["torch_import_ended_s"]
-    assert 0 <= started < ended <= r["first_update_elapsed_s"] and started < r["first_sample_s"], r
+    assert 0 <= started < ended <= r["first_update_elapsed_s"], r
     assert 0 <= r["torch_import_waited_s"] <= ended - started
 
 
