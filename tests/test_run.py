@@ -171,9 +171,12 @@ def test_a_training_batch_is_the_same_however_many_simulators_share_it():
     from shmrl.run import parse_args
 
     for sims, per_message in ((8, 256), (4, 512), (3, 683), (0, 2048)):
-        argv = ["--sims", sims] + (["--tcp-port", 0] if sims == 0 else [])
+        argv = ["--env", "CartPole-v1", "--sims", sims] + (["--tcp-port", 0] if sims == 0 else [])
         config = parse_args(argv)
         assert (config.train_batch_size, config.env_steps_per_sample) == (2048, per_message), sims
+    # Without --env, clients only: the env's presets wait for the first client's spaces (RLLINK.md 3.2).
+    declared = parse_args(["--sims", 0, "--tcp-port", 0])
+    assert declared.env == "declared" and declared.train_batch_size is None and declared.env_steps_per_sample is None
     assert parse_args(["--sims", 4, "--env-steps-per-sample", 100]).env_steps_per_sample == 100
     assert parse_args(["--train-batch-size", 4096]).env_steps_per_sample == 512
     assert resolve_config(Config(env="Pendulum-v1", sims=2)).env_steps_per_sample == 2048

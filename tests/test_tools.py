@@ -294,7 +294,7 @@ def test_bench_memory_quick(tool):
     # sample arrived is the machine's load's to decide: not asserted).
     started, ended = r["torch_import_started_s"], r["torch_import_ended_s"]
     assert 0 <= started < ended <= r["first_update_elapsed_s"], r
-    assert 0 <= r["torch_import_waited_s"] <= ended - started
+    assert 0 <= r["torch_import_waited_s"] <= ended + 0.05   # the run cannot wait for it past its end (clocks apart)
 
 
 def test_bench_update_quick(tool):
