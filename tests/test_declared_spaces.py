@@ -221,3 +221,27 @@ def test_the_c_clients_cartpole_trains_without_env(start_run, clients, tmp_path)
     summary = summary_of(tmp_path / "run")
     assert summary["config"]["env"] == "declared" and summary["updates"] >= 1, summary
     assert c.wait(timeout=60) == 0
+
+
+def test_the_env_s_frame_limits_reach_the_server_the_lobby_held():
+    """Once the first client's spaces are known, the TCP server the lobby opened gets the
+    env's frame and ACT limits (tighter than --max-frame-bytes) for new connections, though
+    the run holds it through the lobby's Replay."""
+    import collections
+
+    from shmrl.config.settings import Config, resolve_config
+    from shmrl.server.lobby import Replay
+    from shmrl.server.serving import open_tcp, open_transports
+    from shmrl.trainer.setup import policy_net
+
+    spec = env_spec("CartPole-v1")
+    config = resolve_config(Config(env="CartPole-v1", sims=0, tcp_port=0), spec)
+    server = open_tcp(config, "127.0.0.1")
+    try:
+        assert server.act_limits is None and server.body_limits.binary == config.max_frame_bytes
+        servers, _, _ = open_transports(config, spec, {"default": policy_net(config, spec)}, None,
+                                        Replay(server, [], collections.Counter()))
+        assert len(servers) == 1 and servers[0].server is server
+        assert server.body_limits.binary < config.max_frame_bytes and server.act_limits is not None
+    finally:
+        server.close()

@@ -317,9 +317,10 @@ def open_transports(config, spec, nets: dict, launcher=None, tcp=None) -> tuple[
         from shmrl.transport.tcp import BodyLimits
 
         frames = env_frame_limits(config, spec, nets)
-        tcp.limits = message_limits(config)
-        tcp.body_limits = BodyLimits(frames["max_json_frame_bytes"], frames["max_binary_frame_bytes"])
-        tcp.act_limits = frames["act_limits"] and frames["act_limits"].within(tcp.body_limits)
+        server = getattr(tcp, "server", tcp)   # the lobby's Replay wraps the server: the limits are the server's
+        server.limits = message_limits(config)
+        server.body_limits = BodyLimits(frames["max_json_frame_bytes"], frames["max_binary_frame_bytes"])
+        server.act_limits = frames["act_limits"] and frames["act_limits"].within(server.body_limits)
         servers.append(tcp)
     elif config.tcp_port is not None or (config.sims and config.transport == "tcp") or remote:
         host = launcher.node_ip if remote and config.tcp_host == type(config).tcp_host else config.tcp_host
