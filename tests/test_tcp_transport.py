@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmrl.envs.make import env_spec
-from shmrl.server.inference.single_agent import space_config
+from shmrl.envs.spec import space_config
 from shmrl.rllink import ProtocolError
 from shmrl.transport import ConnectionClosed
 from shmrl.transport.tcp import TcpServer

@@ -120,7 +120,7 @@ class Checker:
         """``spec``: the env's (a multi-agent env's: its agents', which share their spaces;
         ``multi``: its MultiAgentSpec, whose clients the checker covers with server-side
         inference only)."""
-        from shmrl.server.inference.single_agent import space_config
+        from shmrl.envs.spec import space_config
         from shmrl.client.action_sampler import ActionSampler
 
         self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models), ActRules(spec, multi)

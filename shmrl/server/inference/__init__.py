@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from shmrl.server.inference.base import NOT_SERVED, Inference, NoInference
 from shmrl.server.inference.multi_agent import multiagent_inference
-from shmrl.server.inference.single_agent import ServerInference, space_config
+from shmrl.envs.spec import space_config
+from shmrl.server.inference.single_agent import ServerInference
 from shmrl.server.store import DEFAULT_POLICY
 
 

@@ -27,7 +27,7 @@ from shmrl.client.actor import Actor, check_policy_fits
 from shmrl.envs.spec import MultiAgentSpec, policy_mapper
 from shmrl.core.episode import MultiAgentBatch
 from shmrl.server.inference.base import Inference
-from shmrl.server.inference.single_agent import space_config
+from shmrl.envs.spec import space_config
 from shmrl.client.multi_agent import MultiAgentRollout, PolicySet
 from shmrl.core.spaces import MASK_KEY
 

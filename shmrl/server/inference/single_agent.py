@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from shmrl.client.actor import check_policy_fits
-from shmrl.envs.spec import EnvSpec, action_space, space_config  # noqa: F401  (their home was here)
+from shmrl.envs.spec import EnvSpec
 from shmrl.core.episode import EpisodeBatch, obs_map, obs_rows
 from shmrl.onnxio.policy import OnnxPolicy, decode_onnx_file
 from shmrl.client.rollout import Rollout
