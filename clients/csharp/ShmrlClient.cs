@@ -83,7 +83,7 @@ namespace Shmrl
         // tests/test_client_numbers.py holds this file to them):
         public const double REPLY_TIMEOUT_S = 600;   // a strict on-policy server holds a reply through an update
         public const double GIVE_UP_S = 5;           // how long a server may stay away after a session
-        public const int MaxReplyBytes = 256 * 1024 * 1024;   // never trust a header (RLLINK.md 1)
+        public const int MaxReplyBytes = 64 * 1024 * 1024;    // never trust a header (RLLINK.md 1): the server's own frame limit
         public const int MaxEnvs = 4096;
         const double BackoffS = 0.1, BackoffMaxS = 2;
         static readonly byte[] Magic = { 0x93, 0x52, 0x4c, 0x42 };   // 0x93 "RLB": a binary body
