@@ -193,6 +193,52 @@ def test_physics_are_gymnasiums(build):
     assert terminations == 20
 
 
+NETSTANDARD_FACADES = ["/usr/lib/mono/4.7.1-api/Facades/netstandard.dll", "/usr/lib/mono/4.5/Facades/netstandard.dll"]
+
+
+def test_uses_only_net_standard_2_0_types(build):
+    """Every type cartpole.exe (ShmrlClient.cs and CartPole.cs) refers to is one that .NET
+    Standard 2.0 has: one netstandard.dll forwards (mono-devel's facade; monodis from
+    mono-utils reads both tables). $MONODIS and $NETSTANDARD_DLL name others."""
+    monodis = os.environ.get("MONODIS") or shutil.which("monodis")
+    facade = os.environ.get("NETSTANDARD_DLL") or next((f for f in NETSTANDARD_FACADES if os.path.exists(f)), None)
+    if not monodis or not facade:
+        pytest.skip("monodis (apt-get install mono-utils) or mono-devel's Facades/netstandard.dll is not installed")
+
+    def table(flag: str, path) -> list[str]:
+        done = subprocess.run([monodis, flag, str(path)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()
+
+    standard = {m.group(1) for line in table("--exported", facade)
+                if (m := re.match(r"\d+: (\S+) is in assemblyref", line))}
+    used = {m.group(1).split("/")[0] for line in table("--typeref", build / "cartpole.exe")
+            if (m := re.match(r"\d+: \[\w+\](\S+)", line))}
+    assert len(standard) > 2000 and {"System.Net.Sockets.Socket", "System.Threading.Monitor"} <= used, (len(standard), used)
+    assert used <= standard, f"not in .NET Standard 2.0: {sorted(used - standard)}"
+
+
+UNITY_STUB = """
+namespace UnityEngine {
+    public class MonoBehaviour { }
+    public static class Debug { public static void LogError(object message) { } }
+}
+"""
+
+
+def test_the_docs_monobehaviour_compiles(build, tmp_path):
+    """docs/CLIENTS.md's MonoBehaviour sketch compiles with ShmrlClient.cs (UnityEngine's two
+    names it uses stubbed)."""
+    doc = (ROOT / "docs" / "CLIENTS.md").read_text()
+    sketch = next(b for b in re.findall(r"```csharp\n(.*?)```", doc, re.S) if "class Trainer : MonoBehaviour" in b)
+    (tmp_path / "Trainer.cs").write_text(sketch)
+    (tmp_path / "Unity.cs").write_text(UNITY_STUB)
+    done = subprocess.run(["mcs", "-langversion:7", "-warnaserror", "-nologo", "-target:library",
+                           f"-out:{tmp_path / 'trainer.dll'}", str(CS_DIR / "ShmrlClient.cs"), str(tmp_path / "Trainer.cs"),
+                           str(tmp_path / "Unity.cs")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 # ---------------------------------------------------------------- the conformance checker
 
 @pytest.mark.parametrize("codec", ["binary", "json"])
