@@ -1,7 +1,7 @@
 """The numbers every client of this repository shares (shmrl/config/faces.py:
 ``REPLY_TIMEOUT_S``, ``GIVE_UP_S``, ``EXIT_GRACE_S``) read the same in the code of each
-client (shmrl.sim, the JavaScript client, the C header), in the conformance checker, and in
-docs/RLLINK.md and docs/CLIENTS.md: an edit of one without the others fails here."""
+client (shmrl.sim, the JavaScript client, the C header, the C# client), in the conformance
+checker, and in docs/RLLINK.md and docs/CLIENTS.md: an edit of one without the others fails here."""
 from __future__ import annotations
 
 import re
@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 C_HEADER = ROOT / "clients" / "c" / "shmrl_client.h"
 JS_CLIENT = ROOT / "clients" / "js" / "shmrl_client.js"
 JS_CARTPOLE = ROOT / "clients" / "js" / "cartpole.js"
+CS_CLIENT = ROOT / "clients" / "csharp" / "ShmrlClient.cs"
 
 
 def text(path: Path) -> str:
@@ -31,6 +32,18 @@ def c_define(name: str) -> float:
 def js_const(name: str) -> float:
     found = re.findall(rf"^const {name} = ([0-9.]+);", JS_CLIENT.read_text(), re.M)
     assert len(found) == 1, f"{JS_CLIENT.name}: const {name} found {len(found)} times"
+    return float(found[0])
+
+
+def cs_const(name: str) -> float:
+    found = re.findall(rf"public const double {name} = ([0-9.]+);", CS_CLIENT.read_text())
+    assert len(found) == 1, f"{CS_CLIENT.name}: const double {name} found {len(found)} times"
+    return float(found[0])
+
+
+def cs_longest_backoff_s() -> float:
+    found = re.findall(r"BackoffMaxS = ([0-9.]+);", CS_CLIENT.read_text())
+    assert len(found) == 1
     return float(found[0])
 
 
@@ -56,6 +69,10 @@ def test_the_clients_code_uses_the_one_reply_timeout_and_give_up_time():
     assert "timeoutS: REPLY_TIMEOUT_S, giveUpS: GIVE_UP_S" in JS_CLIENT.read_text()        # runClient
     assert "timeout: REPLY_TIMEOUT_S, giveUp: GIVE_UP_S" in JS_CARTPOLE.read_text()         # its flags
     assert c_give_up_s() <= GIVE_UP_S
+    assert cs_const("REPLY_TIMEOUT_S") == REPLY_TIMEOUT_S
+    assert cs_const("GIVE_UP_S") == GIVE_UP_S
+    assert "ReplyTimeoutS = ShmrlClient.REPLY_TIMEOUT_S;" in CS_CLIENT.read_text()          # ShmrlOptions
+    assert "GiveUpS = ShmrlClient.GIVE_UP_S;" in CS_CLIENT.read_text()
 
 
 def test_the_checker_waits_for_a_client_to_give_up():
@@ -65,6 +82,7 @@ def test_the_checker_waits_for_a_client_to_give_up():
 
     assert session.EXIT_GRACE_S == EXIT_GRACE_S
     assert EXIT_GRACE_S >= GIVE_UP_S + js_longest_backoff_s() + 0.5
+    assert EXIT_GRACE_S >= GIVE_UP_S + cs_longest_backoff_s() + 0.5
 
 
 # (file, a pattern whose group is the number, the number it must be)
@@ -78,6 +96,8 @@ STATED = [
     ("docs/CLIENTS.md", r"stayed away for `--give-up-s`, (\d+) s", GIVE_UP_S),
     ("docs/CLIENTS.md", r"`--give-up-s` \((\d+)\)", GIVE_UP_S),
     ("docs/CLIENTS.md", r"the C client gives up after its retries, at most ([\d.]+) s of waits", c_give_up_s()),
+    ("docs/CLIENTS.md", r"stayed away for `ShmrlOptions.GiveUpS`, (\d+) s", GIVE_UP_S),
+    ("docs/CLIENTS.md", r"waited for up to `ShmrlOptions.ReplyTimeoutS`, (\d+) s", REPLY_TIMEOUT_S),
     ("docs/CLIENTS.md", r"The conformance checker gives a client (\d+) s to end", EXIT_GRACE_S),
     ("docs/CLIENTS.md", r"the client has (\d+) s to end on its own", EXIT_GRACE_S),
 ]
