@@ -3,11 +3,13 @@
 # Godot's own arguments and `--`:
 #
 #   godot3-server --path clients/godot/demo --fixed-fps 50 -- --port P [--host H] [--agents K]
-#       [--codec binary|json] [--seed S] [--name NAME] [--auth-token T] [--quiet]
+#       [--codec binary|json] [--seed S] [--name NAME] [--auth-token T] [--no-progress]
 #   godot3-server --path clients/godot/demo --fixed-fps 50 -- --random N | --balance N [--agents K] [--seed S]
 #
 # --random N plays N episodes with uniformly random actions, --balance N with a hand-coded
 # controller (push toward the side the pole falls to), and prints their mean return.
+# --no-progress leaves out the client's progress lines (Godot 3 parses every argument, those
+# after `--` too: its own --quiet would silence all of stdout, and never reaches the game).
 # Exit status: 0 when the server ended the session (or the episodes are played), 1 when it
 # could never be reached or broke the protocol, 2 for a bad command line.
 extends Node2D
@@ -15,10 +17,10 @@ extends Node2D
 const CartPole = preload("res://cartpole.tscn")
 const Client = preload("res://addons/shmrl/shmrl_client.gd")
 const USAGE = "usage: godot3-server --path DEMO --fixed-fps 50 -- (--port P [--host H] [--codec binary|json] " \
-		+ "[--name NAME] [--auth-token T] [--quiet] | --random N | --balance N) [--agents K] [--seed S]"
+		+ "[--name NAME] [--auth-token T] [--no-progress] | --random N | --balance N) [--agents K] [--seed S]"
 
 var opts := {"port": -1, "host": "127.0.0.1", "agents": 4, "codec": "binary", "seed": -1, "name": "",
-		"auth-token": "", "random": 0, "balance": 0, "quiet": false}
+		"auth-token": "", "random": 0, "balance": 0, "no-progress": false}
 var carts := []
 var rng := RandomNumberGenerator.new()
 var own_returns := []          # --random / --balance: the episodes' returns
@@ -50,7 +52,7 @@ func _ready() -> void:
 	client.codec = opts["codec"]
 	client.client_name = opts["name"]
 	client.auth_token = opts["auth-token"]
-	client.quiet = opts["quiet"]
+	client.quiet = opts["no-progress"]
 	client.observation_shape = [4]
 	client.action_space = {"type": "Discrete", "n": 2}
 	for cart in carts:
@@ -63,8 +65,8 @@ func _parse(args: Array) -> String:
 	while i < args.size():
 		var flag: String = args[i]
 		var key := flag.trim_prefix("--")
-		if flag == "--quiet":
-			opts["quiet"] = true
+		if flag == "--no-progress":
+			opts["no-progress"] = true
 			i += 1
 			continue
 		if not flag.begins_with("--") or not opts.has(key) or i + 1 >= args.size():
