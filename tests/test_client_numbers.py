@@ -100,6 +100,8 @@ STATED = [
     ("docs/CLIENTS.md", r"`--give-up-s` \((\d+)\)", GIVE_UP_S),
     ("docs/CLIENTS.md", r"the C client gives up after its retries, at most ([\d.]+) s of waits", c_give_up_s()),
     ("docs/CLIENTS.md", r"The conformance checker gives a client (\d+) s to end", EXIT_GRACE_S),
+    ("docs/CLIENTS.md", r"waits up to the reply timeout, `REPLY_TIMEOUT_S` \((\d+) s\)", REPLY_TIMEOUT_S),
+    ("docs/CLIENTS.md", r"the addon's `GIVE_UP_S`, (\d+) s, after a session", GIVE_UP_S),
     ("docs/CLIENTS.md", r"the client has (\d+) s to end on its own", EXIT_GRACE_S),
 ]
 
