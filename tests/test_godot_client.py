@@ -1,9 +1,10 @@
 """The Godot client (clients/godot): the addon's RLlink client node, driving the demo's
 cart-pole of Godot's own bodies, passes the conformance checker in both codecs (CartPole-v1's
 spaces, units and ranges); a random policy scores below 50 while a hand-coded balancing
-controller keeps the pole up for the whole episode; the node stops with a clear error (exit
-1) when the PONG does not grant server-side inference or a reply's header is not 8 digits;
-the demo's command line exits 2 when misused. The slow test trains the demo to a 100-episode
+controller keeps the pole up for the whole episode; heartbeats go out between ACTs that are
+frames apart; the node stops with a clear error (exit 1) when the PONG does not grant
+server-side inference or a reply's header is not 8 digits, and after the give-up time when
+no server is ever there; the demo's command line exits 2 when misused. The slow test trains the demo to a 100-episode
 mean of 450 through 4 headless Godot processes (docs/CLIENTS.md, "Godot").
 
 Every Godot process runs headless (godot3-server, Debian's godot3-server package: Godot
@@ -17,6 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import recv_exactly, summary_of
@@ -144,6 +146,41 @@ def test_a_reply_whose_header_is_not_8_digits_is_refused(procs, listener):
         out, err = client.communicate(timeout=30)
     assert client.returncode == 1, out + err
     assert "bad frame header" in err and "8 ASCII digits" in err, err
+
+
+def test_heartbeats_go_out_between_acts_that_are_frames_apart(procs, listener):
+    """In real time (no --fixed-fps: 50 physics frames a second) with an action every 10
+    frames, 0.2 s pass between ACTs: the node sends a HEARTBEAT whenever nothing went out for
+    the PONG's heartbeat_s (0.05 s), with the env steps of the connection so far, in binary."""
+    command = [GODOT, "--path", str(DEMO), "--", "--port", str(listener.getsockname()[1]), "--agents", "2",
+               "--frames-per-action", "10", "--no-progress"]
+    client = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=GODOT_ENV)
+    procs.append(client)
+    conn, _ = listener.accept()
+    conn.settimeout(30)
+    with conn:
+        assert rllink.decode_request(read_frame(conn))["codecs"] == ["binary"]
+        conn.sendall(rllink.frame(rllink.encode({"type": "PONG", "codec": "binary", "heartbeat_s": 0.05,
+                                                 "inference": "server"}, "json")))
+        assert rllink.decode_request(read_frame(conn))["type"] == "GET_CONFIG"
+        conn.sendall(rllink.frame(rllink.encode({"type": "SET_CONFIG", "env_steps_per_sample": 100,
+                                                 "force_on_policy": True}, "binary")))
+        beats, acts = [], 0
+        while acts < 4:
+            body = read_frame(conn)
+            assert body[:4] == rllink.MAGIC
+            msg = rllink.decode_request(body)
+            if msg["type"] == "HEARTBEAT":
+                beats.append((acts, msg["env_steps"]))
+                continue
+            assert msg["type"] == "ACT"
+            acts += 1
+            conn.sendall(rllink.frame(rllink.encode({"type": "ACTIONS", "actions": np.ones(2, np.int64),
+                                                     "weights_seq_no": 0}, "binary")))
+    # after ACT n (n >= 1) the agents have stepped 2 * (n - 1) env steps: those of the ACTs before
+    assert len(beats) >= 6, beats
+    assert {acts for acts, _ in beats} >= {1, 2, 3}, beats
+    assert all(steps == 2 * (acts - 1) for acts, steps in beats), beats
 
 
 def test_a_server_that_is_never_there_ends_the_client_with_exit_1_after_the_give_up_time(procs):

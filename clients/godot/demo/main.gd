@@ -3,7 +3,7 @@
 # Godot's own arguments and `--`:
 #
 #   godot3-server --path clients/godot/demo --fixed-fps 50 -- --port P [--host H] [--agents K]
-#       [--codec binary|json] [--seed S] [--name NAME] [--auth-token T] [--no-progress]
+#       [--codec binary|json] [--seed S] [--name NAME] [--auth-token T] [--frames-per-action N] [--no-progress]
 #   godot3-server --path clients/godot/demo --fixed-fps 50 -- --random N | --balance N [--agents K] [--seed S]
 #
 # --random N plays N episodes with uniformly random actions, --balance N with a hand-coded
@@ -17,10 +17,10 @@ extends Node2D
 const CartPole = preload("res://cartpole.tscn")
 const Client = preload("res://addons/shmrl/shmrl_client.gd")
 const USAGE = "usage: godot3-server --path DEMO --fixed-fps 50 -- (--port P [--host H] [--codec binary|json] " \
-		+ "[--name NAME] [--auth-token T] [--no-progress] | --random N | --balance N) [--agents K] [--seed S]"
+		+ "[--name NAME] [--auth-token T] [--frames-per-action N] [--no-progress] | --random N | --balance N) [--agents K] [--seed S]"
 
 var opts := {"port": -1, "host": "127.0.0.1", "agents": 4, "codec": "binary", "seed": -1, "name": "",
-		"auth-token": "", "random": 0, "balance": 0, "no-progress": false}
+		"auth-token": "", "random": 0, "balance": 0, "frames-per-action": 1, "no-progress": false}
 var carts := []
 var rng := RandomNumberGenerator.new()
 var own_returns := []          # --random / --balance: the episodes' returns
@@ -53,6 +53,7 @@ func _ready() -> void:
 	client.client_name = opts["name"]
 	client.auth_token = opts["auth-token"]
 	client.quiet = opts["no-progress"]
+	client.frames_per_action = opts["frames-per-action"]
 	client.observation_shape = [4]
 	client.action_space = {"type": "Discrete", "n": 2}
 	for cart in carts:
@@ -81,6 +82,8 @@ func _parse(args: Array) -> String:
 		i += 2
 	if opts["codec"] != "binary" and opts["codec"] != "json":
 		return "--codec is binary or json"
+	if opts["frames-per-action"] < 1:
+		return "--frames-per-action is at least 1"
 	if opts["agents"] < 1 or opts["agents"] > 4096:
 		return "--agents is 1 to 4096"
 	if opts["port"] < 0 and opts["random"] <= 0 and opts["balance"] <= 0:
