@@ -1,7 +1,8 @@
 """The numbers every client of this repository shares (shmrl/config/faces.py:
 ``REPLY_TIMEOUT_S``, ``GIVE_UP_S``, ``EXIT_GRACE_S``) read the same in the code of each
-client (shmrl.sim, the JavaScript client, the C header, the C# client), in the conformance
-checker, and in docs/RLLINK.md and docs/CLIENTS.md: an edit of one without the others fails here."""
+client (shmrl.sim, the JavaScript client, the C header, the C# client, the Godot addon), in
+the conformance checker, and in docs/RLLINK.md and docs/CLIENTS.md: an edit of one without the
+others fails here."""
 from __future__ import annotations
 
 import re
@@ -16,6 +17,7 @@ C_HEADER = ROOT / "clients" / "c" / "shmrl_client.h"
 JS_CLIENT = ROOT / "clients" / "js" / "shmrl_client.js"
 JS_CARTPOLE = ROOT / "clients" / "js" / "cartpole.js"
 CS_CLIENT = ROOT / "clients" / "csharp" / "ShmrlClient.cs"
+GODOT_CLIENT = ROOT / "clients" / "godot" / "addons" / "shmrl" / "shmrl_client.gd"
 
 
 def text(path: Path) -> str:
@@ -47,6 +49,12 @@ def cs_longest_backoff_s() -> float:
     return float(found[0])
 
 
+def gd_const(name: str) -> float:
+    found = re.findall(rf"^const {name} = ([0-9.]+)\b", GODOT_CLIENT.read_text(), re.M)
+    assert len(found) == 1, f"{GODOT_CLIENT.name}: const {name} found {len(found)} times"
+    return float(found[0])
+
+
 def c_give_up_s() -> float:
     """The longest the C header's shmrl_reconnect waits in all before it gives up, with its
     default retries: min(backoff_s * 2^(i-1), backoff_max_s) before retry i."""
@@ -73,6 +81,18 @@ def test_the_clients_code_uses_the_one_reply_timeout_and_give_up_time():
     assert cs_const("GIVE_UP_S") == GIVE_UP_S
     assert "ReplyTimeoutS = ShmrlClient.REPLY_TIMEOUT_S;" in CS_CLIENT.read_text()          # ShmrlOptions
     assert "GiveUpS = ShmrlClient.GIVE_UP_S;" in CS_CLIENT.read_text()
+    assert gd_const("REPLY_TIMEOUT_S") == REPLY_TIMEOUT_S
+    assert gd_const("GIVE_UP_S") == GIVE_UP_S
+    gd = GODOT_CLIENT.read_text()
+    # the Godot node's reads wait REPLY_TIMEOUT_S, its retries end GIVE_UP_S after the server went away
+    assert gd.count('_request(ping, "PONG", REPLY_TIMEOUT_S)') == 1 and gd.count('"ACTIONS", REPLY_TIMEOUT_S)') == 1
+    assert "OS.get_ticks_msec() - _lost_at_ms > GIVE_UP_S * 1000" in gd
+
+
+def godot_longest_backoff_s() -> float:
+    found = re.findall(r"backoff = min\(backoff \* 2, ([0-9.]+)\)", GODOT_CLIENT.read_text())
+    assert len(found) == 1
+    return float(found[0])
 
 
 def test_the_checker_waits_for_a_client_to_give_up():
@@ -83,6 +103,7 @@ def test_the_checker_waits_for_a_client_to_give_up():
     assert session.EXIT_GRACE_S == EXIT_GRACE_S
     assert EXIT_GRACE_S >= GIVE_UP_S + js_longest_backoff_s() + 0.5
     assert EXIT_GRACE_S >= GIVE_UP_S + cs_longest_backoff_s() + 0.5
+    assert EXIT_GRACE_S >= GIVE_UP_S + godot_longest_backoff_s() + 0.5
 
 
 # (file, a pattern whose group is the number, the number it must be)
@@ -99,6 +120,8 @@ STATED = [
     ("docs/CLIENTS.md", r"stayed away for `ShmrlOptions.GiveUpS`, (\d+) s", GIVE_UP_S),
     ("docs/CLIENTS.md", r"waited for up to `ShmrlOptions.ReplyTimeoutS`, (\d+) s", REPLY_TIMEOUT_S),
     ("docs/CLIENTS.md", r"The conformance checker gives a client (\d+) s to end", EXIT_GRACE_S),
+    ("docs/CLIENTS.md", r"waits up to the reply timeout, `REPLY_TIMEOUT_S` \((\d+) s\)", REPLY_TIMEOUT_S),
+    ("docs/CLIENTS.md", r"the addon's `GIVE_UP_S`, (\d+) s, after a session", GIVE_UP_S),
     ("docs/CLIENTS.md", r"the client has (\d+) s to end on its own", EXIT_GRACE_S),
 ]
 
