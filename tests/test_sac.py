@@ -329,17 +329,37 @@ def test_the_command_line_refuses_sac_on_cartpole_in_one_line_and_helps_with_its
 
 @pytest.mark.slow
 def test_sac_learns_a_throttled_pendulum(tmp_path):
-    """gymnasium's Pendulum-v1 at 100 env steps/s in all (2 simulators of 50), so that one
-    gradient step per env step is what the learner can keep up with on a loaded 2-core
-    machine: the mean return of the last 10 episodes passes -400 within 20k env steps."""
+    """gymnasium's Pendulum-v1 at 60 env steps/s in all (2 simulators of 30), rl-zoo3's SAC
+    settings for it ([sac.env."Pendulum-v1"]): the mean return of the last 10 episodes passes
+    -400 within 20k env steps. Measured on the loaded 2-core machine (load average 6-8):
+    -390.7 after 5,120 env steps in 282 s (the learner the wall, about 0.8 gradient steps
+    per env step in all)."""
     pytest.importorskip("gymnasium")
-    env = {**os.environ, "SLOW_SIM_STEPS_PER_S": "50",
+    env = {**os.environ, "SLOW_SIM_STEPS_PER_S": "30",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "tools" / "slow_site"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     logdir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "shmrl.run", "--env", "gym:Pendulum-v1", "--algo", "sac", "--sims",
                            "2", "--stop-return", "-400", "--return-window", "10", "--max-env-steps", "20000",
                            "--logdir", logdir, "--no-tensorboard", "--no-plot"],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+                          capture_output=True, text=True, timeout=1500, env=env, cwd=ROOT)
     summary = json.loads((logdir / "summary.json").read_text())
     assert proc.returncode == 0, (summary["return_mean"], summary["env_steps"], proc.stdout[-2000:])
     assert summary["env_steps"] <= 20000 and summary["return_mean"] >= -400
+
+
+def test_server_side_inference_samples_as_set_state_says():
+    from shmrl.onnxio.policy import encode_onnx_file
+    from shmrl.server.inference.single_agent import ServerInference
+    from shmrl.server.store import DEFAULT_POLICY
+
+    sac, _ = pendulum_sac()
+    model = encode_onnx_file(sac.net.template.publish(sac.published_weights()))
+    inference = ServerInference(sac.net.spec, 100)
+    inference.load(1, {DEFAULT_POLICY: {"onnx_file": model, "weights_seq_no": 1, "action_dist": "uniform"}})
+    inference._policy()
+    assert inference.sampler.dist == "uniform"            # the warm-up
+    inference.load(2, {DEFAULT_POLICY: {"onnx_file": model, "weights_seq_no": 2}})
+    inference._policy()
+    assert inference.sampler.dist == "squashed_gaussian"  # as the model says
+    actions, _ = inference.sampler.sample(np.array([[0.0, -1.0]] * 1000, np.float32))
+    assert -2 <= actions.min() and actions.max() <= 2 and 0.3 < actions.std() < 1.0
