@@ -112,8 +112,8 @@ def build_parser(d: Config, spec=None, given: dict | None = None) -> argparse.Ar
     """The command line, with ``d`` as the defaults (a resumed run's are its saved
     configuration): one flag per setting of shmrl/config/settings.py. ``given``: flags of the
     command line, whose values --help shows as such."""
-    sources = " + ".join(preset_values(d.env, spec)[1])
-    origins = {} if d.resume else setting_origins(d.env, spec)
+    sources = " + ".join(preset_values(d.env, spec, d.algo)[1])
+    origins = {} if d.resume else setting_origins(d.env, spec, d.algo)
     if given:
         d = dataclasses.replace(d, **given)
         origins.update({name: "the command line" for name in given})
@@ -152,7 +152,7 @@ def parse_command_line(argv=None) -> tuple[Config, set[str]]:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     # The defaults depend on the env (or on the run being resumed): find those first, so
     # that --help shows the ones that apply.
-    known, _ = settings_parser(("env", "sims", "resume", "tcp_port"), "python -m shmrl.run",
+    known, _ = settings_parser(("env", "sims", "resume", "tcp_port", "algo"), "python -m shmrl.run",
                                Config(env=None)).parse_known_args(argv)
     # No --env, --sims 0 and a TCP port: the spaces the first client declares (its presets, once known).
     declared = known.env == DECLARED_ENV or (known.env is None and known.sims == 0 and known.tcp_port is not None
@@ -164,7 +164,7 @@ def parse_command_line(argv=None) -> tuple[Config, set[str]]:
         spec = None if declared else env_spec(env)
     except ValueError as e:
         OneLineErrorParser(prog="python -m shmrl.run").error(str(e))
-    defaults = resolve_config(Config(env=env, sims=known.sims), spec)
+    defaults = resolve_config(Config(env=env, sims=known.sims, algo=known.algo or Config.algo), spec)
     if known.resume:
         from shmrl.files import checkpoint
 
@@ -205,6 +205,9 @@ def flags_markdown() -> str:
 
     tables = [(f"family {name}", table) for name, table in all_tables()["family"].items()]
     tables += [(f"`{name}`", table) for name, table in all_tables()["env"].items()]
+    sac = all_tables().get("sac", {})   # --algo sac's own tables
+    tables += [("--algo sac", {k: v for k, v in sac.items() if k != "env"})]
+    tables += [(f"--algo sac `{name}`", table) for name, table in sac.get("env", {}).items()]
     shown = resolve_config(Config())
     out = ["# Flags of `python -m shmrl.run`", "",
            "Generated from shmrl/config/settings.py and shmrl/config/presets.toml by `python -m shmrl.run --flags-markdown` "

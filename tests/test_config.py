@@ -84,6 +84,11 @@ FLAG_VALUES = [
     (["--max-seconds", "60"], "max_seconds", 60.0),
     # issue 34: the learner's device
     (["--device", "cpu"], "device", "cpu"),
+    # issue 36: SAC
+    (["--algo", "sac", "--env", "Pendulum-v1"], "algo", "sac"), (["--buffer-size", "5000"], "buffer_size", 5000),
+    (["--learning-starts", "50"], "learning_starts", 50), (["--tau", "0.01"], "tau", 0.01),
+    (["--gradient-steps", "2"], "gradient_steps", 2.0), (["--target-entropy", "-2"], "target_entropy", -2.0),
+    (["--publish-every", "10"], "publish_every", 10),
 ]
 
 
@@ -99,7 +104,8 @@ def test_every_flag_of_the_old_command_line_is_still_there():
                                             "--learn-per-step", "--target-kl", "--slow-rate", "--ortho-init", "--no-ortho-init",
                                             "--plot", "--no-plot", "--verbose", "--no-verbose",
                                             "--eval-every", "--eval-games", "--stop-win-rate", "--max-seconds",
-                                            "--device"}
+                                            "--device", "--algo", "--buffer-size", "--learning-starts", "--tau",
+                                            "--gradient-steps", "--target-entropy", "--publish-every"}
     titles = [group.title for group in parser._action_groups]
     for old in ("logs, checkpoints and resuming", "transports", "multi-agent envs (PettingZoo: --env pz:NAME)",
                 "sampling and PPO"):

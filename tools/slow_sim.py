@@ -32,7 +32,8 @@ import gymnasium
 RATE_VAR = "SLOW_SIM_STEPS_PER_S"
 # shmrl's factory (--env tools.slow_sim:NAME) -> the gymnasium env it throttles.
 BASE_IDS = {"half_cheetah": "HalfCheetah-v5", "hopper": "Hopper-v5", "cart_pole": "CartPole-v1",
-            "inverted_pendulum": "InvertedPendulum-v5", "mountain_car": "MountainCarContinuous-v0"}
+            "inverted_pendulum": "InvertedPendulum-v5", "mountain_car": "MountainCarContinuous-v0",
+            "pendulum": "Pendulum-v1"}
 
 
 class Pace:
@@ -99,6 +100,10 @@ def inverted_pendulum():
 
 def mountain_car():   # continuous control without mujoco: the tests' slow simulator
     return make("MountainCarContinuous-v0")
+
+
+def pendulum():   # SAC's slow test (tests/test_sac.py): gymnasium's Pendulum, throttled
+    return make("Pendulum-v1")
 
 
 for _base in BASE_IDS.values():

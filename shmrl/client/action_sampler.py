@@ -4,7 +4,15 @@ describes: logits per categorical part, then means and log-stds per Gaussian par
 its log-probability, and the greedy action for evaluation.
 
 The learner's side (log-probabilities and entropy in torch) is ``shmrl.model.ppo.PPO.log_prob``;
-tests/test_actor.py checks that the two agree. Used by ``shmrl.client.actor`` in every simulator
+tests/test_actor.py checks that the two agree.
+
+SAC's policy (``dist`` ``squashed_gaussian``, which its ONNX model's metadata and SET_CONFIG's
+``action_dist`` name: docs/RLLINK.md §4.2) gives the same (mean, log_std) before a squash:
+u ~ N(mean, exp(log_std)), the action low + (tanh(u) + 1) / 2 x (high - low), its
+log-probability that of u less the log of the squash's and the scaling's derivatives
+(``squashed_log_prob``; ``shmrl.model.sac.SAC.log_prob`` is the torch side, tests/test_sac.py
+checks they agree). ``uniform``: actions uniform within the Box's bounds, whatever the policy
+says (SAC's warm-up, which SET_STATE's ``action_dist`` asks for). Used by ``shmrl.client.actor`` in every simulator
 and by eval; like every client module, this never imports torch.
 """
 from __future__ import annotations
@@ -16,6 +24,21 @@ import numpy as np
 from shmrl.core.spaces import ActionLayout
 
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+LOG_2 = math.log(2.0)
+DISTS = ("gaussian", "squashed_gaussian", "uniform")   # how a Box's output 0 is sampled
+
+
+def log_tanh_derivative(u: np.ndarray) -> np.ndarray:
+    """log(1 - tanh(u)^2), without the loss of precision of 1 - tanh(u)^2 near +-1:
+    2 (log 2 - u - softplus(-2u))."""
+    return 2.0 * (LOG_2 - u - np.logaddexp(0.0, -2.0 * u))
+
+
+def squashed_log_prob(u: np.ndarray, noise: np.ndarray, log_std: np.ndarray, half_range: np.ndarray) -> np.ndarray:
+    """The log-density, per row, of the action low + (tanh(u) + 1) x half_range where
+    u = mean + exp(log_std) x noise."""
+    gauss = (-0.5 * noise * noise - log_std).sum(axis=1) - u.shape[1] * HALF_LOG_2PI
+    return gauss - log_tanh_derivative(u).sum(axis=1) - np.log(half_range).sum()
 
 
 class ActionSampler:
@@ -29,9 +52,24 @@ class ActionSampler:
 
     SMALL = 64  # logits up to this many numbers are sampled row by row in plain Python
 
-    def __init__(self, layout: ActionLayout, rng: np.random.Generator, block: int = 4096):
+    def __init__(self, layout: ActionLayout, rng: np.random.Generator, block: int = 4096, dist: str | None = None):
         self.layout, self.rng, self.block = layout, rng, block
         self._u, self._i = rng.random(block).tolist(), 0
+        self.dist = "gaussian"
+        self.set_dist(dist)
+
+    def set_dist(self, dist: str | None) -> None:
+        """Sample a Box's output 0 as ``dist`` (one of DISTS; None: a plain Gaussian)."""
+        dist = dist or "gaussian"
+        if dist not in DISTS:
+            raise ValueError(f"action_dist {dist!r} is not one of {list(DISTS)}")
+        if dist != "gaussian" and not self.layout.single_box:
+            raise ValueError(f"action_dist {dist!r} takes a single Box action space")
+        if dist != "gaussian":
+            part = self.layout.parts[0]
+            self.low = np.asarray(part.low, np.float32)
+            self.half_range = (np.asarray(part.high, np.float64) - part.low).astype(np.float32) / 2
+        self.dist = dist
 
     def _uniform(self) -> float:
         if self._i == self.block:
@@ -47,6 +85,10 @@ class ActionSampler:
         if layout.single_discrete and dist_inputs.size <= self.SMALL:
             return self._categorical_small(dist_inputs)
         if layout.single_box:
+            if self.dist == "squashed_gaussian":
+                return self._squashed(dist_inputs)
+            if self.dist == "uniform":
+                return self._uniform_box(len(dist_inputs))
             return self._gaussian(dist_inputs)
         n = len(dist_inputs)
         actions = np.zeros((n, layout.action_size), layout.action_dtype)
@@ -98,9 +140,27 @@ class ActionSampler:
         logp = (-0.5 * noise * noise - log_std).sum(axis=1) - d * HALF_LOG_2PI
         return actions, logp
 
+    def _squashed(self, dist_inputs: np.ndarray):
+        """SAC's: u ~ N(mean, exp(log_std)), the action low + (tanh(u) + 1) x half range."""
+        d = dist_inputs.shape[1] // 2
+        mean, log_std = dist_inputs[:, :d], dist_inputs[:, d:]
+        noise = self.rng.standard_normal(mean.shape, dtype=np.float32)
+        u = mean + np.exp(log_std) * noise
+        actions = self.low + (np.tanh(u) + 1) * self.half_range
+        return actions.astype(np.float32), squashed_log_prob(u, noise, log_std, self.half_range)
+
+    def _uniform_box(self, n: int):
+        """Uniform within the bounds (SAC's warm-up): the log-density is -log of the volume."""
+        actions = self.low + self.rng.random((n, len(self.low)), dtype=np.float32) * 2 * self.half_range
+        return actions.astype(np.float32), np.full(n, -np.log(2 * self.half_range.astype(np.float64)).sum())
+
     def greedy(self, dist_inputs: np.ndarray):
-        """The most likely action of every part (a categorical's argmax, a Gaussian's mean)."""
+        """The most likely action of every part (a categorical's argmax, a Gaussian's mean;
+        a squashed Gaussian's squashed mean, as SAC evaluates)."""
         layout = self.layout
+        if layout.single_box and self.dist != "gaussian":
+            d = dist_inputs.shape[1] // 2
+            return (self.low + (np.tanh(dist_inputs[:, :d]) + 1) * self.half_range).astype(np.float32)
         actions = np.zeros((len(dist_inputs), layout.action_size), layout.action_dtype)
         for part, dist, cols in layout.slices():
             x = dist_inputs[:, dist]

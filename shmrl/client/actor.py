@@ -69,7 +69,7 @@ class Actor:
     def __init__(self, policy: OnnxPolicy, spec, num_envs: int | None, rng: np.random.Generator,
                  greedy: bool = False):
         check_policy_fits(policy, spec)
-        self.sampler = ActionSampler(spec.actions, rng)
+        self.sampler = ActionSampler(spec.actions, rng, dist=policy.action_dist)
         self.greedy = greedy
         self.num_envs = num_envs
         self.state = None   # [num_envs, state_size] before the next step; None: no memory
@@ -79,12 +79,14 @@ class Actor:
             [0] + [p.size for p in spec.actions.parts if p.kind == "categorical"])
         self.load(policy)
 
-    def load(self, policy: OnnxPolicy) -> None:
+    def load(self, policy: OnnxPolicy, action_dist: str | None = None) -> None:
         """Act with ``policy`` from now on (new weights of the same network): each env
-        keeps its state."""
+        keeps its state. ``action_dist``: how to sample its output 0 (SET_STATE's, e.g.
+        "uniform" in SAC's warm-up); by default as the model's metadata says."""
         if policy.state_size and self.num_envs is None:
             raise ValueError("recurrent policies are single-agent for now: a multi-agent env takes --memory none")
         self.policy = policy
+        self.sampler.set_dist(action_dist or policy.action_dist)
         if policy.state_size and self.state is None:   # the first model: every episode starts from zeros
             self.state = policy.initial_state(self.num_envs)
 

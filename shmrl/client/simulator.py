@@ -80,6 +80,8 @@ def _sample(client, config: dict, state: dict, env_id: str, seed: int, envs_per_
     envs = make_vec_env(env_id, envs_per_sim, seed * 1_000_003)
     actor = Actor(OnnxPolicy(decode_onnx_file(state["onnx_file"])), envs.spec, envs_per_sim,
                   np.random.default_rng(seed))
+    if state.get("action_dist"):   # SET_STATE says how to sample now (SAC's warm-up: uniform)
+        actor.load(actor.policy, state["action_dist"])
     rollout = Rollout(envs_per_sim, steps_per_env)
     obs = envs.reset()
     sent = messages = stepped = 0
@@ -107,7 +109,7 @@ def _sample(client, config: dict, state: dict, env_id: str, seed: int, envs_per_
             raise ConnectionError(f"expected SET_STATE, got {reply['type']}")
         if reply["weights_seq_no"] != seq:
             seq = reply["weights_seq_no"]
-            actor.load(OnnxPolicy(decode_onnx_file(reply["onnx_file"])))
+            actor.load(OnnxPolicy(decode_onnx_file(reply["onnx_file"])), reply.get("action_dist"))
         if "env_steps_per_sample" in reply:   # the server shares its batch anew (RLLINK.md §3.3)
             steps_per_env = -(-reply["env_steps_per_sample"] // envs_per_sim)
             rollout.resize(steps_per_env)

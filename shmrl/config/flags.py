@@ -37,10 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: Config, origins: di
             add_flag(groups[title], f, defaults, (origins or {}).get(f.name))
 
 
-def setting_origins(env, spec=None) -> dict[str, str]:
+def setting_origins(env, spec=None, algo: str = "ppo") -> dict[str, str]:
     """Where each preset setting of ``env`` that is not the house default comes from, as
     --help says it: ``env."CartPole-v1" in presets.toml``, ``family.continuous in ...``."""
-    return {name: f"{origin} in presets.toml" for name, origin in preset_origins(env, spec).items()}
+    return {name: f"{origin} in presets.toml" for name, origin in preset_origins(env, spec, algo).items()}
 
 
 def add_flag(group, f: dataclasses.Field, defaults, origin: str | None = None) -> None:

@@ -50,17 +50,33 @@ def own_table(env) -> tuple[str | None, dict]:
     return None, {}
 
 
-def preset_origins(env, spec=None) -> dict[str, str]:
+def preset_origins(env, spec=None, algo: str = "ppo") -> dict[str, str]:
     """Where each setting the presets give ``env`` comes from: ``family.NAME`` or
-    ``env."ID"`` (the table of presets.toml), by setting name."""
+    ``env."ID"`` (the table of presets.toml), by setting name. With ``algo`` "sac" the
+    PPO tables are left out: SAC's are ``[sac]`` (over the house defaults) and its own
+    ``[sac.env."ID"]`` (rl-zoo3's SAC hyperparameters)."""
+    return {key: origin for key, (origin, _) in _preset_entries(env, spec, algo).items()}
+
+
+def _preset_entries(env, spec, algo: str) -> dict[str, tuple[str, object]]:
+    """{setting: (the table it comes from, its value)} for ``env`` under ``algo``."""
     presets = _presets()
+    if algo == "sac":
+        sac = presets.get("sac", {})
+        out = {key: ("sac", value) for key, value in sac.items() if key != "env"}
+        tables = sac.get("env", {})
+        for name in ((env, env.removeprefix("gym:")) if isinstance(env, str) else ()):
+            if name in tables:
+                out.update({key: (f'sac.env."{name}"', value) for key, value in tables[name].items()})
+                break
+        return out
     name, own = own_table(env)
     family = own.pop("family", None)
     if family is None:
         family = family_of(spec, env)
-    origins = {key: f"family.{family}" for key in presets["family"][family]} if family else {}
-    origins.update({key: f'env."{name}"' for key in own})
-    return origins
+    out = {key: (f"family.{family}", value) for key, value in presets["family"][family].items()} if family else {}
+    out.update({key: (f'env."{name}"', value) for key, value in own.items()})
+    return out
 
 
 def slow_tables(env, spec=None) -> tuple[dict, list[str]]:
@@ -82,15 +98,12 @@ def slow_tables(env, spec=None) -> tuple[dict, list[str]]:
     return out, sources
 
 
-def preset_tables(env, spec=None) -> tuple[dict, list[str]]:
+def preset_tables(env, spec=None, algo: str = "ppo") -> tuple[dict, list[str]]:
     """(the settings the presets give ``env``, the tables they came from) for ``env`` (an
-    id string or a callable) whose spec is ``spec`` (needed only to find its family). An
-    env's own table builds on its family's unless it names another (``family = ""``:
-    none). Settings they leave out take config.py's house defaults."""
-    presets = _presets()
-    origins = preset_origins(env, spec)
-    out = {}
-    for key, origin in origins.items():
-        kind, _, table = origin.partition(".")
-        out[key] = presets[kind][table.strip('"')][key]
-    return out, list(dict.fromkeys(origins.values()))
+    id string or a callable) whose spec is ``spec`` (needed only to find its family), for
+    the algorithm ``algo`` (``preset_origins``). An env's own table builds on its family's
+    unless it names another (``family = ""``: none). Settings they leave out take
+    config.py's house defaults."""
+    entries = _preset_entries(env, spec, algo)
+    return ({key: value for key, (_, value) in entries.items()},
+            list(dict.fromkeys(origin for origin, _ in entries.values())))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from shmrl.config.algos import ALGOS, sac_refusal
 from shmrl.config.presets import PRESETS_FILE, preset_tables
 
 EXIT_SOLVED, EXIT_BUDGET, EXIT_USAGE, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -116,6 +117,11 @@ class RunSettings:
         "declared: the spaces the first external client declares in its GET_CONFIG (docs/CLIENTS.md; if it "
         "declares none, the default env), what --sims 0 --tcp-port P trains without --env; the defaults below "
         "are this env's (default: %(default)s; with --sims 0 --tcp-port P: declared)")
+    algo: str = setting(
+        "ppo", "the learning algorithm: ppo (on-policy, every space), or sac (soft actor-critic, off-policy: a "
+        "replay buffer in the learner, for Box actions with finite bounds, single-agent, no --memory, vector "
+        "observations; its own presets, the [sac] tables of presets.toml); a checkpoint resumes only with the "
+        "algorithm it was trained with (default: %(default)s)", choices=ALGOS)
     seed: int = setting(0, "seed of the learner and, offset per simulator, of the environments and action "
                            "sampling (default: %(default)s)")
     stop_return: float | None = setting(
@@ -401,18 +407,46 @@ class NetworkSettings:
         "(default: %(default)s)", choices=("auto", "cpu", "cuda"))
 
 
+@dataclass(kw_only=True)
+class SACSettings:
+    """What ``shmrl.model.sac.SAC`` takes beside the shared ones (--lr, --gamma,
+    --minibatch-size as its batch size, --hidden, --layers, --activation)."""
+    buffer_size: int | None = setting(
+        1_000_000, "with --algo sac, the replay buffer holds the last N env steps (a ring: the oldest are "
+        "overwritten); its memory is N x (2 x observation + action + 2) x 4 bytes, said in the log "
+        "(default: %(default)s)", preset=True, check=at_least(1), metavar="N")
+    learning_starts: int | None = setting(
+        10_000, "with --algo sac, the clients act uniformly at random for the run's first N env steps, and "
+        "the first gradient step waits for them (default: %(default)s)", preset=True, check=at_least(0),
+        metavar="N")
+    tau: float | None = setting(
+        0.005, "with --algo sac, the target critics move this far toward the critics after each gradient step "
+        "(Polyak averaging) (default: %(default)s)", preset=True, check=Rule("in (0, 1]", lambda v: 0 < v <= 1))
+    gradient_steps: float | None = setting(
+        1.0, "with --algo sac, gradient steps per env step received (the replay ratio; below 1: one every "
+        "1/G env steps); a learner slower than its simulators does what it can and says so in the metrics "
+        "(replay_ratio) (default: %(default)s)", preset=True, check=above(0), metavar="G")
+    target_entropy: float | None = setting(
+        None, "with --algo sac, the entropy the learned temperature aims at (default: -(action dimensions), "
+        "as SB3's 'auto')", kind=float, metavar="H")
+    publish_every: int | None = setting(
+        50, "with --algo sac, publish the policy every N gradient steps (clients take it with their next "
+        "message; they never wait for an update) (default: %(default)s)", preset=True, check=at_least(1),
+        metavar="N")
+
+
 # The groups in the order --help shows them, under its headings (None: the first lines).
 HELP_SECTIONS = ((RunSettings, None), (LogSettings, "logs, checkpoints and resuming"),
                  (TransportSettings, "transports"), (ReliabilitySettings, "simulator failures and hangs"),
                  (MultiAgentSettings, "multi-agent envs (PettingZoo: --env pz:NAME)"),
                  (SamplingSettings, "sampling and PPO"), (PPOSettings, "sampling and PPO"),
-                 (NetworkSettings, "sampling and PPO"))
+                 (SACSettings, "SAC (--algo sac)"), (NetworkSettings, "sampling and PPO"))
 
 
 # The groups listed last to first: a dataclass's fields start with its last base's, so a
 # Config's fields (and summary.json's "config") read in --help's order.
 @dataclass(kw_only=True)
-class Config(NetworkSettings, PPOSettings, SamplingSettings, MultiAgentSettings, ReliabilitySettings,
+class Config(NetworkSettings, SACSettings, PPOSettings, SamplingSettings, MultiAgentSettings, ReliabilitySettings,
              TransportSettings, LogSettings, RunSettings):
     """Everything a run takes, one field per flag of ``python -m shmrl.run`` (its --help
     says what each does). Fields left None take the env's preset (``resolve_config``);
@@ -453,24 +487,24 @@ def with_defaults(cls=Config, **given):
     return cls(**{**house_defaults(cls), **given})
 
 
-def preset_values(env, spec=None) -> tuple[dict, list[str]]:
+def preset_values(env, spec=None, algo: str = "ppo") -> tuple[dict, list[str]]:
     """(every preset setting's value for ``env``, where they came from): the house
     defaults, then the env's family's and its own table in presets.toml (``spec``: to find
-    its family)."""
-    overrides, sources = preset_tables(env, spec)
+    its family); with ``algo`` "sac", SAC's tables instead (``preset_tables``)."""
+    overrides, sources = preset_tables(env, spec, algo)
     where = [f"default in {Path(__file__)}"] + ([" + ".join(sources) + f" in {PRESETS_FILE}"] if sources else [])
     return {**house_defaults(), **overrides}, where
 
 
-def env_defaults(env, spec=None) -> dict:
-    """The preset settings of ``env`` (``spec``: to find its family)."""
-    return preset_values(env, spec)[0]
+def env_defaults(env, spec=None, algo: str = "ppo") -> dict:
+    """The preset settings of ``env`` (``spec``: to find its family) for ``algo``."""
+    return preset_values(env, spec, algo)[0]
 
 
 def resolve_config(config: Config, spec=None) -> Config:
     """A copy with every field left None set to the environment's default (its preset);
     unless given, each simulator's message holds its share of a training batch."""
-    values = env_defaults(config.env, spec)
+    values = env_defaults(config.env, spec, config.algo)
     config = dataclasses.replace(config, **{k: v for k, v in values.items() if getattr(config, k) is None})
     if config.env_steps_per_sample is None:
         config.env_steps_per_sample = -(-config.train_batch_size // max(config.sims, 1))
@@ -531,6 +565,10 @@ def validate(config: Config, spec=None, servers_given: bool = False) -> None:
     if spec is not None and spec.multiagent and config.memory not in (None, "none"):
         raise ConfigError("--memory: recurrent policies are single-agent for now; a multi-agent env takes "
                           "--memory none")
+    if config.algo == "sac":
+        why = sac_refusal(config, spec)
+        if why:
+            raise ConfigError(f"--algo sac: {why}")
 
 
 # ---------------------------------------------------------------- a configuration as it is written down

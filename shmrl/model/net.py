@@ -34,8 +34,8 @@ import math
 
 import numpy as np
 
-from shmrl.onnxio.graph import (FLOAT, INT64, ONNX_ACTIVATIONS, OUTPUT_NAME, UINT8, Graph,  # noqa: F401
-                               ModelTemplate, orthogonal)
+from shmrl.onnxio.graph import (ACTION_DIST_KEY, FLOAT, INT64, ONNX_ACTIVATIONS, OUTPUT_NAME,  # noqa: F401
+                                SQUASHED_GAUSSIAN, UINT8, Graph, ModelTemplate, orthogonal)
 from shmrl.core.spaces import Leaf
 
 OBS_CLIP = 10.0       # normalized observations are clipped to +-10, as VecNormalize does
@@ -486,6 +486,47 @@ class PolicyNet:
         y, state = self.core.torch(x.reshape(batch, len(x) // batch, x.shape[-1]), state, p)
         y = y.reshape(len(x), y.shape[-1])
         return self._masked(self.policy_head.torch(y, p), obs), self.value_head.torch(y, p).squeeze(-1), state
+
+
+class SquashedGaussianNet(PolicyNet):
+    """SAC's actor: the same encoders and trunk, a head of 2 x |A| trained rows (means, then
+    log-stds, state-dependent), the log-stds clamped to [LOG_STD_MIN, LOG_STD_MAX] inside
+    the graph (Min, Max) as in torch. Output 0 is (mean, log_std) before the squash; a client
+    samples u ~ N(mean, exp(log_std)) and acts low + (tanh(u) + 1) / 2 x (high - low)
+    (``shmrl.client.action_sampler``): the model's metadata says so (``action_dist``:
+    ``squashed_gaussian``). Its critic tower (``vf.``) is unused: SAC's Q-networks take
+    the action too (``shmrl.model.sac``)."""
+
+    LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0   # stable-baselines3's
+    BIG = 3.0e38                            # a bound that never binds (the means')
+
+    def __init__(self, spec, *args, **kwargs):
+        super().__init__(spec, *args, **kwargs)
+        d = spec.actions.action_size
+        self.trained_rows, self.log_std_rows = np.arange(2 * d), np.arange(0)
+        self.policy_head = Dense("pi.head", self.policy_head.n_in, 2 * d, None, POLICY_GAIN)
+        self.template = self.graph().template()
+
+    def graph(self) -> Graph:
+        g = super().graph()
+        g.metadata[ACTION_DIST_KEY] = SQUASHED_GAUSSIAN
+        return g
+
+    def policy_head_full(self, g: Graph, x: str, masked: bool) -> str:
+        d = self.spec.actions.action_size
+        hi = np.concatenate([np.full(d, self.BIG), np.full(d, self.LOG_STD_MAX)]).astype(np.float32)
+        lo = np.concatenate([np.full(d, -self.BIG), np.full(d, self.LOG_STD_MIN)]).astype(np.float32)
+        out = g.node("Gemm", [x, "pi.head.w", "pi.head.b"], transB=1)
+        out = g.node("Min", [out, g.const("pi.log_std_max", hi)])
+        return g.node("Max", [out, g.const("pi.log_std_min", lo)], OUTPUT_NAME)
+
+    def actor_torch(self, p: dict, obs: dict):
+        """(mean, log_std) side by side, the log-stds clamped as the graph clamps them."""
+        import torch
+
+        out = self.policy_head.torch(self._torch_tower(self.actor, p, obs), p)
+        d = out.shape[1] // 2
+        return torch.cat([out[:, :d], out[:, d:].clamp(self.LOG_STD_MIN, self.LOG_STD_MAX)], dim=1)
 
 
 class _LazyIndex:

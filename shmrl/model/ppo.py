@@ -18,6 +18,7 @@ The only module of shmrl besides the learner that imports torch.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, fields
 
@@ -30,6 +31,7 @@ from shmrl.core.episode import EpisodeBatch, obs_rows
 from shmrl.model.net import OBS_CLIP, PolicyNet
 from shmrl.core.stats import RunningMeanStd, discounted_sums
 
+log = logging.getLogger("shmrl.run")
 HALF_LOG_2PI = 0.5 * float(np.log(2 * np.pi))
 MAX_LOG_RATIO = 20.0   # beyond: the behaviour log-probability is not one a policy gave
 
@@ -158,6 +160,11 @@ def as_leaves(obs, net: PolicyNet) -> dict:
 
 
 class PPO:
+    """PPO for one policy, as the trainer drives it (``shmrl.model.algorithm``): ``learn``
+    (``make_batch``, ``update``, ``update_obs_stats``), ``published_weights``, ``get_state``."""
+    ROW_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac")
+    action_dist = None   # clients sample output 0 as RLlib lays it out
+
     def __init__(self, net: PolicyNet, config: PPOSettings, seed: int = 0,
                  initial_weights: dict[str, np.ndarray] | None = None, device: str = "cpu"):
         """``net``: the actor (published) and the critic (``shmrl.model.net``). ``config``: the
@@ -189,6 +196,23 @@ class PPO:
         critic = [p for name, p in self.params.items() if name.startswith("vf.")]
         self.optimizer = FlatAdam([*actor, *([self.log_std] if self.log_std is not None else []), *critic],
                                   lr=config.lr, device=self.device)
+        self.learned = 0   # updates learned (the warning of absurd log-probabilities is said every 100th)
+
+    def learn(self, chunks: EpisodeBatch, progress: float = 0.0, reward_scale: float | None = None,
+              plan: dict | None = None, publish=None) -> dict:
+        """One update on ``chunks`` (GAE, then ``update`` with ``plan``: epochs, minibatch size,
+        target KL), then their observations into the statistics; its stats, or
+        ``{"skipped": why}`` (the weights as they were, the statistics too)."""
+        result = self.update(self.make_batch(chunks, reward_scale=reward_scale), progress, **(plan or {}))
+        if "skipped" in result:
+            return result
+        if result["ratio_out_of_bounds"] and self.learned % 100 == 0:   # now and then, not every update
+            log.warning("%.1f%% of the batch's steps have a behaviour action_logp more than %g from the policy's "
+                        "own (a client's absurd log-probabilities): they get no policy gradient",
+                        100 * result["ratio_out_of_bounds"], MAX_LOG_RATIO)
+        self.learned += 1
+        self.update_obs_stats(chunks)
+        return result
 
     def published_weights(self) -> dict[str, np.ndarray]:
         """The policy as the ONNX graph takes it: the actor, its log-std in the head's extra

@@ -26,6 +26,10 @@ ELEM_TYPES = {np.dtype(np.float32): FLOAT, np.dtype(np.uint8): UINT8, np.dtype(n
               np.dtype(np.int64): INT64, np.dtype(np.bool_): BOOL}
 # What the policy's graph calls its output 0 (RLlib's name: its client reads output 0).
 OUTPUT_NAME = "action_dist_inputs"
+# The model metadata key that names output 0's distribution where it is not a plain Gaussian
+# or categorical: "squashed_gaussian" for SAC (docs/RLLINK.md §4.2); absent: PPO's.
+ACTION_DIST_KEY = "action_dist"
+SQUASHED_GAUSSIAN = "squashed_gaussian"
 # torch.nn.functional activation -> ONNX operator
 ONNX_ACTIVATIONS = {"ReLU": "Relu", "Tanh": "Tanh", "Sigmoid": "Sigmoid", "ELU": "Elu"}
 # AttributeProto.AttributeType
@@ -109,6 +113,7 @@ class Graph:
         self.shapes: dict[str, tuple] = {}   # weight name -> shape, in the order declared
         self._names: set = set()
         self._counter = 0
+        self.metadata: dict[str, str] = {}   # the model's metadata_props (ACTION_DIST_KEY: how to sample output 0)
 
     def _fresh(self, name: str) -> str:
         if name in self._names:
@@ -156,7 +161,8 @@ class Graph:
     def template(self) -> "ModelTemplate":
         graph = _msg(7, *self._nodes, _str(2, self.name), *self._initializers, *self._inputs, *self._outputs)
         opset = _msg(8, _str(1, ""), _int(2, OPSET))
-        return ModelTemplate([*_int(1, IR_VERSION), *_str(2, "shmrl"), *graph, *opset], dict(self.shapes))
+        meta = [p for k, v in self.metadata.items() for p in _msg(14, _str(1, k), _str(2, v))]
+        return ModelTemplate([*_int(1, IR_VERSION), *_str(2, "shmrl"), *graph, *opset, *meta], dict(self.shapes))
 
 
 class ModelTemplate:

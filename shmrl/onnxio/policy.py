@@ -19,7 +19,7 @@ import gzip
 
 import numpy as np
 
-from shmrl.onnxio.graph import ONNX_ACTIVATIONS, OUTPUT_NAME, Graph, orthogonal
+from shmrl.onnxio.graph import ACTION_DIST_KEY, ONNX_ACTIVATIONS, OUTPUT_NAME, Graph, orthogonal
 from shmrl.core.spaces import FLAT_INPUT as INPUT_NAME
 
 
@@ -124,6 +124,9 @@ class OnnxPolicy:
                                    key=lambda name: int(name.split(".", 1)[1]))
         self.state_sizes = [int(self.inputs[name].shape[-1]) for name in self.state_inputs]
         self.state_size = sum(self.state_sizes)   # 0: no memory
+        # How output 0 is sampled: "squashed_gaussian" (SAC) where the model says so, else
+        # None (categorical logits and Gaussian means and log-stds, as RLlib lays them out).
+        self.action_dist = self.session.get_modelmeta().custom_metadata_map.get(ACTION_DIST_KEY)
         self._bound: dict[int, tuple] = {}  # batch size -> (binding, [(key, input buffer)], output buffer)
 
     def input_for(self, leaf: str) -> str | None:

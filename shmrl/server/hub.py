@@ -86,9 +86,12 @@ class SingleAgentMessages:
         return {DEFAULT_POLICY: batch}, check_episodes(batch, self.spec, self.state_size)
 
     def set_state(self, weights_seq_no: int, policies: dict) -> dict:
-        # its bytes (key order included) as RLlib's JSON has them
-        return {"type": T.SET_STATE.value, "onnx_file": policies[DEFAULT_POLICY]["onnx_file"],
-                "weights_seq_no": weights_seq_no}
+        # its bytes (key order included) as RLlib's JSON has them; SAC's adds how to sample (§4.2)
+        entry = policies[DEFAULT_POLICY]
+        msg = {"type": T.SET_STATE.value, "onnx_file": entry["onnx_file"], "weights_seq_no": weights_seq_no}
+        if "action_dist" in entry:
+            msg["action_dist"] = entry["action_dist"]
+        return msg
 
 
 class MultiAgentMessages:

@@ -47,7 +47,7 @@ class Serving:
     def __init__(self, servers: list, config, policy_specs: dict[str, EnvSpec], templates: dict[str, ModelTemplate],
                  initial_weights: dict[str, dict], *, multiagent: bool = False, first_weights_seq_no: int = 1,
                  housekeeping=None, state_size: int = 0, extra_config: dict | None = None, agents=None,
-                 shared_batch: int | None = None):
+                 shared_batch: int | None = None, off_policy: bool = False, action_dists: dict | None = None):
         """Serves the policies ``policy_specs`` (policy id -> EnvSpec; a single-agent run's
         one is ``DEFAULT_POLICY``) and publishes their ``initial_weights`` (into the graphs
         ``templates``, by policy id) at once, as version ``first_weights_seq_no``: clients
@@ -69,16 +69,26 @@ class Serving:
         floats of a recurrent policy's state (0: none). ``extra_config``: more fields for
         SET_CONFIG (a multi-agent run's policy map); ``agents``: a multi-agent env's agent
         ids, the only ones its chunks may carry. ``shared_batch``: the train batch spread over
-        whoever samples (``Hub.share``); None: every client gets ``config.env_steps_per_sample``."""
+        whoever samples (``Hub.share``); None: every client gets ``config.env_steps_per_sample``.
+
+        ``off_policy`` (SAC, ``shmrl.model.algorithm``): no client ever waits for an update
+        (each is answered at once, however many steps wait), no chunk is too old, and a
+        batch is handed over as soon as any step waits, with every step that waits: the
+        learner's replay buffer takes them all. ``action_dists``: per policy id, how its
+        clients are to sample output 0 now (SET_STATE's ``action_dist``; None: as the model
+        says), changed by ``publish``."""
         self.servers, self.multiagent = servers, multiagent
+        self.off_policy = off_policy
+        self.action_dists = {pid: d for pid, d in (action_dists or {}).items() if d}
         self.train_batch_size = config.train_batch_size
         self.max_policy_lag = config.max_policy_lag
-        on_policy = not config.async_sampling
+        on_policy = not (config.async_sampling or off_policy)
         reward_gamma = config.gamma if config.normalize_reward else None
         time_limit = min((getattr(spec, "max_episode_steps", None) or 0 for spec in policy_specs.values()), default=0)
         self.store = EpisodeStore(policy_specs, config.return_window, reward_gamma, time_limit or None)
         self.hub = Hub(policy_specs, self.store, config.env_steps_per_sample, on_policy,
-                       max_pending_steps=None if on_policy else self.train_batch_size, auth_token=config.auth_token,
+                       max_pending_steps=None if on_policy or off_policy else self.train_batch_size,
+                       auth_token=config.auth_token,
                        state_size=state_size, multiagent=multiagent, extra_config=extra_config,
                        client_budget=client_budget(config), agents=agents,
                        bounds=Bounds(max_obs_abs=config.max_obs_abs, max_reward_abs=config.max_reward_abs),
@@ -125,20 +135,22 @@ class Serving:
         self._wake_pipe.drain()
         while not self._published.empty():
             version, policies = self._published.get_nowait()
-            self.hub.set_state(version, policies)
+            if version is not None:   # None: the batch was taken, no new weights (``taken``)
+                self.hub.set_state(version, policies)
             self._batch_out = False
         n = self._serve_requests()
         if self.housekeeping is not None:
             self.housekeeping(self)
         if not self._batch_out and not self.store.pending_steps and self.hub.all_waiting():
             self.hub.release_waiting()   # they sent chunks without steps: no update will come
-        if not self._batch_out and self.ready():
+        if not self._batch_out and self._batches.empty() and self.ready():   # (SAC publishes mid-update)
             # Asynchronous clients go on sampling while a batch trains: a batch is still one
             # batch, so that learning per env step is what it is on-policy; the rest waits.
-            max_lag = None if self.hub.on_policy else self.max_policy_lag
+            max_lag = None if self.hub.on_policy or self.off_policy else self.max_policy_lag
             if self.first_batch_rate is None:
                 self.first_batch_rate = self.hub.delivery_rate()
-            batches = self.store.take(self.weights_seq_no, max_lag, self.train_batch_size, self.min_seq)
+            batches = self.store.take(self.weights_seq_no, max_lag, None if self.off_policy else self.train_batch_size,
+                                      self.min_seq)
             self._batches.put((batches, self.weights_seq_no))
             self._batch_out = True
         self.hub.flush_actions()   # server-side inference: this round's ACTs, one forward pass
@@ -204,6 +216,8 @@ class Serving:
 
     def ready(self) -> bool:
         pending, hub = self.store.pending_steps, self.hub
+        if pending and self.off_policy:
+            return True
         if pending >= self.train_batch_size or (pending > 0 and hub.all_waiting()):
             return True
         if (pending > 0 and hub.waiting_since is not None and self.batch_wait_timeout is not None
@@ -246,11 +260,23 @@ class Serving:
         except queue.Empty:
             return None
 
-    def publish(self, weights: dict, update: int = 0) -> None:
+    def taken(self) -> None:
+        """The trainer took the batch handed over and publishes nothing for it (SAC's warm-up):
+        the serving thread may hand over the next one."""
+        self._published.put((None, None))
+        self._wake_pipe.wake()
+
+    def publish(self, weights: dict, update: int = 0, action_dists: dict | None = None) -> None:
         """Export ``weights`` (by policy id; those not given stay as they were) as the next
         version; the serving thread sends it out. A policy whose weights are not all finite
         is never published: it keeps its model. ``update``: the trainer's update that made
-        them (0: none); every ``league_every``-th update's join the league."""
+        them (0: none); every ``league_every``-th update's join the league. ``action_dists``:
+        how clients are to sample each policy's output 0 from now on (None: as its model says)."""
+        for pid, dist in (action_dists or {}).items():
+            if dist:
+                self.action_dists[pid] = dist
+            else:
+                self.action_dists.pop(pid, None)
         weights = finite_weights(weights)
         never = [pid for pid in self.templates if pid not in weights and pid not in self.model_bytes]
         if never:   # the first weights (a checkpoint's, say): nothing sound to serve instead
@@ -266,7 +292,9 @@ class Serving:
                 mine = sorted((k for k in self.league if k.split("@", 1)[0] == pid), key=lambda k: self.league[k][0])
                 for old in mine[:-self.league_size]:
                     del self.league[old]
-        policies = {pid: {"onnx_file": f, "weights_seq_no": self.model_seqs[pid]} for pid, f in self._files.items()}
+        policies = {pid: {"onnx_file": f, "weights_seq_no": self.model_seqs[pid],
+                          **({"action_dist": self.action_dists[pid]} if pid in self.action_dists else {})}
+                    for pid, f in self._files.items()}
         policies.update({name: {"onnx_file": f, "weights_seq_no": seq, "frozen": True}
                          for name, (seq, f) in self.league.items()})
         self._published.put((self.weights_seq_no, policies))

@@ -1,7 +1,7 @@
 """The one training loop: take a batch -> update -> publish -> log -> checkpoint -> stop?
 
 ``Training`` is a run that trains (``shmrl.trainer.lifecycle.Run`` gives it its life): it
-holds the run's set-up, serving side, PPOs, supervisor, metrics log, clock, evaluator and
+holds the run's set-up, serving side, learners (PPO or SAC), supervisor, metrics log, clock, evaluator and
 last metrics row, and loops until the stop return (or a self-play run's stop win rate,
 ``shmrl.trainer.win_rate``) or the step or time budget, and always ends by writing the
 policy (the best evaluated, where a self-play run is evaluated), a checkpoint and
@@ -38,7 +38,7 @@ from shmrl.model.torch_import import start_torch_import, started_since
 from shmrl.trainer.report import (DETAIL_EVERY, Clock, LearnerWall, books, metrics_row, progress_line, run_summary,
                                   share, wall_line)
 from shmrl.trainer.resume import policy_file, save_checkpoint, spent_budget
-from shmrl.trainer.setup import Setup, make_ppos, make_serving, set_up, switch_to_slow
+from shmrl.trainer.setup import Setup, make_learners, make_serving, set_up, switch_to_slow
 from shmrl.trainer.win_rate import WinRateEval
 
 log = logging.getLogger("shmrl.run")
@@ -93,37 +93,42 @@ class UpdateCounts:
     last: dict | None = None    # the stats of update ``done``, counted with it: its metrics row's own numbers
 
 
-def update(serving: Serving, ppos: dict, counts: UpdateCounts, batches: dict, version: int, progress: float = 0.0,
-           plan: dict | None = None) -> dict | None:
-    """One PPO update of each policy on its chunks (``batches``: policy id -> its batches,
-    taken at weights ``version``), then publish the new weights (and observation
-    statistics); ``counts`` counts it. ``progress``: the fraction of the step budget
-    trained; ``plan``: the epochs, minibatch size and target KL of this update
-    (``LearnPerStep``; default: the config's). The stats are their means weighted by steps,
-    and each policy's under ``policies``."""
+def update(serving: Serving, learners: dict, counts: UpdateCounts, batches: dict, version: int,
+           progress: float = 0.0, plan: dict | None = None) -> dict | None:
+    """One update of each policy's learner (PPO or SAC: ``shmrl.model.algorithm``) on its
+    chunks (``batches``: policy id -> its batches, taken at weights ``version``), then
+    publish the new weights (and observation statistics); ``counts`` counts it.
+    ``progress``: the fraction of the step budget trained; ``plan``: the epochs, minibatch
+    size and target KL of a PPO update (``LearnPerStep``; default: the config's). The
+    stats are their means weighted by steps, and each policy's under ``policies``. A
+    learner that took its chunks and learned nothing yet (SAC's warm-up) publishes
+    nothing: the serving side is told it may hand over the next batch."""
     t0 = time.perf_counter()
     if not batches:   # nothing to learn from: a new version releases any client held back
         serving.publish({})
         return None
     chunks = {pid: EpisodeBatch.concat(b) for pid, b in batches.items()}
-    per_policy, lags, skipped = {}, [], {}
+    per_policy, lags, skipped, waiting = {}, [], {}, {}
     for pid, sub in chunks.items():
-        ppo = ppos[pid]
+        learner = learners[pid]
         seq = sub.weights_seq_no
-        scale = ppo.config.reward_scale * serving.store.policies[pid].reward_scale()
-        result = ppo.update(ppo.make_batch(sub, reward_scale=scale), progress, **(plan or {}))
+        scale = learner.config.reward_scale * serving.store.policies[pid].reward_scale()
+
+        def publish(weights, pid=pid, learner=learner):   # in the middle of a long update (SAC)
+            serving.publish({pid: weights}, action_dists={pid: learner.action_dist})
+
+        result = learner.learn(sub, progress, reward_scale=scale, plan=plan, publish=publish)
+        if result is None:   # taken, nothing learned yet
+            waiting[pid] = sub
+            continue
         if "skipped" in result:   # the weights stay as they were; its steps are dropped
             skipped[pid] = result["skipped"]
             continue
         lags.extend((version - seq[seq >= 0]).tolist())
         per_policy[pid] = {**result, "batch_steps": sub.num_steps, "reward_scale": scale}
-        if result["ratio_out_of_bounds"] and counts.done % 100 == 0:   # now and then, not every update
-            from shmrl.model.ppo import MAX_LOG_RATIO   # loaded already (torch is, by now)
-
-            log.warning("policy %r: %.1f%% of the batch's steps have a behaviour action_logp more than %g from "
-                        "the policy's own (a client's absurd log-probabilities): they get no policy gradient",
-                        pid, 100 * result["ratio_out_of_bounds"], MAX_LOG_RATIO)
-        ppo.update_obs_stats(sub)
+    if waiting:
+        with signals_held():
+            serving.store.trained(waiting)
     if skipped:
         skip_update(serving, counts, {pid: chunks[pid] for pid in skipped}, skipped)
         if not per_policy:
@@ -131,16 +136,21 @@ def update(serving: Serving, ppos: dict, counts: UpdateCounts, batches: dict, ve
             return None
     else:
         counts.skipped_in_a_row = 0
+    if not per_policy:
+        serving.taken()
+        return None
     total = sum(p["batch_steps"] for p in per_policy.values())
+    row_stats = type(learners[next(iter(per_policy))]).ROW_STATS
     stats = {k: sum(p[k] * p["batch_steps"] for p in per_policy.values()) / total
-             for k in ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "lr", "reward_scale", "epochs_run")}
-    weights = {pid: ppos[pid].published_weights() for pid in per_policy}
+             for k in (*row_stats, "lr", "reward_scale", "epochs_run")}
+    weights = {pid: learners[pid].published_weights() for pid in per_policy}
     with signals_held():   # counted whole: its steps trained, its number, its weights and its stats, or none
         serving.store.trained({pid: chunks[pid] for pid in per_policy})   # only this thread writes steps_trained
         counts.done += 1
-        serving.publish(weights, update=counts.done)
+        serving.publish(weights, update=counts.done, action_dists={pid: learners[pid].action_dist for pid in weights})
         stats.update(update=counts.done, batch_steps=total, policy_lag=float(np.mean(lags)) if lags else 0.0,
-                     train_s=time.perf_counter() - t0, weights_seq_no=serving.weights_seq_no, policies=per_policy)
+                     train_s=time.perf_counter() - t0, weights_seq_no=serving.weights_seq_no, policies=per_policy,
+                     row_stats=row_stats)
         counts.last = stats
     return stats
 
@@ -162,7 +172,7 @@ class Training(Run):
         super().__init__(setup, servers, supervisor, t_start)
         config = setup.config
         self.counts = UpdateCounts(done=setup.resumed[2]["update"] if setup.resumed else 0)
-        self.ppos: dict | None = None        # policy id -> PPO, once torch is loaded
+        self.learners: dict | None = None    # policy id -> its learner (PPO or SAC), once torch is loaded
         self.metrics = None                  # MetricsLog, once the loop begins
         self.clock = Clock(t_start, 0)
         self.judge = WinRateEval(config.env, setup.policy_specs, config.eval_every, config.eval_games,
@@ -197,9 +207,9 @@ class Training(Run):
     def prepare(self) -> None:
         # The first policy is published and served before torch is loaded (about 2 s): the
         # simulators start (their fork server loads numpy and onnxruntime) and sample while this
-        # process imports torch (begun here, or while joining a Ray cluster); make_ppos waits for it.
+        # process imports torch (begun here, or while joining a Ray cluster); make_learners waits for it.
         self.torch_import = self.torch_import or start_torch_import()
-        self.ppos = make_ppos(self.setup)
+        self.learners = make_learners(self.setup)
 
     def loop(self) -> int:
         """Take a batch -> update -> publish -> (evaluate) -> log -> checkpoint, until the
@@ -235,7 +245,7 @@ class Training(Run):
                     self.learning = learning
                     continue   # the batch was the other profile's: dropped
             t0 = time.perf_counter()
-            stats = update(self.serving, self.ppos, self.counts, *batch,
+            stats = update(self.serving, self.learners, self.counts, *batch,
                            progress=store.steps_trained / config.max_env_steps, plan=learning.plan())
             self.clock.trained(time.perf_counter() - t0)
             if not stats:
@@ -274,20 +284,20 @@ class Training(Run):
     def choose_profile(self, chunks: dict) -> bool:
         """The profile the run goes on with, from the env steps per second its simulators
         delivered until the first batch (``simulators_slow``); True if it switched to the
-        slow one (``ppos`` then holds the new PPOs and ``chunks`` were dropped)."""
+        slow one (``learners`` then holds the new PPOs and ``chunks`` were dropped)."""
         setup, rate = self.setup, self.serving.first_batch_rate
         slow, line = simulators_slow(rate, setup.config.slow_rate)
         print(line, flush=True)
         if not slow:
             setup.slow, setup.profile = None, {"name": "preset", "why": line, "sim_rate": rate}
             return False
-        self.ppos.update(switch_to_slow(setup, self.serving, chunks, rate))
+        self.learners.update(switch_to_slow(setup, self.serving, chunks, rate))
         return True
 
     def checkpoint(self) -> Path:
         config = self.config
         return save_checkpoint(Path(config.logdir), self.counts.done, self.serving.weights_seq_no, self.serving.store,
-                               self.ppos, saved_config(config), config.keep_checkpoints, self.setup.multiagent)
+                               self.learners, saved_config(config), config.keep_checkpoints, self.setup.multiagent)
 
     def end(self, status: int, error: str | None, unsaid: list) -> tuple[int, dict]:
         if not unsaid:   # a write that failed (a full disk): the rows written stay as they are
@@ -333,7 +343,7 @@ class Training(Run):
         setup, serving, logdir = self.setup, self.serving, Path(self.config.logdir)
         problems, written = list(unsaid), None
         try:   # first what a resume needs (each file whole or not at all: a full disk leaves the last one)
-            written = self.checkpoint() if self.ppos is not None else None
+            written = self.checkpoint() if self.learners is not None else None
         except CheckpointError as e:
             problems.append(str(e))
         try:
@@ -345,7 +355,7 @@ class Training(Run):
             status, error = EXIT_FAILED, "; ".join(dict.fromkeys(([error] if error else []) + problems))
         result = {**run_summary(self, status, error), **self.judge.summary(), "profile": setup.profile,
                   "device": setup.device, "config": saved_config(self.config)}
-        if self.ppos is not None:
+        if self.learners is not None:
             result["checkpoint"] = str(written) if written else None
         try:
             write_json_file(logdir / "summary.json", result)

@@ -84,6 +84,10 @@ class LearnerWall:
 def wall_line(busy_share: float, config) -> str:
     """The one line that says the learner is the wall, and what may move it."""
     gpu = "" if config.device == "cuda" else ", the learner on a GPU where there is one (--device cuda)"
+    if getattr(config, "algo", "ppo") == "sac":   # its clients never wait: it learns less per env step instead
+        return (f"the learner is the wall: busy {100 * busy_share:.0f}% of the time (median of the last {WALL_WINDOW} "
+                f"updates), short of --gradient-steps {config.gradient_steps:g} per env step (the metrics' "
+                f"replay_ratio); what may: fewer or slower simulators, a smaller network{gpu}")
     return (f"the learner is the wall: busy {100 * busy_share:.0f}% of the time (median of the last {WALL_WINDOW} "
             f"updates) while the simulators wait for it, so more simulators will not help; what may: fewer "
             f"epochs (--epochs {config.epochs}), a larger minibatch (--minibatch-size {config.minibatch_size})"
@@ -127,8 +131,9 @@ def returns(serving) -> dict:
 
 # An update with a win-rate evaluation (--eval-every) adds these (shmrl.trainer.win_rate).
 EVAL_STATS = ("win_rate", "best_win_rate", "eval_s", "win_rate_by_policy")
-UPDATE_STATS = ("pi_loss", "v_loss", "entropy", "approx_kl", "clip_frac", "train_s", "learner_share", "learn_level",
-                "epochs_run", "batch_steps", "weights_seq_no", "policy_lag", "lr", "reward_scale", "learner_wall")
+# Every update's; before them in a row, its algorithm's own (``ROW_STATS`` of shmrl.model.ppo.PPO, shmrl.model.sac.SAC).
+UPDATE_STATS = ("train_s", "learner_share", "learn_level", "epochs_run", "batch_steps", "weights_seq_no", "policy_lag",
+                "lr", "reward_scale", "learner_wall")
 
 
 def metrics_row(stats: dict, run) -> dict:
@@ -137,7 +142,8 @@ def metrics_row(stats: dict, run) -> dict:
     serving, clock = run.serving, run.clock
     store, means = serving.store, returns(serving)
     row = {"update": stats["update"], "return_mean": means["return_mean"], "episodes": store.episodes_completed,
-           "env_steps_per_s": clock.steps_per_s(store.steps_received), **{k: stats[k] for k in UPDATE_STATS},
+           "env_steps_per_s": clock.steps_per_s(store.steps_received),
+           **{k: stats[k] for k in stats.get("row_stats", ())}, **{k: stats[k] for k in UPDATE_STATS},
            **{k: stats[k] for k in EVAL_STATS if k in stats},
            **counts(run), "elapsed_s": time.time() - clock.t_start, **means}
     if serving.multiagent:   # each policy's losses too, "<id>/pi_loss"
@@ -184,8 +190,15 @@ def progress_line(row: dict, returns, stop_return: float, max_env_steps: int, de
 def detail_line(row: dict) -> str:
     """The losses, the policy lag, and each client's env steps (and each agent's and
     policy's return in a multi-agent run), indented, on lines of at most WIDTH columns."""
-    items = [f"pi {row['pi_loss']:+.3f} v {row['v_loss']:.3f} ent {row['entropy']:.3f} kl {row['approx_kl']:.4f} "
-             f"lag {row['policy_lag']:.1f} |"]
+    if "q_mean" in row:   # SAC's
+        items = [f"q {row['q_mean']:+.2f} critic {row['critic_loss']:.3f} actor {row['actor_loss']:+.3f} "
+                 f"alpha {row['alpha']:.3f} ent {row['entropy']:.2f} ratio {row['replay_ratio']:.2f} "
+                 f"lag {row['policy_lag']:.1f} |"]
+    elif "pi_loss" in row:   # PPO's
+        items = [f"pi {row['pi_loss']:+.3f} v {row['v_loss']:.3f} ent {row['entropy']:.3f} "
+                 f"kl {row['approx_kl']:.4f} lag {row['policy_lag']:.1f} |"]
+    else:   # another learner's scalars are in metrics.jsonl
+        items = [f"lag {row['policy_lag']:.1f} |"]
     items += [f"{c}={_k(n)}" for c, n in sorted(row["env_steps_by_client"].items(),
                                                  key=lambda kv: (len(kv[0]), kv[0]))]
     items += [f"{a}={r:.2f}" for a, r in sorted(row.get("return_by_agent", {}).items())]

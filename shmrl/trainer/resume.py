@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
-
 from shmrl.files import checkpoint
 from shmrl.config.settings import EXIT_BUDGET, ConfigError
 from shmrl.server.store import DEFAULT_POLICY
@@ -52,17 +50,19 @@ def load_resume_checkpoint(resume: str, env: str, hidden: int, nets: dict, multi
     anything is started or written: a run that cannot resume must leave the folder it
     would resume as it found it."""
     misfits = []   # (path, why) of the readable checkpoints whose arrays do not fit
+    algo = (settings or {}).get("algo")
 
     def misfit(path: Path, arrays: dict, state: dict) -> str | None:
         saved_env = state.get("config", {}).get("env")
         if saved_env is not None and saved_env != env:
             raise ConfigError(f"--resume {resume}: its checkpoint was trained on {saved_env}, not "
                               f"{env}; a run resumes on the env it was trained on")
-        if settings:   # the set of policies first: the arrays are compared policy by policy
+        if settings:   # the algorithm and the set of policies first: the arrays are compared policy by policy
+            refuse_other_algorithm(resume, state, settings)
             refuse_other_network(resume, state, settings, ["policy_map"])
         for pid, net in nets.items():
             prefix = policy_prefix(pid, multiagent)
-            why = net.check(saved_policy(arrays, prefix)) or optimizer_misfit(net, arrays, prefix)
+            why = net.check(saved_policy(arrays, prefix)) or optimizer_misfit(net, arrays, prefix, algo)
             if why:
                 why = f"it does not fit a network of --hidden {hidden} for {net.spec.env_id}: {why}"
                 misfits.append((path, why))
@@ -84,16 +84,22 @@ def load_resume_checkpoint(resume: str, env: str, hidden: int, nets: dict, multi
     return path, arrays, state
 
 
-def optimizer_misfit(net, arrays: dict, prefix: str) -> str | None:
+def optimizer_misfit(net, arrays: dict, prefix: str, algo: str | None = None) -> str | None:
     """Why the flat parameters and Adam moments of the policy at ``prefix`` do not fit
-    ``net`` (the trained weights and the log-std rows, as PPO lays them out), or None."""
-    size = sum(int(np.prod(shape)) for _, shape, _ in net.trained_params()) + len(net.log_std_rows)
-    for name in ("params", "exp_avg", "exp_avg_sq"):
-        found = arrays.get(prefix + name)
-        if found is None or found.shape != (size,):
-            return (f"its {name!r} has shape {None if found is None else found.shape}, this network's "
-                    f"{(size,)}")
-    return None
+    ``net`` as the learner of ``algo`` lays them out (``shmrl.model.algorithm``), or None."""
+    from shmrl.model.algorithm import algorithm
+
+    return algorithm(algo).misfit(net, arrays, prefix)
+
+
+def refuse_other_algorithm(resume: str, state: dict, settings: dict) -> None:
+    """ConfigError where the checkpoint was trained by another --algo than this run's (one
+    that wrote none was PPO's): its arrays are another learner's."""
+    saved = state.get("config", {}).get("algo") or "ppo"
+    wanted = settings.get("algo") or "ppo"
+    if saved != wanted:
+        raise ConfigError(f"--resume {resume}: its checkpoint was trained with --algo {saved}, not --algo {wanted}; "
+                          "a run resumes with the algorithm it was trained with")
 
 
 def refuse_other_network(resume: str, state: dict, settings: dict, keys=checkpoint.NETWORK_SETTINGS) -> None:
@@ -106,7 +112,7 @@ def refuse_other_network(resume: str, state: dict, settings: dict, keys=checkpoi
 
 
 def ppo_state(state: dict, pid: str, multiagent: bool) -> dict:
-    """Policy ``pid``'s PPO values in a checkpoint's state."""
+    """Policy ``pid``'s learner values (PPO's or SAC's) in a checkpoint's state."""
     return state["ppo"][pid] if multiagent else state["ppo"]
 
 
@@ -120,7 +126,7 @@ def restore_store(store, state: dict, arrays: dict, multiagent: bool) -> None:
 
 def save_checkpoint(logdir: Path, update: int, weights_seq_no: int, store, ppos: dict, config: dict,
                     keep: int, multiagent: bool) -> Path:
-    """Write a checkpoint of PPO state ``ppos`` (policy id -> PPO), the episode ``store``
+    """Write a checkpoint of the learners ``ppos`` (policy id -> PPO or SAC), the episode ``store``
     and the run's ``config`` (JSON)."""
     arrays, ppo_values = {}, {}
     for pid, ppo in ppos.items():

@@ -28,13 +28,10 @@ LARGE_MINIBATCH = 4096
 
 
 def policy_net(config, spec):
-    """The published policy of this run's configuration."""
-    from shmrl.model.net import PolicyNet
+    """The published policy of this run's configuration (and its --algo)."""
+    from shmrl.model.algorithm import algorithm
 
-    return PolicyNet(spec, config.hidden, config.activation, normalize_obs=config.normalize_obs,
-                     log_std_init=config.log_std_init, layers=config.layers, cnn=config.cnn,
-                     memory=None if config.memory == "none" else config.memory, memory_size=config.memory_size,
-                     ortho_init=config.ortho_init)
+    return algorithm(config.algo).net(config, spec)
 
 
 @dataclass
@@ -93,7 +90,9 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None, s
     check_device(config)
     multiagent = spec.multiagent
     slow, profile = None, {"name": "preset", "why": f"--learn-per-step {config.learn_per_step}"}
-    if config.learn_per_step != "off" and not (config.resume or config.pretrain or multiagent):
+    if config.algo != "ppo":   # the slow profile is PPO's: SAC learns as much per env step as --gradient-steps says
+        profile["why"] = f"--algo {config.algo}"
+    elif config.learn_per_step != "off" and not (config.resume or config.pretrain or multiagent):
         config, slow_settings, sources = slow_config(config, spec, given)
         if slow_settings is None:
             profile["why"] = "no slow profile for this env in presets.toml (or the flags given are it)"
@@ -123,6 +122,8 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None, s
     resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent,
                                      saved_config(config))
                if config.resume else None)
+    if config.algo == "sac":
+        say_sac(config, spec)
     if resumed:
         first_weights = {pid: saved_policy(resumed[1], policy_prefix(pid, multiagent)) for pid in nets}
         first_seq = resumed[2]["weights_seq_no"] + 1
@@ -146,6 +147,16 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None, s
         [config.train_batch_size] + ([slow.config.train_batch_size] if slow is not None else []))
     return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained,
                  slow, profile, shared_batch=shared_batch)
+
+
+def say_sac(config, spec) -> None:
+    """The log's line of the algorithm and what its replay buffer takes."""
+    from shmrl.model.algorithm import replay_row_bytes
+
+    nbytes = config.buffer_size * replay_row_bytes(spec)
+    log.info("--algo sac: a replay buffer of %d env steps (%.1f MiB, allocated at once), %d env steps of uniform "
+             "actions first, %g gradient steps per env step", config.buffer_size, nbytes / 2 ** 20,
+             config.learning_starts, config.gradient_steps)
 
 
 def chosen_stop_return(config, spec) -> float:
@@ -229,14 +240,19 @@ def open_recording(setup: Setup, flag: str = "--record"):
 def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
     """The serving side, its first weights published (before torch is even imported);
     ``shmrl.trainer.lifecycle.Run`` gives its store the recorder of --record."""
+    from shmrl.model.algorithm import algorithm
+
     config = setup.config
+    algo = algorithm(config.algo)
+    extra = algo.config_fields() if not setup.multiagent else {
+        "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0}
+    first_dist = algo.first_action_dist(config, bool(setup.resumed))
     serving = Serving(servers, config, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
                       setup.first_weights, multiagent=setup.multiagent, first_weights_seq_no=setup.first_seq,
                       housekeeping=supervisor.check if supervisor else None,
                       state_size=max(net.state_size for net in setup.nets.values()), shared_batch=setup.shared_batch,
-                      agents=setup.spec.agents if setup.multiagent else None,
-                      extra_config=None if not setup.multiagent else {
-                          "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0})
+                      agents=setup.spec.agents if setup.multiagent else None, extra_config=extra or None,
+                      off_policy=algo.off_policy, action_dists={pid: first_dist for pid in setup.nets})
     for pid, (_, reward_stats) in (setup.pretrained or {}).items():
         if reward_stats is not None and serving.store.policies[pid].reward_stats is not None:
             serving.store.policies[pid].reward_stats.set_state(reward_stats, "reward_stats")
@@ -285,16 +301,17 @@ def learner_device(config, nets: dict, has_cuda: bool) -> tuple[str, str]:
                    "faster on the CPU than on a GPU")
 
 
-def make_ppos(setup: Setup) -> dict:
-    """One PPO per policy (policy id -> PPO), from the checkpoint when resuming, on the
-    device ``learner_device`` chooses (said once in the log, kept in ``setup.device``).
-    torch's import, begun in a thread (``shmrl.model.torch_import``), is waited for here."""
+def make_learners(setup: Setup) -> dict:
+    """One learner of --algo per policy (policy id -> PPO or SAC: ``shmrl.model.algorithm``),
+    from the checkpoint when resuming, on the device ``learner_device`` chooses (said once
+    in the log, kept in ``setup.device``). torch's import, begun in a thread
+    (``shmrl.model.torch_import``), is waited for here."""
+    from shmrl.model.algorithm import algorithm
     from shmrl.model.torch_import import import_torch
 
     torch = import_torch()
-    from shmrl.model.ppo import PPO
-
     config = setup.config
+    algo = algorithm(config.algo)
     # 0: every core, for strict on-policy runs whose update dominates (the simulators
     # wait through it, so the learner may take their cores).
     torch.set_num_threads(config.torch_threads or os.cpu_count() or 1)
@@ -302,7 +319,7 @@ def make_ppos(setup: Setup) -> dict:
     if device != setup.device:   # the slow profile's PPOs may land elsewhere: said again only then
         log.info("learner on %s (--device %s: %s)", device, config.device, why)
         setup.device = device
-    ppos = {pid: PPO(net, config, seed=config.seed + i, initial_weights=setup.first_weights[pid], device=device)
+    ppos = {pid: algo.make(net, config, seed=config.seed + i, initial_weights=setup.first_weights[pid], device=device)
             for i, (pid, net) in enumerate(setup.nets.items())}
     for pid, ((arrays, values), _) in (setup.pretrained or {}).items():
         ppos[pid].set_state(arrays, values)
@@ -312,6 +329,9 @@ def make_ppos(setup: Setup) -> dict:
             ppo.set_state(policy_arrays(arrays, policy_prefix(pid, setup.multiagent)),
                           ppo_state(state, pid, setup.multiagent))
     return ppos
+
+
+make_ppos = make_learners   # its name before SAC
 
 
 def switch_to_slow(setup: Setup, serving: Serving, chunks: dict, rate: float) -> dict:
@@ -325,7 +345,7 @@ def switch_to_slow(setup: Setup, serving: Serving, chunks: dict, rate: float) ->
     slow, setup.slow = setup.slow, None
     setup.config, setup.nets = slow.config, slow.nets
     setup.first_weights = {pid: net.initial_weights(slow.config.seed + i) for i, (pid, net) in enumerate(slow.nets.items())}
-    ppos = make_ppos(setup)
+    ppos = make_learners(setup)
     chunks = {pid: EpisodeBatch.concat(batches) for pid, batches in chunks.items()}
     for pid, batch in chunks.items():
         ppos[pid].update_obs_stats(batch)

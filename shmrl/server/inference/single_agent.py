@@ -63,6 +63,7 @@ class ServerInference(Inference):
         self.sampler = ActionSampler(spec.actions, np.random.default_rng(seed))
         self.slots: dict[str, _Slots] = {}
         self._onnx_file = None               # the current version's, until the first ACT needs it
+        self._action_dist = None             # how to sample it (SET_STATE's action_dist; None: as its model says)
         self.policy: OnnxPolicy | None = None
         leaf = spec.obs.leaves[0]
         # One float32 array of the env's shape, the obs of most clients, needs no conversion.
@@ -71,12 +72,15 @@ class ServerInference(Inference):
 
     def load(self, version: int, policies: dict) -> None:
         if version != self.version:
-            self.version, self._onnx_file, self.policy = version, policies[DEFAULT_POLICY]["onnx_file"], None
+            entry = policies[DEFAULT_POLICY]
+            self.version, self._onnx_file, self.policy = version, entry["onnx_file"], None
+            self._action_dist = entry.get("action_dist")   # SAC: squashed_gaussian, or uniform in its warm-up
 
     def _policy(self) -> OnnxPolicy:
         if self.policy is None:
             policy = OnnxPolicy(decode_onnx_file(self._onnx_file))
             check_policy_fits(policy, self.spec)
+            self.sampler.set_dist(self._action_dist or policy.action_dist)
             self.policy = policy
         return self.policy
 
