@@ -224,3 +224,172 @@ def test_a_js_pendulum_trains_a_sac_learner_and_rllibs_ping_is_refused(start_run
     [(client_id, steps)] = summary["env_steps_by_client"].items()
     assert client_id.startswith("tcp:") and steps >= 1600 and summary["updates"] >= 1, summary
     check_books(summary)
+
+
+# ---------------------------------------------------------------- the C header
+
+C_SAMPLE = r"""
+#define SHMRL_CLIENT_IMPLEMENTATION
+#include "shmrl_client.h"
+#include <stdio.h>
+/* stdin: d, the bounds, then rows of (how, d means, d log-stds, d draws); stdout: a row of
+   the action and its logp per row, then rows drawn by shmrl_sample_box from seed 7. */
+int main(void) {
+    int d, i, how, n = 0;
+    float low[4], high[4], dist[8], action[4];
+    double z[4];
+    uint64_t rng = 7;
+    if (scanf("%d", &d) != 1 || d > 4) return 3;
+    for (i = 0; i < d; i++) if (scanf("%f", &low[i]) != 1) return 3;
+    for (i = 0; i < d; i++) if (scanf("%f", &high[i]) != 1) return 3;
+    while (scanf("%d", &how) == 1) {
+        for (i = 0; i < 2 * d; i++) if (scanf("%f", &dist[i]) != 1) return 3;
+        for (i = 0; i < d; i++) if (scanf("%lf", &z[i]) != 1) return 3;
+        printf("%.17g", shmrl_box_action((shmrl_action_dist)how, dist, d, low, high, z, action));
+        for (i = 0; i < d; i++) printf(" %.9g", action[i]);
+        printf("\n");
+        n++;
+    }
+    for (i = 0; i < 400; i++) {
+        double logp = shmrl_sample_box(i < 200 ? SHMRL_DIST_SQUASHED_GAUSSIAN : SHMRL_DIST_UNIFORM, dist, d, low, high,
+                                       &rng, action);
+        printf("%.17g", logp);
+        for (how = 0; how < d; how++) printf(" %.9g", action[how]);
+        printf("\n");
+    }
+    return n ? 0 : 4;
+}
+"""
+
+
+def c_program(tmp_path, name: str, source: str):
+    """``source`` built against clients/c/shmrl_client.h with the Makefile's warning flags."""
+    import shutil
+
+    from test_c_client import C_DIR, WARN, gcc
+
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed (the C client needs it)")
+    (tmp_path / f"{name}.c").write_text(source)
+    gcc(*WARN, "-I", str(C_DIR), "-o", str(tmp_path / name), str(tmp_path / f"{name}.c"), "-lm")
+    return tmp_path / name
+
+
+def test_the_c_headers_box_sampler_is_numpys_and_torchs(tmp_path):
+    """shmrl_box_action for given draws z: the squashed Gaussian's action and logp are
+    numpy's squashed_log_prob for the same u and z (and torch's SAC.log_prob of the float32
+    action, away from the bounds), finite deep in the squash; uniform fills the bounds with
+    -log of the volume; RLlib's Gaussian is the checker's; shmrl_sample_box's own draws too."""
+    import subprocess
+
+    from test_sac import pendulum_sac
+
+    from shmrl.checker.rules import log_probs
+    from shmrl.client.action_sampler import squashed_log_prob
+    from shmrl.core.spaces import action_layout
+
+    torch = pytest.importorskip("torch")
+    gym = pytest.importorskip("gymnasium")
+    exe = c_program(tmp_path, "sample", C_SAMPLE)
+    rng = np.random.default_rng(5)
+
+    def run(low, high, how, dist, z):
+        lines = [f"{len(low)} {' '.join(repr(float(v)) for v in low)} {' '.join(repr(float(v)) for v in high)}"]
+        lines += [f"{h} {' '.join(repr(float(v)) for v in row)} {' '.join(repr(float(v)) for v in zr)}"
+                  for h, row, zr in zip(how, dist, z)]
+        done = subprocess.run([str(exe)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        rows = np.array([[float(v) for v in line.split()] for line in done.stdout.splitlines()])
+        return rows[:len(dist), 0], rows[:len(dist), 1:], rows[len(dist):, 0], rows[len(dist):, 1:]
+
+    # Two dimensions of different bounds: the three distributions against numpy.
+    n, low, high = 300, np.array([-2.0, 0.0]), np.array([2.0, 1.0])
+    dist = np.concatenate([rng.normal(0, 1.5, (n, 2)), rng.uniform(-3, 1, (n, 2))], 1).astype(np.float32)
+    dist[:5, :2], dist[5:10, :2], dist[:10, 2:] = 25.0, -25.0, -3.0   # tanh(u) is +-1.0 in float64
+    z = rng.normal(size=(n, 2))
+    how = np.repeat([1, 2, 0], n // 3)            # squashed, uniform, RLlib's Gaussian
+    z[how == 2] = rng.random(((how == 2).sum(), 2))
+    logp, actions, drawn_logp, drawn = run(low, high, how, dist, z)
+    sq, un, ga = how == 1, how == 2, how == 0
+    d64 = dist.astype(np.float64)
+    pre = d64[:, :2] + np.exp(d64[:, 2:]) * z
+    np.testing.assert_allclose(logp[sq], squashed_log_prob(pre, z, d64[:, 2:], (high - low) / 2)[sq], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(actions[sq], (low + (np.tanh(pre) + 1) / 2 * (high - low))[sq], rtol=1e-6, atol=1e-6)
+    assert np.isfinite(logp).all() and (actions[:5] == high).all() and (actions[5:10] == low).all()
+    np.testing.assert_allclose(actions[un], (low + z * (high - low))[un], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(logp[un], -np.log(high - low).sum(), rtol=1e-12)
+    box = gym.spaces.Box(low.astype(np.float32), high.astype(np.float32), dtype=np.float32)
+    np.testing.assert_allclose(logp[ga], log_probs(action_layout(box), dist[ga], actions[ga]), atol=1e-4)
+    # shmrl_sample_box's own draws (the last row's output 0): within the bounds, spread.
+    sq_drawn, un_drawn = drawn[:200], drawn[200:]
+    for part in (sq_drawn, un_drawn):
+        assert ((part >= low) & (part <= high)).all() and (part.std(0) > 0).all()
+    assert (un_drawn.max(0) - un_drawn.min(0) > 0.8 * (high - low)).all()
+    np.testing.assert_allclose(drawn_logp[200:], -np.log(high - low).sum(), rtol=1e-12)
+
+    # Pendulum's Box: the learner's torch log_prob of the float32 actions.
+    sac, _ = pendulum_sac()
+    dist = np.concatenate([rng.normal(0, 1, (300, 1)), rng.uniform(-2, 0.5, (300, 1))], 1).astype(np.float32)
+    logp, actions, _, _ = run([-2.0], [2.0], [1] * 300, dist, rng.normal(size=(300, 1)))
+    expected = sac.log_prob(torch.tensor(dist), torch.tensor(actions.astype(np.float32))).numpy()
+    np.testing.assert_allclose(logp, expected, rtol=1e-3, atol=2e-3)
+
+
+C_HANDSHAKE = r"""
+#define SHMRL_CLIENT_IMPLEMENTATION
+#include "shmrl_client.h"
+#include <stdio.h>
+int main(int argc, char **argv) {
+    shmrl_options opt; shmrl_client c; shmrl_model m = {0};
+    shmrl_options_init(&opt);
+    if (argc < 3) return 4;
+    opt.port = atoi(argv[1]); opt.server_inference = 0; opt.action_dists = atoi(argv[2]); opt.max_retries = 0;
+    opt.binary = 0;
+    if (shmrl_open(&c, &opt) != SHMRL_OK) { printf("error: %s\n", shmrl_error(&c)); shmrl_close(&c); return 1; }
+    printf("config %d\n", (int)c.config.action_dist);
+    if (shmrl_get_state(&c, &m) != SHMRL_OK) { printf("error: %s\n", shmrl_error(&c)); return 1; }
+    printf("state %d\n", (int)m.action_dist);
+    shmrl_model_free(&m);
+    shmrl_close(&c);
+    return 0;
+}
+"""
+ONNX_FILE = "H4sIAAAAAAAEAwESAO3/YW4gT05OWCBtb2RlbCBmaWxlKURtnBIAAAA="   # RLLINK.md 3.3's example
+
+
+@pytest.mark.parametrize("says, state_dist, expect", [
+    (1, "uniform", ["config 1", "state 2"]),             # SAC's warm-up
+    (1, None, ["config 1", "state 1"]),                  # SET_STATE without one: SET_CONFIG's
+    (0, "uniform", ["error: SET_CONFIG: the learner's policy is sampled as SAC's (action_dist), and this client "
+                    "does not say it samples it (options.action_dists)"]),
+])
+def test_the_c_header_reads_action_dist_and_says_it_samples_it(tmp_path, says, state_dist, expect):
+    """A client-side C client with options.action_dists lists them in its PING, and reads
+    SET_CONFIG's and SET_STATE's action_dist into config.action_dist and model.action_dist;
+    one without it is told, at the handshake, that it does not sample the learner's policy."""
+    import subprocess
+
+    from test_c_client import FakeServer, read_body, send
+
+    exe = c_program(tmp_path, "hs", C_HANDSHAKE)
+    server = FakeServer()
+    proc = subprocess.Popen([str(exe), str(server.port), str(says)], stdout=subprocess.PIPE, text=True)
+    try:
+        conn = server.accept()
+        ping = rllink.decode_request(read_body(conn))
+        assert ping.get("action_dists") == (["squashed_gaussian", "uniform"] if says else None), ping
+        send(conn, {"type": "PONG"})
+        assert rllink.decode_request(read_body(conn))["type"] == "GET_CONFIG"
+        send(conn, {"type": "SET_CONFIG", "env_steps_per_sample": 64, "force_on_policy": True,
+                    "observation_shape": [3], "observation_dtype": "<f4", "action_dist": "squashed_gaussian",
+                    "action_space": {"type": "Box", "shape": [1], "low": [-2.0], "high": [2.0]}})
+        if says:
+            assert rllink.decode_request(read_body(conn))["type"] == "GET_STATE"
+            send(conn, {"type": "SET_STATE", "onnx_file": ONNX_FILE, "weights_seq_no": 1,
+                        **({"action_dist": state_dist} if state_dist else {})})
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+        server.close()
+    assert out.splitlines() == expect, out
