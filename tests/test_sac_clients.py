@@ -348,7 +348,7 @@ int main(int argc, char **argv) {
     if (shmrl_open(&c, &opt) != SHMRL_OK) { printf("error: %s\n", shmrl_error(&c)); shmrl_close(&c); return 1; }
     printf("config %d\n", (int)c.config.action_dist);
     if (shmrl_get_state(&c, &m) != SHMRL_OK) { printf("error: %s\n", shmrl_error(&c)); return 1; }
-    printf("state %d\n", (int)m.action_dist);
+    printf("state %d\n", (int)c.action_dist);
     shmrl_model_free(&m);
     shmrl_close(&c);
     return 0;
@@ -365,7 +365,7 @@ ONNX_FILE = "H4sIAAAAAAAEAwESAO3/YW4gT05OWCBtb2RlbCBmaWxlKURtnBIAAAA="   # RLLIN
 ])
 def test_the_c_header_reads_action_dist_and_says_it_samples_it(tmp_path, says, state_dist, expect):
     """A client-side C client with options.action_dists lists them in its PING, and reads
-    SET_CONFIG's and SET_STATE's action_dist into config.action_dist and model.action_dist;
+    SET_CONFIG's and SET_STATE's action_dist into config.action_dist and the client's action_dist;
     one without it is told, at the handshake, that it does not sample the learner's policy."""
     import subprocess
 

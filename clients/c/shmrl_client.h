@@ -170,6 +170,7 @@ typedef struct shmrl_client {
     int k;                       /* this connection's envs per ACT (0 before its first) */
     long long weights_seq_no;    /* of the last ACTIONS */
     shmrl_config config;
+    shmrl_action_dist action_dist;   /* how to sample output 0 now: the last SET_STATE's action_dist, else SET_CONFIG's */
     unsigned char *wbuf, *rbuf;  /* frame being written; reply read */
     size_t wcap, rcap;
     uint64_t rng;                /* backoff jitter */
@@ -205,7 +206,6 @@ typedef struct shmrl_model {
     unsigned char *bytes;        /* the ONNX file (malloc'd; shmrl_model_free) */
     size_t len, cap;
     long long weights_seq_no;    /* its version; -1 before the first */
-    shmrl_action_dist action_dist;   /* how to sample output 0 now: the last SET_STATE's action_dist, else SET_CONFIG's */
 } shmrl_model;
 
 /* Each env's open chunk and the chunks it finished since the last message, in one block
@@ -263,7 +263,7 @@ long shmrl_rollout_steps(const shmrl_rollout *r);   /* recorded since the last m
 shmrl_status shmrl_send_rollout(shmrl_client *c, shmrl_rollout *r, shmrl_model *m);
 
 /* A Box action of d values from output 0's row dist (d means, then d log-stds), as `how` says
-   (m->action_dist); returns its log-probability (RLLINK.md 4.2). z: d standard normal draws
+   (c->action_dist); returns its log-probability (RLLINK.md 4.2). z: d standard normal draws
    (shmrl_normals). RLlib's Gaussian: mean + exp(log_std) z, unclipped. The squashed Gaussian:
    u = mean + exp(log_std) z, the action low + (tanh(u) + 1) / 2 (high - low), its logp the
    Gaussian's of u less sum(log(1 - tanh(u)^2)), computed as 2 (log 2 - u - softplus(-2u)), and
@@ -1397,7 +1397,7 @@ static shmrl_status shmrl__read_state(shmrl_client *c, const shmrl__msg *m, shmr
     shmrl_status st;
     if (!shmrl__get_number(m->head, m->end, "weights_seq_no", &seq) || !shmrl__int_in(seq, 0, 1e18))
         return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_STATE without a weights_seq_no of 0 or more");
-    if ((st = shmrl__action_dist(c, m, "SET_STATE", c->config.action_dist, &model->action_dist)) != SHMRL_OK) return st;
+    if ((st = shmrl__action_dist(c, m, "SET_STATE", c->config.action_dist, &c->action_dist)) != SHMRL_OK) return st;
     if ((long long)seq == model->weights_seq_no && model->bytes) return SHMRL_OK;
     if (!f && shmrl__get(m->head, m->end, "policies"))
         return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "SET_STATE has policies (a multi-agent run): this client plays one policy");

@@ -133,7 +133,8 @@ def handshake(client, auth_token: str | None = None, declare: dict | None = None
         # A server that checks tokens closes the connection in reply to a PING with a wrong
         # one (or none), and says nothing (docs/RLLINK.md, "Authentication"): name the cause.
         raise TokenRefused(f"{e} in reply to PING: the server refused the connection: "
-                           f"{'wrong' if auth_token is not None else 'missing'} auth token?") from e
+                           f"{'wrong' if auth_token is not None else 'missing'} auth token? (or a server older than "
+                           f"this client, which refuses its PING's action_dists: the server's log says why)") from e
     if pong["type"] != T.PONG.value:
         raise ConnectionError(f"expected PONG, got {pong['type']}")
     config = client.request({"type": T.GET_CONFIG.value, **(declare or {})})
