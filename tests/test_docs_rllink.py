@@ -56,7 +56,8 @@ def _episodes() -> dict:
 
 EXAMPLES = {
     "ping": {"type": "PING"},
-    "ping_shmrl": {"type": "PING", "auth_token": "s3cret", "codecs": ["binary"], "client_name": "sim-0"},
+    "ping_shmrl": {"type": "PING", "auth_token": "s3cret", "codecs": ["binary"], "client_name": "sim-0",
+                   "action_dists": ["squashed_gaussian", "uniform"]},
     "pong": {"type": "PONG"},
     "pong_binary": {"type": "PONG", "codec": "binary", "heartbeat_s": 1.0},
     "get_config": {"type": "GET_CONFIG"},
@@ -226,6 +227,7 @@ def test_a_tcp_server_speaks_the_handshake_the_page_shows():
             sock.sendall(rllink.frame(_doc_block("json", "ping_shmrl").encode()))
             (conn_id, ping), = wait_until(lambda: server.poll(0.05), 10, "the PING")
             assert ping["codecs"] == ["binary"] and ping["client_name"] == "sim-0"
+            assert ping["action_dists"] == ["squashed_gaussian", "uniform"]
             server.reply(conn_id, {"type": "PONG"})
             assert _read_frame(sock) == rllink.frame(_doc_block("json", "pong_binary").encode())
             sock.sendall(rllink.frame(_doc_block("json", "get_config").encode()))

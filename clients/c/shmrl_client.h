@@ -99,6 +99,13 @@ typedef enum shmrl_action_type {
     SHMRL_ACTION_UNKNOWN = 0, SHMRL_DISCRETE, SHMRL_MULTI_DISCRETE, SHMRL_BOX
 } shmrl_action_type;
 
+/* How a Box's output 0 is sampled (RLLINK.md section 4.2): RLlib's Gaussian unless SET_CONFIG
+   or SET_STATE says "action_dist" (a --algo sac learner: the squashed Gaussian, uniform
+   during its warm-up). shmrl_sample_box samples each. */
+typedef enum shmrl_action_dist {
+    SHMRL_DIST_GAUSSIAN = 0, SHMRL_DIST_SQUASHED_GAUSSIAN, SHMRL_DIST_UNIFORM
+} shmrl_action_dist;
+
 
 /* What the server's SET_CONFIG said (read only). */
 typedef struct shmrl_config {
@@ -112,6 +119,7 @@ typedef struct shmrl_config {
     int action_dim;                         /* values per action: 1 for a Discrete */
     long nvec[SHMRL_MAX_ACTION_DIM];        /* MultiDiscrete */
     float low[SHMRL_MAX_ACTION_DIM], high[SHMRL_MAX_ACTION_DIM];  /* Box */
+    shmrl_action_dist action_dist;          /* SET_CONFIG's action_dist (absent: RLlib's Gaussian) */
 } shmrl_config;
 
 typedef struct shmrl_options {
@@ -121,6 +129,9 @@ typedef struct shmrl_options {
     const char *auth_token;    /* NULL: none (the server's --auth-token) */
     int binary;                /* 1 (default): offer the binary codec; 0: JSON only */
     int server_inference;      /* 1 (default): ask for server-side inference; 0: handshake only */
+    int action_dists;          /* 1: this client samples SAC's squashed Gaussian and uniform as the learner says
+                                  (shmrl_sample_box), and its PING lists them ("action_dists"), which a --algo sac
+                                  learner requires of a client that runs the policy itself (RLLINK.md 3.1); 0 (default) */
     double connect_timeout_s;  /* SHMRL_CONNECT_TIMEOUT_S, 5 */
     double reply_timeout_s;    /* SHMRL_REPLY_TIMEOUT_S, 600: a strict on-policy server holds replies while it trains */
     int max_retries;           /* SHMRL_MAX_RETRIES, 5: failed attempts in a row tolerated; < 0: retry forever */
@@ -159,6 +170,7 @@ typedef struct shmrl_client {
     int k;                       /* this connection's envs per ACT (0 before its first) */
     long long weights_seq_no;    /* of the last ACTIONS */
     shmrl_config config;
+    shmrl_action_dist action_dist;   /* how to sample output 0 now: the last SET_STATE's action_dist, else SET_CONFIG's */
     unsigned char *wbuf, *rbuf;  /* frame being written; reply read */
     size_t wcap, rcap;
     uint64_t rng;                /* backoff jitter */
@@ -249,6 +261,22 @@ long shmrl_rollout_steps(const shmrl_rollout *r);   /* recorded since the last m
    SET_STATE (held while the learner trains), whose model replaces m's when its
    weights_seq_no differs. */
 shmrl_status shmrl_send_rollout(shmrl_client *c, shmrl_rollout *r, shmrl_model *m);
+
+/* A Box action of d values from output 0's row dist (d means, then d log-stds), as `how` says
+   (c->action_dist); returns its log-probability (RLLINK.md 4.2). z: d standard normal draws
+   (shmrl_normals). RLlib's Gaussian: mean + exp(log_std) z, unclipped. The squashed Gaussian:
+   u = mean + exp(log_std) z, the action low + (tanh(u) + 1) / 2 (high - low), its logp the
+   Gaussian's of u less sum(log(1 - tanh(u)^2)), computed as 2 (log 2 - u - softplus(-2u)), and
+   sum(log((high - low) / 2)). Uniform (z used as d uniforms in [0, 1) instead: shmrl_uniforms):
+   low + z (high - low), logp -sum(log(high - low)). The bounds must be finite for the last two. */
+double shmrl_box_action(shmrl_action_dist how, const float *dist, int d, const float *low, const float *high,
+                        const double *z, float *action);
+/* d draws from the generator *rng (any seed): standard normals, or uniforms in [0, 1). */
+void shmrl_normals(uint64_t *rng, int d, double *z);
+void shmrl_uniforms(uint64_t *rng, int d, double *z);
+/* Both in one: the draws, then shmrl_box_action. d <= SHMRL_MAX_ACTION_DIM. */
+double shmrl_sample_box(shmrl_action_dist how, const float *dist, int d, const float *low, const float *high,
+                        uint64_t *rng, float *action);
 
 #ifdef __cplusplus
 }
@@ -859,6 +887,20 @@ static void shmrl__put_spaces(shmrl__buf *b, const shmrl_config *d) {
     shmrl__puts(b, "}");
 }
 
+/* A reply's action_dist into *out (absent: dflt); one this client does not sample: UNSUPPORTED. */
+static shmrl_status shmrl__action_dist(shmrl_client *c, const shmrl__msg *m, const char *what, shmrl_action_dist dflt,
+                                       shmrl_action_dist *out) {
+    const char *v = shmrl__get(m->head, m->end, "action_dist");
+    if (!v) *out = dflt;
+    else if (shmrl__string_is(v, m->end, "squashed_gaussian")) *out = SHMRL_DIST_SQUASHED_GAUSSIAN;
+    else if (shmrl__string_is(v, m->end, "uniform")) *out = SHMRL_DIST_UNIFORM;
+    else return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "%s: an action_dist this client does not sample", what);
+    if (*out != SHMRL_DIST_GAUSSIAN && !c->opt.server_inference && !c->opt.action_dists)
+        return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "%s: the learner's policy is sampled as SAC's (action_dist), "
+                           "and this client does not say it samples it (options.action_dists)", what);
+    return SHMRL_OK;
+}
+
 static shmrl_status shmrl__handshake(shmrl_client *c) {
     shmrl__buf b = shmrl__start(c);
     shmrl__msg m;
@@ -870,6 +912,7 @@ static shmrl_status shmrl__handshake(shmrl_client *c) {
     if (c->opt.binary) shmrl__puts(&b, ", \"codecs\": [\"binary\"]");
     if (c->name[0]) { shmrl__puts(&b, ", \"client_name\": "); shmrl__put_string(&b, c->name); }
     if (c->opt.server_inference) shmrl__puts(&b, ", \"inference\": \"server\"");
+    else if (c->opt.action_dists) shmrl__puts(&b, ", \"action_dists\": [\"squashed_gaussian\", \"uniform\"]");
     shmrl__puts(&b, "}");
     st = shmrl__send_body(c, &b);
     shmrl__keep(c, &b);
@@ -897,6 +940,8 @@ static shmrl_status shmrl__handshake(shmrl_client *c) {
         return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_CONFIG without an env_steps_per_sample of 1 to 2e9");
     c->config.env_steps_per_sample = (long)num;
     if ((st = shmrl__read_spaces(c, &m)) != SHMRL_OK) return st;
+    if ((st = shmrl__action_dist(c, &m, "SET_CONFIG", SHMRL_DIST_GAUSSIAN, &c->config.action_dist)) != SHMRL_OK)
+        return st;
     c->fresh = 1;
     c->k = 0;
     c->sessions++;
@@ -1349,8 +1394,10 @@ static shmrl_status shmrl__read_state(shmrl_client *c, const shmrl__msg *m, shmr
     double seq;
     const char *f = shmrl__get(m->head, m->end, "onnx_file"), *q;
     char why[160];
+    shmrl_status st;
     if (!shmrl__get_number(m->head, m->end, "weights_seq_no", &seq) || !shmrl__int_in(seq, 0, 1e18))
         return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_STATE without a weights_seq_no of 0 or more");
+    if ((st = shmrl__action_dist(c, m, "SET_STATE", c->config.action_dist, &c->action_dist)) != SHMRL_OK) return st;
     if ((long long)seq == model->weights_seq_no && model->bytes) return SHMRL_OK;
     if (!f && shmrl__get(m->head, m->end, "policies"))
         return shmrl__lost(c, SHMRL_ERR_UNSUPPORTED, "SET_STATE has policies (a multi-agent run): this client plays one policy");
@@ -1360,6 +1407,65 @@ static shmrl_status shmrl__read_state(shmrl_client *c, const shmrl__msg *m, shmr
         return shmrl__lost(c, SHMRL_ERR_PROTOCOL, "SET_STATE: %s", why);
     model->weights_seq_no = (long long)seq;
     return SHMRL_OK;
+}
+
+static uint64_t shmrl__splitmix(uint64_t *x) {
+    uint64_t z = (*x += UINT64_C(0x9E3779B97F4A7C15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94D049BB133111EB);
+    return z ^ (z >> 31);
+}
+
+void shmrl_uniforms(uint64_t *rng, int d, double *z) {
+    int i;
+    for (i = 0; i < d; i++) z[i] = (double)(shmrl__splitmix(rng) >> 11) / 9007199254740992.0;
+}
+
+void shmrl_normals(uint64_t *rng, int d, double *z) {   /* Box-Muller, one pair per value */
+    int i;
+    for (i = 0; i < d; i++) {
+        double u[2];
+        shmrl_uniforms(rng, 2, u);
+        z[i] = sqrt(-2.0 * log(1.0 - u[0])) * cos(6.283185307179586 * u[1]);
+    }
+}
+
+static double shmrl__softplus(double x) { return x > 0 ? x + log1p(exp(-x)) : log1p(exp(x)); }
+
+double shmrl_box_action(shmrl_action_dist how, const float *dist, int d, const float *low, const float *high,
+                        const double *z, float *action) {
+    const double half_log_2pi = 0.91893853320467274, log_2 = 0.69314718055994531;
+    double logp = 0;
+    int i;
+    for (i = 0; i < d; i++) {
+        double mean = dist[i], log_std = dist[d + i], range = (double)high[i] - (double)low[i], u;
+        switch (how) {
+        case SHMRL_DIST_UNIFORM:
+            action[i] = (float)(low[i] + z[i] * range);
+            logp -= log(range);
+            break;
+        case SHMRL_DIST_SQUASHED_GAUSSIAN:
+            u = mean + exp(log_std) * z[i];
+            action[i] = (float)(low[i] + (tanh(u) + 1.0) / 2.0 * range);
+            if (action[i] > high[i]) action[i] = high[i];   /* float rounding past the bound */
+            logp += -0.5 * z[i] * z[i] - log_std - half_log_2pi - 2.0 * (log_2 - u - shmrl__softplus(-2.0 * u))
+                    - log(range / 2.0);
+            break;
+        default:
+            action[i] = (float)(mean + exp(log_std) * z[i]);
+            logp += -0.5 * z[i] * z[i] - log_std - half_log_2pi;
+        }
+    }
+    return logp;
+}
+
+double shmrl_sample_box(shmrl_action_dist how, const float *dist, int d, const float *low, const float *high,
+                        uint64_t *rng, float *action) {
+    double z[SHMRL_MAX_ACTION_DIM];
+    if (d > SHMRL_MAX_ACTION_DIM) d = SHMRL_MAX_ACTION_DIM;
+    if (how == SHMRL_DIST_UNIFORM) shmrl_uniforms(rng, d, z);
+    else shmrl_normals(rng, d, z);
+    return shmrl_box_action(how, dist, d, low, high, z, action);
 }
 
 shmrl_status shmrl_get_state(shmrl_client *c, shmrl_model *m) {

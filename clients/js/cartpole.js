@@ -45,7 +45,7 @@ class CartPole {
 
 const SPACE = { obsSize: 4, action: { type: 'Discrete', n: 2 } };
 
-function parseArgs(argv) {
+function parseArgs(argv, prog = 'cartpole.js') {
   const args = { host: '127.0.0.1', port: null, envs: 4, seed: 0, codec: 'binary', name: null,
     authToken: process.env.SHMRL_AUTH_TOKEN || null, timeout: REPLY_TIMEOUT_S, giveUp: GIVE_UP_S, quiet: false, serverInference: false };
   const flags = { '--host': 'host', '--port': 'port', '--envs': 'envs', '--seed': 'seed', '--codec': 'codec',
@@ -54,8 +54,8 @@ function parseArgs(argv) {
     if (argv[i] === '--quiet') { args.quiet = true; continue; }
     if (argv[i] === '--server-inference') { args.serverInference = true; continue; }
     if (argv[i] === '--help' || argv[i] === '-h') {
-      process.stdout.write('usage: node cartpole.js --port PORT [--host HOST] [--envs K] [--seed S] [--codec binary|json]\n'
-        + '       [--name NAME] [--auth-token SECRET] [--timeout S] [--give-up-s S] [--server-inference] [--quiet]\n');
+      process.stdout.write(`usage: node ${prog} --port PORT [--host HOST] [--envs K] [--seed S] [--codec binary|json]\n`
+        + `       [--name NAME] [--auth-token SECRET] [--timeout S] [--give-up-s S] [--server-inference] [--quiet]\n`);
       process.exit(0);
     }
     const key = flags[argv[i]];
@@ -70,10 +70,12 @@ function parseArgs(argv) {
   return args;
 }
 
-async function main() {
+/** The command line of an env's client (cartpole.js, pendulum.js): `Env` (constructed with
+ * the seeded random) played in K copies, its spaces `space`. Returns the exit status. */
+async function main(Env = CartPole, space = SPACE, prog = 'cartpole.js') {
   let args;
   try {
-    args = parseArgs(process.argv.slice(2));
+    args = parseArgs(process.argv.slice(2), prog);
   } catch (e) {
     process.stderr.write(`error: ${e.message}\n`);
     return 2;
@@ -86,11 +88,11 @@ async function main() {
   let lastLog = Date.now();
   const log = (line) => { if (!args.quiet) process.stderr.write(`${line}\n`); };
   return runClient(ort, {
-    host: args.host, port: args.port, k: args.envs, space: SPACE, codec: args.codec,
+    host: args.host, port: args.port, k: args.envs, space, codec: args.codec,
     clientName: args.name, authToken: args.authToken, timeoutS: args.timeout, giveUpS: args.giveUp,
     inference: args.serverInference ? 'server' : 'client',
     random, log,
-    makeEnvs: (k) => Array.from({ length: k }, () => new CartPole(random)),
+    makeEnvs: (k) => Array.from({ length: k }, () => new Env(random)),
     onEpisode: (ret) => {
       recent.push(ret);
       if (recent.length > 100) recent.shift();
@@ -102,11 +104,14 @@ async function main() {
   });
 }
 
-if (require.main === module) {
-  main().then((code) => process.exit(code), (e) => {
+/** Run `main` as the process's command line: its exit status, 1 on an error. */
+function cli(...how) {
+  main(...how).then((code) => process.exit(code), (e) => {
     process.stderr.write(`error: ${e.message}\n`);
     process.exit(1);
   });
 }
 
-module.exports = { CartPole, SPACE };
+if (require.main === module) cli();
+
+module.exports = { CartPole, SPACE, main, cli };

@@ -9,7 +9,9 @@
  *                           SET_CONFIG, GET_STATE -> SET_STATE (sections 2, 3)
  *   codecs                  JSON, and the binary codec (section 7) once the PONG agreed on it
  *   the policy              SET_STATE's onnx_file: base64 -> gunzip -> onnxruntime-node
- *   sampling                from output 0, action_dist_inputs (section 4.2)
+ *   sampling                from output 0, action_dist_inputs (section 4.2): RLlib's categorical and
+ *                           Gaussian, and SAC's squashed Gaussian and uniform warm-up where SET_CONFIG
+ *                           and SET_STATE name them in action_dist (the PING says it samples them)
  *   chunks                  obs = actions + 1; a running episode continues in the next
  *                           message from its last obs, under the same episode_id (section 4)
  *   heartbeats              when binary was agreed (section 5)
@@ -33,6 +35,12 @@ const DTYPES = {                                            // binary codec dtyp
   '<f4': Float32Array, '<f8': Float64Array, '<i4': Int32Array, '<i8': BigInt64Array,
   '|u1': Uint8Array, '|b1': Uint8Array,
 };
+
+// The distributions beyond RLlib's that Sampler samples: the PING of a client that runs the policy
+// lists them (`action_dists`, RLLINK.md section 3.1), or a --algo sac learner refuses it.
+const ACTION_DISTS = ['squashed_gaussian', 'uniform'];
+const LOG_2 = Math.log(2);
+const HALF_LOG_2PI = 0.5 * Math.log(2 * Math.PI);
 
 class ConnectionClosed extends Error {}
 class ProtocolError extends Error {}
@@ -252,7 +260,7 @@ async function handshake(conn, { codec = 'binary', clientName = null, authToken 
   if (authToken) ping.auth_token = authToken;
   if (codec === 'binary') ping.codecs = ['binary'];
   if (clientName) ping.client_name = clientName;
-  if (inference === 'server') ping.inference = 'server';
+  if (inference === 'server') ping.inference = 'server'; else ping.action_dists = ACTION_DISTS;
   const pong = await conn.request(ping, 'PONG', timeoutS);
   if (pong.codec !== undefined) {
     if (pong.codec !== 'binary' || codec !== 'binary') throw new ProtocolError(`PONG names codec ${pong.codec}, which was not offered`);
@@ -319,18 +327,48 @@ function seededRandom(seed) {
   };
 }
 
+/** softplus(x) = log(1 + e^x), without overflow for large x. */
+const softplus = (x) => (x > 0 ? x + Math.log1p(Math.exp(-x)) : Math.log1p(Math.exp(x)));
+
 /** Sampling from output 0 (section 4.2), for a Discrete(n) or a Box of d dimensions.
- * `sample(dist, offset)` returns [action, logp]: an int, or an array of d floats
- * (unclipped: the env clips what it applies). */
+ * `sample(dist, offset)` returns [action, logp]: an int, or an array of d floats. A Box is
+ * sampled as `setDist` says (SET_CONFIG's and SET_STATE's action_dist): RLlib's Gaussian
+ * (unclipped: the env clips what it applies), SAC's squashed Gaussian or uniform within the
+ * bounds (both inside [low, high]); those two need the Box's finite low and high. */
 class Sampler {
-  constructor(actionSpace, random) {
+  constructor(actionSpace, random, dist = null) {
     this.space = actionSpace;
     this.random = random;
     this.width = actionSpace.type === 'Discrete' ? actionSpace.n : 2 * actionSpace.shape[0];
+    this.dist = 'gaussian';
+    this.setDist(dist);
+  }
+
+  /** Sample a Box as `dist`: 'squashed_gaussian', 'uniform', or null/undefined for RLlib's Gaussian. */
+  setDist(dist) {
+    const name = dist || 'gaussian';
+    if (name === this.dist) return;
+    if (!['gaussian', ...ACTION_DISTS].includes(name)) throw new ProtocolError(`action_dist ${JSON.stringify(dist)} is not one this client samples (${ACTION_DISTS.join(', ')})`);
+    if (name !== 'gaussian') {
+      const { type, shape, low, high } = this.space;
+      const d = type === 'Box' ? shape[0] : 0;
+      const bounded = d > 0 && Array.isArray(low) && Array.isArray(high) && low.length === d && high.length === d
+        && low.every((l, i) => Number.isFinite(l) && Number.isFinite(high[i]) && l < high[i]);
+      if (!bounded) throw new ProtocolError(`action_dist ${name} needs a Box action space with finite low < high, not ${JSON.stringify(this.space)}`);
+      this.low = low;
+      this.range = low.map((l, i) => high[i] - l);
+      this.logHalfRange = this.range.reduce((acc, r) => acc + Math.log(r / 2), 0);
+      this.logRange = this.range.reduce((acc, r) => acc + Math.log(r), 0);
+    }
+    this.dist = name;
   }
 
   sample(dist, offset) {
-    return this.space.type === 'Discrete' ? this.categorical(dist, offset, this.space.n) : this.gaussian(dist, offset, this.space.shape[0]);
+    if (this.space.type === 'Discrete') return this.categorical(dist, offset, this.space.n);
+    const d = this.space.shape[0];
+    if (this.dist === 'squashed_gaussian') return this.squashed(dist, offset, d);
+    if (this.dist === 'uniform') return this.uniform(d);
+    return this.gaussian(dist, offset, d);
   }
 
   /** a ~ softmax(logits); logp = logits[a] - logsumexp(logits). */
@@ -348,17 +386,45 @@ class Sampler {
     return [action, dist[offset + action] - max - Math.log(total)];
   }
 
+  /** z ~ N(0, 1) (Box-Muller). */
+  normal() {
+    return Math.sqrt(-2 * Math.log(1 - this.random())) * Math.cos(2 * Math.PI * this.random());
+  }
+
   /** a = mean + exp(log_std) * z, z ~ N(0, 1); logp = sum(-z^2/2 - log_std - log(2 pi)/2). */
   gaussian(dist, offset, d) {
     const action = new Array(d);
     let logp = 0;
     for (let i = 0; i < d; i++) {
-      const z = Math.sqrt(-2 * Math.log(1 - this.random())) * Math.cos(2 * Math.PI * this.random());
+      const z = this.normal();
       const logStd = dist[offset + d + i];
       action[i] = dist[offset + i] + Math.exp(logStd) * z;
-      logp += -0.5 * z * z - logStd - 0.5 * Math.log(2 * Math.PI);
+      logp += -0.5 * z * z - logStd - HALF_LOG_2PI;
     }
     return [action, logp];
+  }
+
+  /** SAC's: u = mean + exp(log_std) * z, a = low + (tanh(u) + 1) / 2 * (high - low);
+   * logp = the Gaussian's of u - sum(log(1 - tanh(u)^2)) - sum(log((high - low) / 2)), with
+   * log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)) (exact near the bounds). */
+  squashed(dist, offset, d) {
+    const action = new Array(d);
+    let logp = -this.logHalfRange;
+    for (let i = 0; i < d; i++) {
+      const z = this.normal();
+      const logStd = dist[offset + d + i];
+      const u = dist[offset + i] + Math.exp(logStd) * z;
+      action[i] = this.low[i] + (Math.tanh(u) + 1) / 2 * this.range[i];
+      logp += -0.5 * z * z - logStd - HALF_LOG_2PI - 2 * (LOG_2 - u - softplus(-2 * u));
+    }
+    return [action, logp];
+  }
+
+  /** SAC's warm-up: a uniform within [low, high] whatever output 0 says; logp = -sum(log(high - low)). */
+  uniform(d) {
+    const action = new Array(d);
+    for (let i = 0; i < d; i++) action[i] = this.low[i] + this.random() * this.range[i];
+    return [action, -this.logRange];
   }
 }
 
@@ -452,7 +518,17 @@ async function runSession(ort, opts, onConnected) {
     if (opts.inference === 'server') return await serverInference(conn, opts, config);
     let policy = await Policy.load(ort, state);
     const { k, space } = opts;
-    const sampler = new Sampler(space.action, opts.random);
+    // A Box's bounds: the env's, or SET_CONFIG's where the env gave none; how to sample it:
+    // SET_STATE's action_dist, else SET_CONFIG's (section 4.2; absent: RLlib's Gaussian).
+    const boundsFromConfig = space.action.type === 'Box' && !space.action.low && config.action_space;
+    const action = boundsFromConfig ? { ...space.action, low: config.action_space.low, high: config.action_space.high } : space.action;
+    const sampler = new Sampler(action, opts.random, state.action_dist || config.action_dist);
+    const setDist = (dist) => {
+      const before = sampler.dist;
+      sampler.setDist(dist);
+      if (sampler.dist !== before) opts.log(`sampling actions as ${sampler.dist} (the learner's action_dist)`);
+    };
+    if (sampler.dist !== 'gaussian') opts.log(`sampling actions as ${sampler.dist} (the learner's action_dist)`);
     let stepsPerEnv = Math.ceil(config.env_steps_per_sample / k);
     const envs = opts.makeEnvs(k);
     const recorder = new Recorder(k, space.obsSize, sampler.width, `${opts.clientName || 'js'}-${opts.sessions++}`);
@@ -485,6 +561,7 @@ async function runSession(ort, opts, onConnected) {
       const reply = await conn.request({ type: 'EPISODES_AND_GET_STATE', episodes, timesteps: steps },
         'SET_STATE', opts.timeoutS);    // strict on-policy: held until the next update (section 6)
       if (reply.weights_seq_no !== policy.version) policy = await Policy.load(ort, reply);
+      setDist(reply.action_dist || config.action_dist);   // SAC: uniform in its warm-up, then squashed
       // The learner shares its train batch over the clients connected (RLLINK.md section 3.3).
       if (reply.env_steps_per_sample !== undefined) stepsPerEnv = Math.ceil(reply.env_steps_per_sample / k);
     }
@@ -556,7 +633,7 @@ async function runClient(ort, opts) {
   const options = { codec: 'binary', timeoutS: REPLY_TIMEOUT_S, giveUpS: GIVE_UP_S, sessions: 0, host: '127.0.0.1', ...opts };
   options.random = options.random || seededRandom(options.seed || 0);
   options.onEpisode = options.onEpisode || (() => {});
-  const log = options.log || ((line) => process.stderr.write(`${line}\n`));
+  const log = options.log = options.log || ((line) => process.stderr.write(`${line}\n`));
   let connectedOnce = false;
   let lostAt = Date.now();
   let backoffMs = 100;
@@ -577,6 +654,6 @@ async function runClient(ort, opts) {
 }
 
 module.exports = {
-  Connection, ConnectionClosed, ProtocolError, NdArray, Columns, Policy, Sampler, Recorder,
+  ACTION_DISTS, Connection, ConnectionClosed, ProtocolError, NdArray, Columns, Policy, Sampler, Recorder,
   encodeJson, encodeBinary, decodeBody, handshake, runSession, runClient, seededRandom, REPLY_TIMEOUT_S, GIVE_UP_S,
 };

@@ -26,6 +26,9 @@ from shmrl.core.spaces import ActionLayout
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 LOG_2 = math.log(2.0)
 DISTS = ("gaussian", "squashed_gaussian", "uniform")   # how a Box's output 0 is sampled
+# What a client of this module says it samples beyond RLlib's distributions, in its PING's
+# ``action_dists`` (docs/RLLINK.md §3.1): a --algo sac learner refuses a client that does not.
+PING_ACTION_DISTS = ["squashed_gaussian", "uniform"]
 
 
 def log_tanh_derivative(u: np.ndarray) -> np.ndarray:

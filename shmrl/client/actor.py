@@ -22,7 +22,7 @@ import numpy as np
 from shmrl import rllink
 from shmrl.config.settings import SIM_EXIT_ALL_MASKED, SIM_EXIT_ENV_NOT_FINITE, SIM_EXIT_POLICY_NOT_FINITE
 from shmrl.onnxio.policy import OnnxPolicy
-from shmrl.client.action_sampler import ActionSampler
+from shmrl.client.action_sampler import PING_ACTION_DISTS, ActionSampler
 from shmrl.core.spaces import MASK_KEY
 
 T = rllink.MessageType
@@ -122,7 +122,7 @@ class Actor:
 def handshake(client, auth_token: str | None = None, declare: dict | None = None) -> tuple[dict, dict]:
     """PING (with the shared secret, if any), GET_CONFIG (declaring the spaces ``declare``
     gives: ``shmrl.envs.spec.declaration``), GET_STATE: returns (SET_CONFIG, SET_STATE)."""
-    ping = {"type": T.PING.value}
+    ping = {"type": T.PING.value, "action_dists": list(PING_ACTION_DISTS)}   # it samples SAC's (RLLINK.md §3.1)
     if auth_token is not None:
         ping["auth_token"] = auth_token
     try:
@@ -133,7 +133,8 @@ def handshake(client, auth_token: str | None = None, declare: dict | None = None
         # A server that checks tokens closes the connection in reply to a PING with a wrong
         # one (or none), and says nothing (docs/RLLINK.md, "Authentication"): name the cause.
         raise TokenRefused(f"{e} in reply to PING: the server refused the connection: "
-                           f"{'wrong' if auth_token is not None else 'missing'} auth token?") from e
+                           f"{'wrong' if auth_token is not None else 'missing'} auth token? (or a server older than "
+                           f"this client, which refuses its PING's action_dists: the server's log says why)") from e
     if pong["type"] != T.PONG.value:
         raise ConnectionError(f"expected PONG, got {pong['type']}")
     config = client.request({"type": T.GET_CONFIG.value, **(declare or {})})

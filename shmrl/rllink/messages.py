@@ -48,7 +48,7 @@ _ACT = _T.ACT.value
 _MAX_CODECS = 16   # offered in a PING
 REPLY_TYPES = frozenset({_T.PONG, _T.SET_CONFIG, _T.SET_STATE, _T.ACTIONS})
 _REQUEST_FIELDS = {
-    _T.PING: frozenset({"type", "auth_token", "codecs", "client_name", "inference"}),
+    _T.PING: frozenset({"type", "auth_token", "codecs", "client_name", "inference", "action_dists"}),
     # optional: the client's spaces, declared in SET_CONFIG's format (docs/RLLINK.md §3.2)
     _T.GET_CONFIG: frozenset({"type", "observation_shape", "observation_dtype", "observation_leaves",
                               "action_space"}),
@@ -98,6 +98,13 @@ def _request(msg: dict, t: MessageType, limits: MessageLimits | None = None) -> 
             raise ProtocolError(f"PING: 'codecs' must be a list of at most {_MAX_CODECS} short strings, "
                                 f"got {show(codecs)}")
         out["codecs"] = codecs  # unknown ones are not an error: the server picks one it knows
+    if t is _T.PING and "action_dists" in msg:
+        dists = msg["action_dists"]
+        if (type(dists) is not list or len(dists) > _MAX_CODECS
+                or not all(isinstance(d, str) and len(d) <= 32 for d in dists)):
+            raise ProtocolError(f"PING: 'action_dists' must be a list of at most {_MAX_CODECS} short strings, "
+                                f"got {show(dists)}")
+        out["action_dists"] = dists  # the distributions beyond RLlib's it samples (docs/RLLINK.md §3.1)
     if t is _T.PING and "client_name" in msg:
         name = msg["client_name"]
         if not (isinstance(name, str) and 0 < len(name) <= 64 and name.isprintable()):

@@ -337,6 +337,10 @@ class Hub:
             if "client_name" in msg:
                 conn.name = msg["client_name"]
                 log.info("%s is %s", conn_id, msg["client_name"])
+            why = self._cannot_sample(msg)
+            if why:
+                self._close(conn_id, conn, why)
+                return
             pong = {"type": T.PONG.value}
             if msg.get("inference") == "server":   # granted where the run serves actions
                 conn.inference = self.inference
@@ -360,6 +364,28 @@ class Hub:
             if kind == T.EPISODES_AND_GET_STATE.value:
                 self.sampling.add(conn_id)
                 self._wait_or_answer(conn_id, conn)
+
+    def _cannot_sample(self, msg: dict) -> str | None:
+        """Why a PING's client cannot sample what this run's clients must (``--algo sac``:
+        SET_CONFIG's ``action_dist``, and SET_STATE's while it differs, e.g. ``uniform`` in
+        SAC's warm-up), or None: a client that runs the policy itself must list them in its
+        PING's ``action_dists`` (docs/RLLINK.md §3.1, §4.2). Server-side inference is never
+        refused (the server samples), nor is any client of a run that uses RLlib's
+        distributions."""
+        if msg.get("inference") == "server" or "action_dist" not in self.config_msg:
+            return None
+        needed = [self.config_msg["action_dist"]]
+        now = (self.state_msg or {}).get("action_dist")
+        if now is not None and now not in needed:
+            needed.append(now)
+        missing = [d for d in needed if d not in msg.get("action_dists", ())]
+        if not missing:
+            return None
+        said = f"lists only {msg['action_dists']}" if "action_dists" in msg else "has no action_dists"
+        return (f"refused at the handshake: this learner's policy is sampled as {' and '.join(map(repr, needed))} "
+                f"(SAC, docs/RLLINK.md section 4.2), and the client's PING {said}: it cannot sample it (RLlib's "
+                f"client cannot); use a shmrl client (python -m shmrl.sim, the C or JS client) or server-side "
+                f"inference (PING inference: server), or train with --algo ppo")
 
     def _declared_differs(self, msg: dict) -> str | None:
         """Why the spaces a GET_CONFIG declares are not the run's (naming both), or None
