@@ -91,20 +91,16 @@ def _request(msg: dict, t: MessageType, limits: MessageLimits | None = None) -> 
         if not isinstance(msg["auth_token"], str):
             raise ProtocolError(f"PING: 'auth_token' must be a string, got {type(msg['auth_token']).__name__}")
         out["auth_token"] = msg["auth_token"]
-    if t is _T.PING and "codecs" in msg:
-        codecs = msg["codecs"]
-        if (type(codecs) is not list or len(codecs) > _MAX_CODECS
-                or not all(isinstance(c, str) and len(c) <= 32 for c in codecs)):
-            raise ProtocolError(f"PING: 'codecs' must be a list of at most {_MAX_CODECS} short strings, "
-                                f"got {show(codecs)}")
-        out["codecs"] = codecs  # unknown ones are not an error: the server picks one it knows
-    if t is _T.PING and "action_dists" in msg:
-        dists = msg["action_dists"]
-        if (type(dists) is not list or len(dists) > _MAX_CODECS
-                or not all(isinstance(d, str) and len(d) <= 32 for d in dists)):
-            raise ProtocolError(f"PING: 'action_dists' must be a list of at most {_MAX_CODECS} short strings, "
-                                f"got {show(dists)}")
-        out["action_dists"] = dists  # the distributions beyond RLlib's it samples (docs/RLLINK.md §3.1)
+    # codecs: unknown ones are not an error (the server picks one it knows); action_dists: the
+    # distributions beyond RLlib's that the client samples (docs/RLLINK.md §3.1)
+    for key in ("codecs", "action_dists"):
+        if t is _T.PING and key in msg:
+            names = msg[key]
+            if (type(names) is not list or len(names) > _MAX_CODECS
+                    or not all(isinstance(n, str) and len(n) <= 32 for n in names)):
+                raise ProtocolError(f"PING: {key!r} must be a list of at most {_MAX_CODECS} short strings, "
+                                    f"got {show(names)}")
+            out[key] = names
     if t is _T.PING and "client_name" in msg:
         name = msg["client_name"]
         if not (isinstance(name, str) and 0 < len(name) <= 64 and name.isprintable()):
