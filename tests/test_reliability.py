@@ -119,7 +119,13 @@ def test_a_hung_simulator_is_found_by_its_heartbeat_and_restarted(start_run, tmp
     run.proc.wait(timeout=60)
     assert run.proc.returncode == 130, run.output()
     summary = summary_of(logdir)
-    assert summary["simulator_restarts"] == 1, run.output()
+    # The victim's restart, and only startup graces besides: on a loaded machine a simulator
+    # may take longer than this test's short grace (3 s) to make its first env step, and be
+    # replaced then (seen beside two busy loops); a running simulator is never taken for hung.
+    restarts = [line for line in run.output().splitlines() if line.endswith("restarting it")]
+    assert summary["simulator_restarts"] == len(restarts) >= 1, run.output()
+    others = [line for line in restarts if f"(pid {victim})" not in line]
+    assert all("before its first env step" in line for line in others), run.output()
     check_books(summary, logdir)
 
 
