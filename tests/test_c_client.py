@@ -819,11 +819,14 @@ def test_box_rollout_through_shmrl(start_run, tmp_path, codec):
 @pytest.mark.slow
 def test_256_c_clients_all_served():
     """256 C clients at once on one port of a training run: every one steps, none starved
-    (each within 2x of the median's steps); the figures are printed."""
+    (each at least half the median's steps); the figures are printed. The most a client
+    stepped is not bounded: on a loaded machine 256 processes start over seconds, and the
+    first ones are served alone meanwhile (beside two busy loops, load 8.6: one stepped 15x
+    the median, the least 0.89x)."""
     done = subprocess.run([sys.executable, str(C_DIR / "bench.py"), "--clients", "256", "--envs", "1", "--seconds", "15"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"\n256 C clients: {result}")
     assert result["clients_reporting"] == 256
-    assert result["steps_min_over_median"] >= 0.5 and result["steps_max_over_median"] <= 2
+    assert result["steps_min_over_median"] >= 0.5
