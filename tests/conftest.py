@@ -678,3 +678,50 @@ class FakeServer:
 
     def drop(self, conn_id, reason):
         self.dropped.append((conn_id, reason))
+
+
+@pytest.fixture
+def procs():
+    """Client processes (C, C#, Godot...) a test starts: killed in teardown."""
+    started = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=10)
+
+
+class ListeningServer:
+    """A listening socket on which a test plays the server for a client in another language,
+    one frame at a time; each wait bounded by 30 s (a mono or Godot start on a loaded machine)."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(30)
+        self.port = self.listener.getsockname()[1]
+
+    def accept(self) -> socket.socket:
+        conn, _ = self.listener.accept()
+        conn.settimeout(30)
+        return conn
+
+    def close(self):
+        self.listener.close()
+
+
+@pytest.fixture
+def server():
+    s = ListeningServer()
+    yield s
+    s.close()
+
+
+def read_body(conn) -> bytes:
+    """One frame's body: 8 digits of length, then the body."""
+    header = recv_exactly(conn, 8)
+    assert header.isdigit(), header
+    return recv_exactly(conn, int(header))
+
+
+def send(conn, msg: dict, codec: str = "json") -> None:
+    conn.sendall(rllink.frame(rllink.encode(msg, codec)))

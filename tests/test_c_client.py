@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import balancing_action, need, recv_exactly, summary_of
+from conftest import ListeningServer, balancing_action, need, read_body, send, summary_of
 from shmrl import rllink
 
 C_DIR = Path(__file__).resolve().parents[1] / "clients" / "c"
@@ -42,55 +42,10 @@ def cartpole(tmp_path_factory) -> str:
     return str(exe)
 
 
-@pytest.fixture
-def procs():
-    """Client processes started by a test; killed in teardown."""
-    started = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.communicate(timeout=10)
-
-
 def start(procs, cartpole, *args) -> subprocess.Popen:
     p = subprocess.Popen([cartpole, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs.append(p)
     return p
-
-
-class FakeServer:
-    """A listening socket on which the test plays the server, one frame at a time."""
-
-    def __init__(self):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(10)
-        self.port = self.listener.getsockname()[1]
-
-    def accept(self) -> socket.socket:
-        conn, _ = self.listener.accept()
-        conn.settimeout(10)
-        return conn
-
-    def close(self):
-        self.listener.close()
-
-
-@pytest.fixture
-def server():
-    s = FakeServer()
-    yield s
-    s.close()
-
-
-def read_body(conn) -> bytes:
-    header = recv_exactly(conn, 8)
-    assert header.isdigit(), header
-    return recv_exactly(conn, int(header))
-
-
-def send(conn, msg: dict, codec: str = "json") -> None:
-    conn.sendall(rllink.frame(rllink.encode(msg, codec)))
 
 
 SET_CONFIG = {"type": "SET_CONFIG", "env_steps_per_sample": 64, "force_on_policy": True,
@@ -556,7 +511,7 @@ def test_fuzzed_replies_never_crash_the_client(tmp_path):
     rng = np.random.default_rng(0)
     env = {**os.environ, "ASAN_OPTIONS": "exitcode=99", "UBSAN_OPTIONS": "exitcode=98"}
     for codec in ("binary", "json"):
-        server = FakeServer()
+        server = ListeningServer()
         p = subprocess.Popen([str(exe), str(server.port), *(["binary"] if codec == "binary" else [])],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:

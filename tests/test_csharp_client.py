@@ -14,14 +14,13 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import balancing_action, need, recv_exactly, summary_of
+from conftest import balancing_action, need, read_body, recv_exactly, send, summary_of
 from shmrl import rllink
 from shmrl.checker.session import check_client
 
@@ -46,55 +45,10 @@ def build(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture
-def procs():
-    """Client processes started by a test; killed in teardown."""
-    started = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.communicate(timeout=10)
-
-
 def start(procs, exe: Path, *args) -> subprocess.Popen:
     p = subprocess.Popen(["mono", str(exe), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs.append(p)
     return p
-
-
-class FakeServer:
-    """A listening socket on which the test plays the server, one frame at a time."""
-
-    def __init__(self):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(30)   # mono's start on a loaded machine
-        self.port = self.listener.getsockname()[1]
-
-    def accept(self) -> socket.socket:
-        conn, _ = self.listener.accept()
-        conn.settimeout(30)
-        return conn
-
-    def close(self):
-        self.listener.close()
-
-
-@pytest.fixture
-def server():
-    s = FakeServer()
-    yield s
-    s.close()
-
-
-def read_body(conn) -> bytes:
-    header = recv_exactly(conn, 8)
-    assert header.isdigit(), header
-    return recv_exactly(conn, int(header))
-
-
-def send(conn, msg: dict, codec: str = "json") -> None:
-    conn.sendall(rllink.frame(rllink.encode(msg, codec)))
 
 
 CARTPOLE_SPACES = {"observation_shape": [4], "observation_dtype": "<f4", "action_space": {"type": "Discrete", "n": 2}}

@@ -46,17 +46,6 @@ def run_godot(*args, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(godot_command(*args), capture_output=True, text=True, timeout=timeout, env=GODOT_ENV)
 
 
-@pytest.fixture
-def procs():
-    """Godot processes started by a test; killed in teardown."""
-    started = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.communicate(timeout=10)
-
-
 def start(procs, *args) -> subprocess.Popen:
     p = subprocess.Popen(godot_command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=GODOT_ENV)
