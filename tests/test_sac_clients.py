@@ -369,10 +369,10 @@ def test_the_c_header_reads_action_dist_and_says_it_samples_it(tmp_path, says, s
     one without it is told, at the handshake, that it does not sample the learner's policy."""
     import subprocess
 
-    from test_c_client import FakeServer, read_body, send
+    from conftest import ListeningServer, read_body, send
 
     exe = c_program(tmp_path, "hs", C_HANDSHAKE)
-    server = FakeServer()
+    server = ListeningServer()
     proc = subprocess.Popen([str(exe), str(server.port), str(says)], stdout=subprocess.PIPE, text=True)
     try:
         conn = server.accept()
