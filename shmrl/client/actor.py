@@ -67,9 +67,9 @@ class Actor:
     """
 
     def __init__(self, policy: OnnxPolicy, spec, num_envs: int | None, rng: np.random.Generator,
-                 greedy: bool = False):
+                 greedy: bool = False, action_dist: str | None = None):
         check_policy_fits(policy, spec)
-        self.sampler = ActionSampler(spec.actions, rng, dist=policy.action_dist)
+        self.sampler = ActionSampler(spec.actions, rng)   # its distribution: load's
         self.greedy = greedy
         self.num_envs = num_envs
         self.state = None   # [num_envs, state_size] before the next step; None: no memory
@@ -77,7 +77,7 @@ class Actor:
         # The action_mask's columns of each categorical part: each needs one allowed value.
         self.mask_parts = [] if spec.obs.mask is None else np.cumsum(
             [0] + [p.size for p in spec.actions.parts if p.kind == "categorical"])
-        self.load(policy)
+        self.load(policy, action_dist)
 
     def load(self, policy: OnnxPolicy, action_dist: str | None = None) -> None:
         """Act with ``policy`` from now on (new weights of the same network): each env

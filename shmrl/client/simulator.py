@@ -78,10 +78,9 @@ def _sample(client, config: dict, state: dict, env_id: str, seed: int, envs_per_
     steps_per_env = -(-int(config["env_steps_per_sample"]) // envs_per_sim)
     seq = state["weights_seq_no"]
     envs = make_vec_env(env_id, envs_per_sim, seed * 1_000_003)
+    # SET_STATE's action_dist: how to sample now (SAC's warm-up: uniform); none: as the model says
     actor = Actor(OnnxPolicy(decode_onnx_file(state["onnx_file"])), envs.spec, envs_per_sim,
-                  np.random.default_rng(seed))
-    if state.get("action_dist"):   # SET_STATE says how to sample now (SAC's warm-up: uniform)
-        actor.load(actor.policy, state["action_dist"])
+                  np.random.default_rng(seed), action_dist=state.get("action_dist"))
     rollout = Rollout(envs_per_sim, steps_per_env)
     obs = envs.reset()
     sent = messages = stepped = 0
