@@ -302,17 +302,71 @@ def test_on_takes_the_slow_profile_from_the_start(tmp_path, no_shm_leftovers):
     assert SWITCHED not in summary["env_steps_dropped"]
 
 
-def test_a_fast_simulator_keeps_the_preset_profile(tmp_path, no_shm_leftovers):
+def test_a_fast_simulator_keeps_the_preset_profile_and_ppo(tmp_path, no_shm_leftovers):
     # Unthrottled MountainCar delivers thousands of env steps/s on a quiet machine, a few
     # hundred at a load of 20 (its simulators at nice 19): the bar is low for a loaded test machine.
     # A budget of several batches: unthrottled simulators sampling on (--async) may deliver
     # 4096 env steps before the learner's first update, and the run would end with none.
+    # --algo auto: the same one measurement keeps PPO too.
     rows, summary, out = slow_mountain_car(tmp_path, "--slow-rate", "100", "--max-env-steps", "16384",
-                                           steps_per_s=None)
+                                           "--algo", "auto", steps_per_s=None)
     assert summary["profile"]["name"] == "preset" and summary["profile"]["sim_rate"] >= 100, summary["profile"]
     assert "simulators fast (" in out
     assert summary["config"]["hidden"] == 64 and SWITCHED not in summary["env_steps_dropped"]
+    assert summary["config"]["algo"] == "ppo"
+    assert summary["profile"]["algo"] == "--algo auto: PPO, the simulators are fast"
     assert rows[0]["batch_steps"] >= 2048   # the preset's batch from the first update
+    assert "pi_loss" in rows[0] and "q_mean" not in rows[0]
+
+
+# ---------------------------------------------------------------- --algo auto
+
+def test_auto_on_slow_simulators_trains_sac_from_the_measuring_batch_and_resumes_as_sac(tmp_path, no_shm_leftovers):
+    flags = ("--algo", "auto", "--hidden", "32", "--learning-starts", "1000", "--buffer-size", "20000")
+    rows, summary, out = slow_mountain_car(tmp_path, *flags)   # 1000 env steps/s in all, 4096 of them
+    profile = summary["profile"]
+    assert profile["name"] == "sac" and profile["sim_rate"] < 2000 and "--algo auto" in profile["why"], profile
+    assert "--algo auto trains SAC" in out
+    config = summary["config"]
+    assert config["algo"] == "sac" and config["hidden"] == 32                    # the flag given, kept
+    assert (config["normalize_obs"], config["normalize_reward"], config["log_std_init"]) == (False, False, 0.0)
+    # PPO's first batch (its preset's 2048 env steps) went into SAC's buffer, where it
+    # counted toward the warm-up: nothing dropped, SAC's first update already trains.
+    assert SWITCHED not in summary["env_steps_dropped"]
+    assert rows[0]["buffer_steps"] > 2048 and rows[0]["grad_steps"] > 0 and "q_mean" in rows[0]
+    check_books(summary, tmp_path / "run")
+    rows, summary, _ = run_shmrl(tmp_path, "--resume", tmp_path / "run", "--algo", "auto", "--max-env-steps", "6000",
+                                 "--stop-return", "inf", steps_per_s=500)
+    assert summary_of(tmp_path / "run")["config"]["algo"] == "sac" and rows[-1]["grad_steps"] > 0
+
+
+def test_auto_takes_sacs_presets_under_the_flags_given_and_keeps_the_runs_shape():
+    from shmrl.config.settings import Config
+    from shmrl.server.store import DEFAULT_POLICY
+    from shmrl.trainer.setup import set_up
+
+    setup = set_up(Config(env="Pendulum-v1", algo="auto", lr=0.01, sims=2, tensorboard=False, plot=False))
+    ppo, sac = setup.config, setup.sac.config
+    assert (ppo.algo, sac.algo) == ("ppo", "sac") and "PPO's preset until the first batch" in setup.profile["algo"]
+    assert ppo.lr == sac.lr == 0.01                                     # given: both keep it
+    assert (ppo.hidden, sac.hidden, sac.learning_starts) == (64, 256, 100)   # each its own presets
+    assert (sac.max_env_steps, sac.stop_return, sac.sims) == (ppo.max_env_steps, ppo.stop_return, 2)
+    assert ppo.env_steps_per_sample == sac.env_steps_per_sample == 32  # SAC's Pendulum batch of 64, shared
+    assert setup.ring_nets()[DEFAULT_POLICY] is setup.sac.nets[DEFAULT_POLICY]   # the rings carry the larger
+
+
+@pytest.mark.parametrize("env, fields, says", [
+    ("CartPole-v1", {}, "SAC takes one Box of floats"),
+    ("Pendulum-v1", {"normalize_reward": True}, "--normalize-reward"),
+    ("Pendulum-v1", {"memory": "lstm"}, "no recurrent core"),
+])
+def test_auto_keeps_ppo_where_sac_cannot_train(env, fields, says):
+    from shmrl.config.settings import Config
+    from shmrl.trainer.setup import set_up
+
+    setup = set_up(Config(env=env, algo="auto", tensorboard=False, plot=False, **fields))
+    assert setup.config.algo == "ppo" and setup.sac is None
+    assert setup.profile["algo"].startswith("--algo auto: PPO (") and says in setup.profile["algo"], setup.profile
 
 
 def test_the_delivery_rate_leaves_each_clients_start_up_out(monkeypatch):

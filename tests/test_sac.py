@@ -276,6 +276,42 @@ def test_a_ppo_checkpoint_is_refused_by_sac(tmp_path):
                     plot=False)
 
 
+def pendulum_dataset(path: Path, episodes: int = 3, env: str = "Pendulum-v1") -> Path:
+    """A dataset (docs/RECORDING.md's format) of ``episodes`` random Pendulum episodes of 200
+    steps, truncated as Pendulum's are."""
+    from shmrl.files.dataset import manifest_for
+
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps(manifest_for(env, {"default": env_spec("Pendulum-v1")})))
+    rng, steps = np.random.default_rng(0), 200 * episodes
+    np.savez(path / "shard-000001.npz", policy_id=np.array("default"), lengths=np.full(episodes, 200, np.int64),
+             terminated=np.zeros(episodes, bool), truncated=np.ones(episodes, bool), stopped=np.zeros(episodes, bool),
+             agent_id=np.array([""] * episodes), episode_id=np.array([""] * episodes),
+             source=np.array(["test"] * episodes),
+             obs=rng.uniform(-1, 1, (steps + episodes, 3)).astype(np.float32),
+             actions=rng.uniform(-2, 2, (steps, 1)).astype(np.float32),
+             rewards=rng.uniform(-16, 0, steps).astype(np.float32), action_logp=np.full(steps, -1.4, np.float32),
+             action_dist_inputs=np.zeros((steps, 2), np.float32), weights_seq_no=np.ones(steps, np.int64))
+    return path
+
+
+def test_sac_pretrain_fills_its_buffer_so_its_warm_up_is_behind_it(tmp_path):
+    """--pretrain with SAC: the recorded episodes go into the replay buffer and count toward
+    --learning-starts. 300 env steps of a warm-up of 500 train nothing alone; with 600
+    recorded steps the first chunk is already trained on. Another env's dataset is refused."""
+    common = dict(env="Pendulum-v1", algo="sac", sims=1, learning_starts=500, minibatch_size=64, buffer_size=5000,
+                  hidden=32, max_env_steps=300, tensorboard=False, plot=False)
+    alone = shmrl.train(**common, logdir=str(tmp_path / "alone"))
+    assert alone["updates"] == 0
+    summary = shmrl.train(**common, pretrain=str(pendulum_dataset(tmp_path / "ds")), logdir=str(tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["updates"] >= 1 and rows[0]["grad_steps"] > 0
+    assert rows[0]["buffer_steps"] == 600 + rows[0]["batch_steps"]
+    with pytest.raises(ConfigError, match="--pretrain: .*of env 'CartPole-v1'"):
+        shmrl.train(**common, pretrain=str(pendulum_dataset(tmp_path / "other", env="CartPole-v1")),
+                    logdir=str(tmp_path / "refused"))
+
+
 # ---------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("env, fields, says", [
@@ -321,7 +357,7 @@ def test_the_command_line_refuses_sac_on_cartpole_in_one_line_and_helps_with_its
     assert proc.returncode == 2 and err.startswith("error: --algo sac:") and "\n" not in err, proc.stderr
     help_text = subprocess.run([sys.executable, "-m", "shmrl.run", "--env", "Pendulum-v1", "--algo", "sac", "--help"],
                                capture_output=True, text=True, timeout=60).stdout
-    assert "--algo {ppo,sac}" in help_text and "--buffer-size" in help_text
+    assert "--algo {ppo,sac,auto}" in help_text and "--buffer-size" in help_text
     assert 'sac.env."Pendulum-v1" in presets.toml' in help_text   # its learning rate (rl-zoo3's 1e-3)
 
 

@@ -64,6 +64,18 @@ def test_a_ppo_learner_takes_any_ping():
     assert server.dropped == [] and [m["type"] for _, m in server.replies] == ["PONG", "PONG"]
 
 
+def test_the_hub_names_the_clients_that_cannot_sample_sac():
+    """--algo auto switches to SAC only if every client running the policy itself can sample it."""
+    hub = Hub({DEFAULT_POLICY: PENDULUM}, EpisodeStore(), 64)
+    hub.set_state(1, {DEFAULT_POLICY: {"onnx_file": "abc", "weights_seq_no": 1}})
+    server = FakeServer()
+    for i, fields in enumerate([{}, {"action_dists": ["squashed_gaussian", "uniform"]}, {"inference": "server"},
+                                {"action_dists": ["squashed_gaussian"], "client_name": "old"}]):
+        ping(hub, server, f"tcp:c{i}", **fields)
+    assert hub.unable_to_sample(("squashed_gaussian", "uniform")) == ["tcp:c0", "tcp:c3 (old)"]
+    assert hub.unable_to_sample(()) == []
+
+
 @pytest.mark.parametrize("bad", ["squashed_gaussian", ["x" * 33], list("abcdefghijklmnopq"), [1]])
 def test_action_dists_must_be_a_short_list_of_short_strings(bad):
     with pytest.raises(rllink.ProtocolError, match="'action_dists' must be a list"):

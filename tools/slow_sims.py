@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""shmrl beside stable-baselines3 + rl-zoo3's tuned PPO on a slow simulator: both trainers'
-envs throttled to the same aggregate rate (tools/slow_sim.py), seed by seed, in turns (or
---at-once: at the same time, each on its own core).
+"""shmrl beside stable-baselines3 + rl-zoo3's tuned PPO or SAC (--algo) on a slow simulator:
+both trainers' envs throttled to the same aggregate rate (tools/slow_sim.py), seed by seed,
+in turns (or --at-once: at the same time, each on its own core).
 Returns at given env steps and wall times, how busy shmrl's learner was and how far its
-policy moved per update (approx_kl, clip_frac), a plot of both curves, JSON.
+policy moved per update (PPO: approx_kl, clip_frac; SAC: the replay ratio it kept up), a
+plot of both curves, JSON; with --results, one file per seed (a long comparison in parts).
 
     python tools/slow_sims.py                                  # HalfCheetah-v5, 1000 steps/s, 100k steps, 3 seeds
     python tools/slow_sims.py --envs Hopper-v5 --steps 300000 --plot hopper.png
@@ -11,9 +12,13 @@ policy moved per update (approx_kl, clip_frac), a plot of both curves, JSON.
     python tools/slow_sims.py --clients --no-sb3               # shmrl's simulators as external TCP clients
     python tools/slow_sims.py --at-once --steps 1000000        # both at once, a core each: 1M steps in ~35 min a seed
     python tools/slow_sims.py --quick --json                   # seconds: InvertedPendulum-v5, one seed
+    python tools/slow_sims.py --algo sac --steps 300000 --seeds 0 --results sac-runs   # a seed at a time:
+    python tools/slow_sims.py --algo sac --steps 300000 --seeds 0 1 2 --results sac-runs   # seed 0 read back
+    python tools/slow_sims.py --algo sac --quick --json        # seconds: Pendulum-v1, one seed
 
-SB3 runs as tools/zoo.py runs it (rl-zoo3's own training script and ppo.yml entry of the
-base env), on ``Throttled<ENV>`` (one process at --rate); shmrl on ``gym:<ENV>`` itself,
+SB3 runs as tools/zoo.py runs it (rl-zoo3's own training script and ppo.yml or sac.yml entry
+of the base env; --algo auto: its SAC), on ``Throttled<ENV>`` (one process at --rate); shmrl
+on ``gym:<ENV>`` itself with ``--algo`` as given,
 throttled in every process (tools/slow_site on PYTHONPATH: tools/slow_sim.py), so that it
 takes the env's own preset and slow profile as a user's run would, with no flags: --sims S
 simulators (or, --clients, S ``python -m shmrl.sim --connect`` clients) at --rate / S each.
@@ -92,12 +97,18 @@ def run_shmrl_clients(env: str, seed: int, seconds: float, folder: Path, extra: 
 
 
 def learner_stats(summary: dict, rows: list[dict]) -> dict:
-    """The profile shmrl chose (summary.json's), how busy its learner was, how much it
-    learned per batch, and how far each update moved."""
+    """The profile and algorithm shmrl chose (summary.json's), how busy its learner was, how
+    much it learned per batch, and how far each update moved (PPO), or the replay ratio it
+    kept up, its Q values and temperature (SAC)."""
     if not rows:
         return {}
-    return {"profile": summary.get("profile"),
-            "learner_share_median": statistics.median(r["learner_share"] for r in rows),
+    common = {"profile": summary.get("profile"), "algo": (summary.get("config") or {}).get("algo"),
+              "learner_share_median": statistics.median(r["learner_share"] for r in rows)}
+    sac = [r for r in rows if "replay_ratio" in r]
+    if sac:
+        return {**common, "replay_ratio_median": statistics.median(r["replay_ratio"] for r in sac),
+                "grad_steps": sac[-1]["grad_steps"], "q_mean_last": sac[-1]["q_mean"], "alpha_last": sac[-1]["alpha"]}
+    return {**common,
             "learn_levels": sorted({r["learn_level"] for r in rows}),
             "epochs_run_median": statistics.median(r["epochs_run"] for r in rows),
             "approx_kl_median": statistics.median(r["approx_kl"] for r in rows),
@@ -144,9 +155,14 @@ def pinned(core: int, run) -> dict:
     return {**run(), "core": core, "span": [start, time.time()]}
 
 
+def sb3_algo(algo: str) -> str:
+    """SB3's side of shmrl's --algo: its PPO, or its SAC (what auto picks on slow simulators)."""
+    return "ppo" if algo == "ppo" else "sac"
+
+
 def run_sb3(env: str, seed: int, a, py, seconds: float, folder: Path) -> dict:
     folder.mkdir()
-    return zoo.run_sb3(py, "Throttled" + env, seed, seconds, folder,
+    return zoo.run_sb3(py, "Throttled" + env, seed, seconds, folder, sb3_algo(a.algo),
                        extra=("--gym-packages", "tools.slow_sim", "-n", str(a.steps)),
                        env_vars={"PYTHONPATH": str(REPO), slow_sim.RATE_VAR: str(a.rate),
                                  **({"OMP_NUM_THREADS": "1"} if a.at_once else {})},
@@ -157,7 +173,7 @@ def run_shmrl(env: str, seed: int, a, seconds: float, folder: Path) -> dict:
     folder.mkdir()
     pythonpath = os.pathsep.join([str(HERE / "slow_site"), str(REPO),
                                   os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    extra = ["--max-env-steps", str(a.steps), *a.extra]
+    extra = ["--max-env-steps", str(a.steps), "--algo", a.algo, *a.extra]
     env_vars = {"PYTHONPATH": pythonpath, slow_sim.RATE_VAR: str(a.rate / a.sims)}
     if a.clients:   # each client's messages its share of a batch, as the local simulators' are
         # (with --sims 0 a message would be a whole batch: 4 clients sending together with --async
@@ -188,6 +204,9 @@ def medians(runs: list[dict]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--envs", nargs="+", default=["HalfCheetah-v5"], choices=sorted(FACTORIES))
+    p.add_argument("--algo", choices=("ppo", "sac", "auto"), default="ppo",
+                   help="shmrl's --algo, and SB3's algorithm beside it (its SAC for sac and auto) "
+                        "(default: %(default)s)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rate", type=float, default=1000.0, help="env steps per second, all simulators together "
                                                              "(default: %(default)s)")
@@ -206,22 +225,31 @@ def main(argv=None) -> int:
     p.add_argument("--python", type=Path, help="a python with rl_zoo3 and mujoco (default: tools/zoo.py's venv)")
     p.add_argument("--plot", type=Path, help="write both trainers' curves to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--quick", action="store_true", help="InvertedPendulum-v5, seed 0, 5000 steps at 1000/s")
+    p.add_argument("--results", type=Path,
+                   help="a folder: each seed's result is written there as it ends (ENV-ALGO-seedN.json), and a seed "
+                        "whose file is there, from the same settings, is read instead of run again: a long comparison "
+                        "in parts (one sitting a seed)")
+    p.add_argument("--quick", action="store_true", help="InvertedPendulum-v5 (--algo sac or auto: Pendulum-v1), seed "
+                                                        "0, 5000 steps (SAC: 2000) at 1000/s")
     p.add_argument("extra", nargs="*", help="after --: extra arguments for shmrl.run")
     a = p.parse_args(argv)
     usable = len(os.sched_getaffinity(0))
     if a.at_once and usable < a.sb3 + a.shmrl:
         p.error(f"--at-once needs a CPU core for each trainer; this process may use {usable}")
-    if a.quick:
+    if a.quick:   # SAC: an env in rl-zoo3's sac.yml, whose warm-up (100 env steps) leaves time to learn
         a.envs, a.seeds, a.steps, a.rate, a.sims = ["InvertedPendulum-v5"], [0], 5000, 1000.0, 2
+        if a.algo != "ppo":
+            a.envs, a.steps = ["Pendulum-v1"], 2000
     py = (a.python or shared.ZOO.ensure(shared.ZOO.folder)) if a.sb3 else None
-    results = {"rate": a.rate, "steps": a.steps, "sims": a.sims, "clients": a.clients, "at_once": a.at_once, "extra": a.extra, "load_before": os.getloadavg(),
-               "sb3": a.sb3, "shmrl": a.shmrl, "envs": {}}
+    settings = {"algo": a.algo, "rate": a.rate, "steps": a.steps, "sims": a.sims, "clients": a.clients,
+                "at_once": a.at_once, "extra": a.extra, "sb3": a.sb3, "shmrl": a.shmrl}
+    results = {**settings, "load_before": os.getloadavg(), "envs": {}}
+    if a.results:
+        a.results.mkdir(parents=True, exist_ok=True)
     for env in a.envs:
         runs = []
         for seed in a.seeds:
-            with tempfile.TemporaryDirectory(prefix=f"shmrl-slow-{env}-") as tmp:
-                runs.append(one_seed(env, seed, a, py, Path(tmp)))
+            runs.append(seed_result(env, seed, a, py, settings))
             print_run(env, runs[-1], sys.stderr if a.json else sys.stdout)   # each seed's, as it ends
         results["envs"][env] = {"runs": runs, **medians(runs)}
     results["load_after"] = os.getloadavg()
@@ -238,6 +266,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def seed_result(env: str, seed: int, a, py, settings: dict) -> dict:
+    """One seed's result: read from --results where an earlier sitting left it (with the same
+    settings: else an error, never a mix), else run and, with --results, written there."""
+    file = a.results / f"{env}-{a.algo}-seed{seed}.json" if a.results else None
+    if file is not None and file.exists():
+        kept = json.loads(file.read_text())
+        if kept.get("settings") != settings:
+            raise SystemExit(f"error: {file} was measured with {kept.get('settings')}, not {settings}: move it away "
+                             "or give its settings")
+        print(f"{env} seed {seed}: read from {file}", file=sys.stderr, flush=True)
+        return kept["entry"]
+    with tempfile.TemporaryDirectory(prefix=f"shmrl-slow-{env}-") as tmp:
+        entry = one_seed(env, seed, a, py, Path(tmp))
+    if file is not None:   # whole or not at all: a sitting stopped mid-write leaves no half file
+        part = file.with_suffix(".part")
+        part.write_text(json.dumps({"settings": settings, "entry": entry}))
+        part.replace(file)
+    return entry
+
+
 def print_run(env: str, entry: dict, out=sys.stdout) -> None:
     for who in ("sb3", "shmrl"):
         if who in entry:
@@ -246,9 +294,14 @@ def print_run(env: str, entry: dict, out=sys.stdout) -> None:
             times = " ".join(f"{t}s={zoo.fmt(v)}" for t, v in r["return_at_s"].items())
             learner = r.get("learner", {})
             profile = learner.get("profile") or {}
-            extra = (f" | {profile.get('name')} profile ({zoo.fmt(profile.get('sim_rate'))}/s at the first batch)"
-                     f" | learner {100 * learner['learner_share_median']:.0f}% levels {learner['learn_levels']} "
-                     f"kl max {learner['approx_kl_max']:.3f} clip max {learner['clip_frac_max']:.2f}") if learner else ""
+            extra = ""
+            if learner:
+                extra = (f" | {learner.get('algo')}, {profile.get('name')} profile "
+                         f"({zoo.fmt(profile.get('sim_rate'))}/s at the first batch) | learner "
+                         f"{100 * learner['learner_share_median']:.0f}% ")
+                extra += (f"replay ratio {learner['replay_ratio_median']:.2f}" if "replay_ratio_median" in learner else
+                          f"levels {learner['learn_levels']} kl max {learner['approx_kl_max']:.3f} "
+                          f"clip max {learner['clip_frac_max']:.2f}")
             print(f"{env} seed {entry['seed']} {who:5s}: {steps} | {times} | {zoo.fmt(r.get('env_steps'))} steps, "
                   f"{zoo.fmt(r.get('env_steps_per_s'))}/s{extra}", file=out, flush=True)
 

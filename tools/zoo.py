@@ -65,14 +65,15 @@ def zoo_env(env: str) -> str:
     return env
 
 
-def zoo_config(py: Path, env: str, folder: Path, entry_of: str | None = None) -> Path:
-    """A hyperparameter file for ``env`` holding rl-zoo3's own entry for it (or for the
-    same task's older version; "atari" for a NoFrameskip game), as zoo's ``-conf`` takes it;
-    ``entry_of``: the env whose entry to take (a throttled env takes its base env's)."""
+def zoo_config(py: Path, env: str, folder: Path, entry_of: str | None = None, algo: str = "ppo") -> Path:
+    """A hyperparameter file for ``env`` holding rl-zoo3's own ``algo`` entry for it (or
+    for the same task's older version; "atari" for a NoFrameskip game), as zoo's ``-conf``
+    takes it; ``entry_of``: the env whose entry to take (a throttled env takes its base env's)."""
     script = (f"import rl_zoo3, os, yaml, json; env = {entry_of or env!r}; name, version = env.rsplit('-', 1)\n"
-              "path = os.path.join(os.path.dirname(rl_zoo3.__file__), 'hyperparams', 'ppo.yml')\n"
+              f"path = os.path.join(os.path.dirname(rl_zoo3.__file__), 'hyperparams', '{algo}.yml')\n"
               "table = yaml.safe_load(open(path))\n"
-              "keys = ['atari'] if 'NoFrameskip' in env else [f'{name}-{v}' for v in ('v5', 'v4', 'v3', 'v2')]\n"
+              "keys = (['atari'] if 'NoFrameskip' in env\n"
+              "        else [env] + [f'{name}-{v}' for v in ('v5', 'v4', 'v3', 'v2')])\n"
               "key = next(k for k in keys if k in table)\n"
               "print(json.dumps({'key': key, 'params': table[key]}))")
     found = json.loads(subprocess.run([str(py), "-c", script], capture_output=True, text=True,
@@ -119,13 +120,13 @@ def window_means(episodes: list[tuple[float, int, float]]) -> list[dict]:
 
 def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path, algo: str = "ppo",
             extra: tuple = (), env_vars: dict | None = None, entry_of: str | None = None) -> dict:
-    """rl-zoo3's training script for ``seconds``: its PPO with the entry ``zoo_config``
-    finds (``entry_of``'s), or another ``algo`` (``ppo_lstm``: sb3-contrib's RecurrentPPO)
-    with zoo's own file for it; ``extra``: more of its arguments; ``env_vars``: added to
-    its environment."""
+    """rl-zoo3's training script for ``seconds``: its PPO or SAC with the entry
+    ``zoo_config`` finds (``entry_of``'s), or another ``algo`` (``ppo_lstm``: sb3-contrib's
+    RecurrentPPO) with zoo's own file for it; ``extra``: more of its arguments;
+    ``env_vars``: added to its environment."""
     skip = frames_per_step(env)
     env = zoo_env(env)
-    conf = ["-conf", str(zoo_config(py, env, folder, entry_of))] if algo == "ppo" else []
+    conf = ["-conf", str(zoo_config(py, env, folder, entry_of, algo))] if algo in ("ppo", "sac") else []
     t0 = stop_after([str(py), "-m", "rl_zoo3.train", "--algo", algo, "--env", env, "--seed", str(seed),
                      *conf, "--log-folder", str(folder / "zoo"), "--vec-env", "dummy",
                      "--eval-freq", "-1", "--save-freq", "-1", *extra],

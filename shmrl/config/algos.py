@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import math
 
-# The learning algorithms of --algo.
+# The learning algorithms of --algo; auto is one of them, chosen once the simulators' rate is
+# known (``shmrl.trainer.setup.set_up``, ``shmrl.trainer.loop.Training.choose_profile``).
 ALGOS = ("ppo", "sac")
+ALGO_CHOICES = ALGOS + ("auto",)
 
 
 def sac_refusal(config, spec=None) -> str | None:
     """Why --algo sac cannot train this run (``spec``: the env's, where known), or None.
     SAC (``shmrl.model.sac``) takes one Box action with finite bounds, a single agent,
-    vector observations and no --memory; --normalize-reward and --pretrain are PPO's."""
+    vector observations and no --memory; --normalize-reward is PPO's."""
     if config.memory not in (None, "none"):
         return f"--memory {config.memory}: SAC's policy has no recurrent core; give --memory none or --algo ppo"
     if config.normalize_reward:
         return "--normalize-reward scales PPO's batches; SAC trains on the rewards as they are (--reward-scale C)"
-    if config.pretrain:
-        return "--pretrain clones a PPO policy; SAC does not take a recording yet"
     if spec is None:
         return None
     name = config.env if isinstance(config.env, str) else getattr(config.env, "__qualname__", str(config.env))

@@ -59,12 +59,19 @@ class Algorithm:
         """What SET_CONFIG adds: the distribution of output 0 where it is not RLlib's."""
         return {"action_dist": SQUASHED_GAUSSIAN} if self.name == "sac" else {}
 
-    def first_action_dist(self, config, resumed: bool) -> str | None:
+    def action_dists(self) -> tuple[str, ...]:
+        """Every distribution its clients may be told to sample (SET_STATE's ``action_dist``):
+        what a client that runs the policy itself must list in its PING."""
+        return (SQUASHED_GAUSSIAN, "uniform") if self.name == "sac" else ()
+
+    def first_action_dist(self, config, resumed: bool, recorded_steps: int = 0) -> str | None:
         """SET_STATE's ``action_dist`` before the first update: SAC's warm-up acts uniformly
-        (a resumed run has its warm-up behind it)."""
+        (a resumed run has its warm-up behind it, as has one whose --pretrain brought
+        ``recorded_steps`` of at least --learning-starts)."""
         if self.name != "sac":
             return None
-        return "uniform" if config.learning_starts and not resumed else SQUASHED_GAUSSIAN
+        warm_up = config.learning_starts > recorded_steps and not resumed
+        return "uniform" if warm_up else SQUASHED_GAUSSIAN
 
     def misfit(self, net, arrays: dict, prefix: str) -> str | None:
         """Why a checkpoint's learner arrays of the policy at ``prefix`` do not fit ``net``

@@ -146,7 +146,8 @@ class _NetConfig:
 
 
 class SAC:
-    ROW_STATS = ("actor_loss", "critic_loss", "q_mean", "alpha", "entropy", "replay_ratio")
+    ROW_STATS = ("actor_loss", "critic_loss", "q_mean", "alpha", "entropy", "replay_ratio", "grad_steps",
+                 "buffer_steps")
 
     def __init__(self, net: SquashedGaussianNet, config, seed: int = 0,
                  initial_weights: dict[str, np.ndarray] | None = None, device: str = "cpu"):
@@ -203,11 +204,7 @@ class SAC:
         """Take ``chunks`` into the buffer, then pay the gradient steps owed (publishing every
         --publish-every); None while the warm-up lasts (nothing to publish)."""
         cfg = self.config
-        obs, next_obs, actions, rewards, dones = transitions(chunks, self.net.leaves)
-        self.buffer.add(obs, next_obs, actions, rewards * np.float32(reward_scale), dones)
-        if self.normalizer is not None:
-            self.normalizer.update(as_leaves(chunks.obs, self.net))
-        self.steps_seen += chunks.num_steps
+        self.remember(chunks, reward_scale)
         if self.steps_seen < cfg.learning_starts or self.buffer.size < cfg.minibatch_size:
             return None
         owed = min(self.owed + chunks.num_steps * cfg.gradient_steps, MAX_OWED)
@@ -226,6 +223,16 @@ class SAC:
         return {**dict(zip(("actor_loss", "critic_loss", "q_mean", "alpha", "entropy"), means)),
                 "replay_ratio": taken / max(chunks.num_steps, 1), "lr": cfg.lr, "epochs_run": 1.0,
                 "grad_steps": self.grad_steps, "buffer_steps": self.buffer.size}
+
+    def remember(self, chunks: EpisodeBatch, reward_scale: float = 1.0) -> None:
+        """Take ``chunks`` into the replay buffer (and the observation statistics), learning
+        nothing: they count toward --learning-starts (--algo auto's measuring batch, sampled
+        by PPO's first policy, goes in here)."""
+        obs, next_obs, actions, rewards, dones = transitions(chunks, self.net.leaves)
+        self.buffer.add(obs, next_obs, actions, rewards * np.float32(reward_scale), dones)
+        if self.normalizer is not None:
+            self.normalizer.update(as_leaves(chunks.obs, self.net))
+        self.steps_seen += chunks.num_steps
 
     # ------------------------------------------------------------ the update
     def normalize(self, obs: dict) -> dict:

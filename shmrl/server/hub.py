@@ -196,6 +196,7 @@ class Connection:
     inference: Inference | NoInference   # what answers its ACTs: the run's inference once its PING asked
     authenticated: bool = False      # with an auth token: it showed it
     name: str | None = None          # the client_name its PING gave
+    action_dists: tuple = ()         # the distributions its PING said it samples (RLLINK.md §3.1)
     opened: float | None = None      # time.monotonic() of its first message past authentication
     arrivals: tuple | None = None    # (time, steps) of its first chunks, (time, steps) of all
     stepped: int | None = None       # env steps its last HEARTBEAT reported
@@ -337,6 +338,7 @@ class Hub:
             if "client_name" in msg:
                 conn.name = msg["client_name"]
                 log.info("%s is %s", conn_id, msg["client_name"])
+            conn.action_dists = tuple(msg.get("action_dists", ()))
             why = self._cannot_sample(msg)
             if why:
                 self._close(conn_id, conn, why)
@@ -386,6 +388,12 @@ class Hub:
                 f"(SAC, docs/RLLINK.md section 4.2), and the client's PING {said}: it cannot sample it (RLlib's "
                 f"client cannot); use a shmrl client (python -m shmrl.sim, the C or JS client) or server-side "
                 f"inference (PING inference: server), or train with --algo ppo")
+
+    def unable_to_sample(self, dists) -> list[str]:
+        """The open connections whose clients run the policy themselves and did not say in
+        their PING that they sample each of ``dists`` (--algo auto keeps PPO for them)."""
+        return [self.name(conn_id) for conn_id, conn in list(self.connections.items())
+                if conn.inference is not self.inference and not set(dists) <= set(conn.action_dists)]
 
     def _declared_differs(self, msg: dict) -> str | None:
         """Why the spaces a GET_CONFIG declares are not the run's (naming both), or None

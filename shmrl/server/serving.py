@@ -300,22 +300,34 @@ class Serving:
         self._published.put((self.weights_seq_no, policies))
         self._wake_pipe.wake()
 
-    def switch(self, config, templates: dict[str, ModelTemplate], weights: dict, chunks: dict) -> None:
-        """Go on with other networks and settings (the slow profile, ``config``): their
-        ``templates`` and first ``weights`` (by policy id) published now. The batch in hand
-        (``chunks``) and every chunk sampled with an older version are dropped. (Training
-        thread; the serving thread takes no batch until it has sent these weights out.)"""
-        self.store.skipped(chunks, SWITCHED)
+    def switch(self, config, templates: dict[str, ModelTemplate], weights: dict, chunks: dict,
+               off_policy: bool = False, config_fields: dict | None = None, action_dists: dict | None = None) -> None:
+        """Go on with other networks and settings (the slow profile, or SAC: ``config``):
+        their ``templates`` and first ``weights`` (by policy id) published now. The batch in
+        hand (``chunks``) and every chunk sampled with an older version are dropped; with
+        ``off_policy`` (SAC, whose replay buffer took the batch) it counts as trained and
+        every chunk is kept. ``config_fields``: SET_CONFIG's new fields for clients still to
+        come; ``action_dists``: SET_STATE's, by policy id (``publish``). (Training thread;
+        the serving thread takes no batch until it has sent these weights out.)"""
+        if off_policy:
+            self.store.trained(chunks)
+        else:
+            self.store.skipped(chunks, SWITCHED)
+            self.min_seq = self.weights_seq_no + 1
+        self.off_policy = off_policy
         self.train_batch_size = config.train_batch_size
-        self.hub.on_policy = not config.async_sampling
-        self.hub.max_pending_steps = None if self.hub.on_policy else config.train_batch_size
+        self.hub.on_policy = not (config.async_sampling or off_policy)
+        self.hub.max_pending_steps = None if self.hub.on_policy or off_policy else config.train_batch_size
         self.hub.client_budget = client_budget(config)
+        if config_fields:   # a new dict: a transport may hold a reply not yet sent
+            self.hub.config_msg = {**self.hub.config_msg, **config_fields}
         for policy in self.store.policies.values():
-            if policy.reward_stats is not None:   # the slow profile's discount (its statistics go on)
+            if policy.reward_stats is not None and config.normalize_reward:   # the new discount (its statistics go on)
                 policy.reward_gamma = config.gamma
+            elif policy.reward_stats is not None:   # SAC trains on the rewards as they are
+                policy.reward_stats = None
         self.templates, self.model_bytes, self._files = templates, {}, {}
-        self.min_seq = self.weights_seq_no + 1
-        self.publish(weights)
+        self.publish(weights, action_dists=action_dists)
 
 
 def finite_weights(weights: dict) -> dict:

@@ -38,7 +38,7 @@ from shmrl.model.torch_import import start_torch_import, started_since
 from shmrl.trainer.report import (DETAIL_EVERY, Clock, LearnerWall, books, metrics_row, progress_line, run_summary,
                                   share, wall_line)
 from shmrl.trainer.resume import policy_file, save_checkpoint, spent_budget
-from shmrl.trainer.setup import Setup, make_learners, make_serving, set_up, switch_to_slow
+from shmrl.trainer.setup import Setup, make_learners, make_serving, set_up, switch_to_sac, switch_to_slow
 from shmrl.trainer.win_rate import WinRateEval
 
 log = logging.getLogger("shmrl.run")
@@ -239,11 +239,11 @@ class Training(Run):
                 return EXIT_BUDGET
             if not batch:
                 continue
-            if self.setup.slow is not None:   # the first batch says how fast the simulators are: keep or switch
+            if self.setup.deciding:   # the first batch says how fast the simulators are: keep or switch
                 if self.choose_profile(batch[0]):
-                    config, learning = self.config, LearnPerStep.of(self.config, slow_profile=True)
-                    self.learning = learning
-                    continue   # the batch was the other profile's: dropped
+                    config = self.config
+                    learning = self.learning = LearnPerStep.of(config, self.setup.profile["name"] == "slow")
+                    continue   # the batch was the other profile's: dropped (SAC's buffer took it)
             t0 = time.perf_counter()
             stats = update(self.serving, self.learners, self.counts, *batch,
                            progress=store.steps_trained / config.max_env_steps, plan=learning.plan())
@@ -283,16 +283,36 @@ class Training(Run):
 
     def choose_profile(self, chunks: dict) -> bool:
         """The profile the run goes on with, from the env steps per second its simulators
-        delivered until the first batch (``simulators_slow``); True if it switched to the
-        slow one (``learners`` then holds the new PPOs and ``chunks`` were dropped)."""
+        delivered until the first batch (``simulators_slow``): slow ones get SAC (--algo
+        auto, where SAC takes the env and every client can sample its actions), else the
+        slow profile (where the env has one). True if it switched (``learners`` then holds
+        the new learners, and ``chunks`` went into SAC's buffer or were dropped)."""
+        from shmrl.model.algorithm import algorithm
+
         setup, rate = self.setup, self.serving.first_batch_rate
         slow, line = simulators_slow(rate, setup.config.slow_rate)
+        auto = None
+        if setup.sac is not None:   # --algo auto, and SAC takes the env
+            dists = algorithm("sac").action_dists()
+            unable = self.serving.hub.unable_to_sample(dists) if slow else []
+            if slow and not unable:
+                print(f"{line.split(':')[0]}: --algo auto trains SAC (off-policy, a replay buffer)", flush=True)
+                self.learners.update(switch_to_sac(setup, self.serving, chunks, rate))
+                return True
+            auto = ("--algo auto: PPO, the simulators are fast" if not slow else
+                    f"--algo auto: PPO, {', '.join(unable[:4])}{' and more' if len(unable) > 4 else ''} cannot "
+                    f"sample SAC's actions (their PING lists no {' and '.join(dists)})")
+            setup.sac = None
+            print(auto, flush=True)
         print(line, flush=True)
-        if not slow:
-            setup.slow, setup.profile = None, {"name": "preset", "why": line, "sim_rate": rate}
-            return False
-        self.learners.update(switch_to_slow(setup, self.serving, chunks, rate))
-        return True
+        if slow and setup.slow is not None:
+            self.learners.update(switch_to_slow(setup, self.serving, chunks, rate))
+        else:
+            why = line if setup.slow is not None or not slow else f"{line.split(':')[0]}: no slow profile for this env"
+            setup.slow, setup.profile = None, {**setup.profile, "name": "preset", "why": why, "sim_rate": rate}
+        if auto:
+            setup.profile["algo"] = auto
+        return setup.profile["name"] == "slow"
 
     def checkpoint(self) -> Path:
         config = self.config

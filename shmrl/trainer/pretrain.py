@@ -1,4 +1,6 @@
-"""``--pretrain DATASET``: start PPO from demonstrations.
+"""``--pretrain DATASET``: start from demonstrations. SAC takes the recorded episodes into
+its replay buffer (``recorded_batches``; ``shmrl.trainer.setup.make_learners``); PPO, which
+learns only from its own policy's samples, is cloned from them:
 
 Before the first weights are published, each policy is cloned from its recorded episodes
 (``shmrl.files.dataset``): the actor by maximum likelihood of the recorded actions (behaviour
@@ -44,6 +46,21 @@ def dataset_policy(dataset: Dataset, pid: str, spec) -> str:
     return source
 
 
+def recorded_batches(config, nets: dict) -> dict:
+    """Each policy's recorded episodes in ``config.pretrain`` (policy id -> an EpisodeBatch,
+    one chunk per episode); a ConfigError for a dataset of another env or other spaces, a
+    damaged manifest, or values the learner would refuse from a client (they would poison
+    the clone or the buffer)."""
+    try:
+        dataset = Dataset(config.pretrain, ValueBounds(config.max_obs_abs, config.max_reward_abs))
+        if dataset.env != env_name(config.env):
+            raise DatasetError(f"{dataset.path}: its episodes are of env {dataset.env!r}, not {env_name(config.env)!r}")
+        sources = {pid: dataset_policy(dataset, pid, net.spec) for pid, net in nets.items()}
+        return {pid: dataset.batch(source) for pid, source in sources.items()}
+    except DatasetError as e:
+        raise ConfigError(f"--pretrain: {e}") from None
+
+
 def pretrain_policies(config, nets: dict, first_weights: dict) -> dict:
     """Clone each policy (policy id -> PolicyNet) from ``config.pretrain``. Returns policy id
     -> (the PPO state to start from, as ``PPO.get_state``, and the reward statistics'
@@ -54,14 +71,7 @@ def pretrain_policies(config, nets: dict, first_weights: dict) -> dict:
 
     if config.memory not in (None, "none"):
         raise ConfigError("--pretrain clones feed-forward policies; give --memory none")
-    try:   # values the learner would refuse from a client poison the clone: refused here too
-        dataset = Dataset(config.pretrain, ValueBounds(config.max_obs_abs, config.max_reward_abs))
-        if dataset.env != env_name(config.env):
-            raise DatasetError(f"{dataset.path}: its episodes are of env {dataset.env!r}, not {env_name(config.env)!r}")
-        sources = {pid: dataset_policy(dataset, pid, net.spec) for pid, net in nets.items()}
-        batches = {pid: dataset.batch(source) for pid, source in sources.items()}
-    except DatasetError as e:
-        raise ConfigError(f"--pretrain: {e}") from None
+    batches = recorded_batches(config, nets)
     torch.set_num_threads(config.torch_threads or 1)
     out = {}
     for i, (pid, net) in enumerate(nets.items()):

@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass
 
 from shmrl.trainer.learn_per_step import SLOW_SETTINGS, given_settings, slow_config
-from shmrl.config.settings import ConfigError, env_name, resolve_config, saved_config, validate
+from shmrl.config.algos import sac_refusal
+from shmrl.config.settings import (ConfigError, SACSettings, env_defaults, env_name, resolve_config, saved_config,
+                                   validate)
 from shmrl.trainer.resume import (load_resume_checkpoint, policy_arrays, policy_prefix, ppo_state, restore_store,
                           saved_policy)
 from shmrl.server.serving import Serving, check_policy_fits_a_frame
@@ -25,6 +27,11 @@ log = logging.getLogger("shmrl.run")
 # measured the MLP presets' updates slower on an H100 than on 2 CPU threads, the Nature CNN's
 # 40 times faster).
 LARGE_MINIBATCH = 4096
+
+# What --algo auto's switch to SAC changes: how the learner learns (PPO's, the network's and
+# SAC's settings, as the slow profile may change them); never the run's shape (its
+# simulators, transports, budget, stop return, the clients' message size), fixed before.
+SAC_SETTINGS = SLOW_SETTINGS | {f.name for f in dataclasses.fields(SACSettings) if f.metadata["preset"]}
 
 
 def policy_net(config, spec):
@@ -51,18 +58,25 @@ class Setup:
     profile: dict | None = None      # the profile it trains with and why (summary.json's "profile")
     device: str | None = None        # where the learner's PPOs live, once torch is loaded (summary.json's "device")
     shared_batch: int | None = None  # the train batch the Hub spreads over its clients (None: --env-steps-per-sample)
+    recorded: dict | None = None     # --pretrain with SAC: policy id -> the recorded episodes for its replay buffer
+    sac: SlowProfile | None = None   # SAC, which --algo auto switches to on slow simulators, until it decides
 
     def ring_nets(self) -> dict:
-        """Per policy, the larger of its network and its slow profile's: the rings carry either."""
-        if self.slow is None:
-            return self.nets
-        return {pid: max(net, self.slow.nets[pid], key=parameters) for pid, net in self.nets.items()}
+        """Per policy, the largest of its network and those it may switch to: the rings carry any."""
+        others = [p.nets for p in (self.slow, self.sac) if p is not None]
+        return {pid: max([net, *(nets[pid] for nets in others)], key=parameters) for pid, net in self.nets.items()}
+
+    @property
+    def deciding(self) -> bool:
+        """Whether the first batch's rate is still to choose between profiles (or algorithms)."""
+        return self.slow is not None or self.sac is not None
 
 
 @dataclass
 class SlowProfile:
-    """The env's slow profile (presets.toml) as a run may switch to it: its settings, with
-    those the command line gave kept, its networks, and the tables it came from."""
+    """The env's slow profile (presets.toml), or SAC (--algo auto), as a run may switch to
+    it: its settings, with those the command line gave kept, its networks, and the tables
+    it came from."""
     config: object
     nets: dict
     sources: list
@@ -85,11 +99,18 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None, s
     spec = spec if spec is not None else env_spec(config.env)
     say_left_out(spec)
     given = given_settings(config) if given is None else given
-    config = resolve_config(config, spec)
+    if config.algo == "auto" and config.resume:   # a run resumes with the algorithm it was trained with
+        config = dataclasses.replace(config, algo=checkpoint_algo(config.resume))
+    auto = config.algo == "auto"
+    config = resolve_config(dataclasses.replace(config, algo="ppo") if auto else config, spec)
     validate(config, spec, servers_given)
     check_device(config)
     multiagent = spec.multiagent
     slow, profile = None, {"name": "preset", "why": f"--learn-per-step {config.learn_per_step}"}
+    sac = auto_line = None
+    if auto:   # PPO until the first batch says how fast the simulators are
+        sac, auto_line = auto_sac(config, spec, given, servers_given)
+        log.info("--algo auto: %s", auto_line)
     if config.algo != "ppo":   # the slow profile is PPO's: SAC learns as much per env step as --gradient-steps says
         profile["why"] = f"--algo {config.algo}"
     elif config.learn_per_step != "off" and not (config.resume or config.pretrain or multiagent):
@@ -102,6 +123,11 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None, s
             if config.learn_per_step == "on":   # from the start: nothing to measure or switch
                 config, slow = slow_settings, None
                 profile = {"name": "slow", "why": "--learn-per-step on", "tables": sources}
+    if auto_line:
+        profile["algo"] = f"--algo auto: {auto_line}"
+    if sac is not None and "env_steps_per_sample" not in given:   # messages that fit SAC's batch too
+        config = dataclasses.replace(config, env_steps_per_sample=min(
+            config.env_steps_per_sample, -(-sac.config.train_batch_size // max(config.sims, 1))))
     policy_specs = {DEFAULT_POLICY: spec}
     if multiagent:
         from shmrl.envs.spec import policy_mapper
@@ -116,9 +142,10 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None, s
     config = dataclasses.replace(config, stop_return=chosen_stop_return(config, spec), logdir=chosen_logdir(config))
     nets = {pid: policy_net(config, s) for pid, s in policy_specs.items()}
     check_policy_fits_a_frame(config, nets, multiagent)
-    if slow is not None:
-        slow.nets = {pid: policy_net(slow.config, s) for pid, s in policy_specs.items()}
-        check_policy_fits_a_frame(slow.config, slow.nets, multiagent)
+    for alternative in (slow, sac):
+        if alternative is not None:
+            alternative.nets = {pid: policy_net(alternative.config, s) for pid, s in policy_specs.items()}
+            check_policy_fits_a_frame(alternative.config, alternative.nets, multiagent)
     resumed = (load_resume_checkpoint(config.resume, env_name(config.env), config.hidden, nets, multiagent,
                                      saved_config(config))
                if config.resume else None)
@@ -130,8 +157,15 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None, s
     else:
         first_weights = {pid: net.initial_weights(config.seed + i) for i, (pid, net) in enumerate(nets.items())}
         first_seq = 1
-    pretrained = None
-    if config.pretrain and not resumed:   # the clone is what the clients are served first
+    pretrained = recorded = None
+    if config.pretrain and not resumed and config.algo == "sac":   # the episodes go into the replay buffer
+        from shmrl.trainer.pretrain import recorded_batches
+
+        recorded = recorded_batches(config, nets)
+        for pid, batch in recorded.items():
+            print(f"pretrain: policy {pid!r}: {batch.num_chunks} episodes ({batch.num_steps} steps) into SAC's "
+                  f"replay buffer", flush=True)
+    elif config.pretrain and not resumed:   # the clone is what the clients are served first
         from shmrl.trainer.pretrain import pretrain_policies
 
         pretrained = pretrain_policies(config, nets, first_weights)
@@ -141,12 +175,47 @@ def set_up(config, servers_given: bool = False, given: set[str] | None = None, s
     config = dataclasses.replace(config, tensorboard=chosen_tensorboard(config), plot=chosen_plot(config))
     if slow is not None:   # the settings decided here (the stop return, the log folder) are the slow profile's too
         slow.config = dataclasses.replace(config, **{k: getattr(slow.config, k) for k in SLOW_SETTINGS})
+    if sac is not None:
+        sac.config = dataclasses.replace(config, algo="sac", **{k: getattr(sac.config, k) for k in SAC_SETTINGS})
     # Unless --env-steps-per-sample is given, each client's message is its share of the batch
-    # (of the smaller of the two profiles': a client may read it only once), over whoever samples.
+    # (of the smallest of the profiles': a client may read it only once), over whoever samples.
     shared_batch = None if "env_steps_per_sample" in given else min(
-        [config.train_batch_size] + ([slow.config.train_batch_size] if slow is not None else []))
+        [config.train_batch_size] + [p.config.train_batch_size for p in (slow, sac) if p is not None])
     return Setup(config, spec, multiagent, policy_specs, nets, first_weights, first_seq, resumed, pretrained,
-                 slow, profile, shared_batch=shared_batch)
+                 slow, profile, shared_batch=shared_batch, sac=sac, recorded=recorded)
+
+
+def checkpoint_algo(resume: str) -> str:
+    """The --algo of the newest checkpoint in the folder ``resume`` (PPO where it says none,
+    or none can be read: ``load_resume_checkpoint`` then says why the run cannot resume)."""
+    from pathlib import Path
+
+    from shmrl.files import checkpoint
+
+    try:
+        _, _, state, _ = checkpoint.load_latest(Path(resume))
+    except checkpoint.CheckpointError:
+        return "ppo"
+    return state.get("config", {}).get("algo") or "ppo"
+
+
+def auto_sac(config, spec, given: set[str], servers_given: bool) -> tuple[SlowProfile | None, str]:
+    """--algo auto: (SAC as the run may switch to it on slow simulators, with the settings
+    the command line gave kept; None where SAC cannot train this run), and the line that
+    says which. ``config``: the run's, resolved for PPO."""
+    sac_values = {k: v for k, v in env_defaults(config.env, spec, "sac").items() if k in SAC_SETTINGS}
+    sac_config = dataclasses.replace(config, algo="sac", **{k: v for k, v in sac_values.items() if k not in given})
+    why = sac_refusal(sac_config, spec) or ("--pretrain: PPO's clone serves the first batch" if config.pretrain
+                                            else None)
+    if why:
+        return None, f"PPO ({why.split(': give')[0]})"
+    validate(sac_config, spec, servers_given)
+    from shmrl.config.presets import preset_tables
+
+    sources = preset_tables(config.env, spec, "sac")[1]
+    return SlowProfile(sac_config, {}, sources), (
+        f"PPO's preset until the first batch; then SAC if the simulators delivered fewer than --slow-rate "
+        f"{config.slow_rate:g} env steps/s (that batch into its replay buffer), else PPO")
 
 
 def say_sac(config, spec) -> None:
@@ -246,7 +315,8 @@ def make_serving(setup: Setup, servers: list, supervisor) -> Serving:
     algo = algorithm(config.algo)
     extra = algo.config_fields() if not setup.multiagent else {
         "policy_map": config.policy_map, "league_prob": config.league_prob if config.league else 0.0}
-    first_dist = algo.first_action_dist(config, bool(setup.resumed))
+    first_dist = algo.first_action_dist(config, bool(setup.resumed),
+                                        min((b.num_steps for b in (setup.recorded or {}).values()), default=0))
     serving = Serving(servers, config, setup.policy_specs, {pid: net.template for pid, net in setup.nets.items()},
                       setup.first_weights, multiagent=setup.multiagent, first_weights_seq_no=setup.first_seq,
                       housekeeping=supervisor.check if supervisor else None,
@@ -323,6 +393,9 @@ def make_learners(setup: Setup) -> dict:
             for i, (pid, net) in enumerate(setup.nets.items())}
     for pid, ((arrays, values), _) in (setup.pretrained or {}).items():
         ppos[pid].set_state(arrays, values)
+    for pid, batch in (setup.recorded or {}).items():   # SAC's --pretrain: counted toward its warm-up
+        ppos[pid].remember(batch, reward_scale=config.reward_scale)
+    setup.recorded = None
     if setup.resumed:
         _, arrays, state = setup.resumed
         for pid, ppo in ppos.items():
@@ -332,6 +405,35 @@ def make_learners(setup: Setup) -> dict:
 
 
 make_ppos = make_learners   # its name before SAC
+
+
+def switch_to_sac(setup: Setup, serving: Serving, chunks: dict, rate: float) -> dict:
+    """--algo auto on slow simulators (``rate`` env steps per second): the run goes on with
+    SAC, its settings, networks and learners, published at once (with SET_STATE's
+    ``action_dist``: uniform through SAC's warm-up). The batch it measured the rate on
+    (``chunks``, by policy id: sampled by PPO's first policy) goes into SAC's replay buffer,
+    where it counts toward --learning-starts; nothing is dropped (off-policy, no chunk is too
+    old). Returns the SAC learners."""
+    from shmrl.core.episode import EpisodeBatch
+    from shmrl.model.algorithm import algorithm
+
+    sac, setup.sac, setup.slow = setup.sac, None, None
+    setup.config, setup.nets = sac.config, sac.nets
+    setup.first_weights = {pid: net.initial_weights(sac.config.seed + i)
+                           for i, (pid, net) in enumerate(sac.nets.items())}
+    say_sac(sac.config, setup.spec)
+    learners = make_learners(setup)
+    chunks = {pid: EpisodeBatch.concat(batches) for pid, batches in chunks.items()}
+    for pid, batch in chunks.items():
+        learners[pid].remember(batch, reward_scale=sac.config.reward_scale)
+    serving.switch(sac.config, {pid: net.template for pid, net in sac.nets.items()},
+                   {pid: learner.published_weights() for pid, learner in learners.items()}, chunks,
+                   off_policy=True, config_fields=algorithm("sac").config_fields(),
+                   action_dists={pid: learner.action_dist for pid, learner in learners.items()})
+    setup.profile = {"name": "sac", "why": f"--algo auto, simulators slow: {rate:.0f} env steps/s < --slow-rate "
+                     f"{sac.config.slow_rate:g}", "sim_rate": rate, "tables": sac.sources,
+                     "switched_at_env_steps": serving.store.steps_received}
+    return learners
 
 
 def switch_to_slow(setup: Setup, serving: Serving, chunks: dict, rate: float) -> dict:
