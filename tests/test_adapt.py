@@ -187,14 +187,17 @@ def test_the_throttle_holds_a_process_to_its_rate(monkeypatch):
 @pytest.mark.skipif(not Path("~/.cache/shmrl/zoo-venv/bin/python").expanduser().exists(),
                     reason="no rl-zoo3 virtualenv: `python tools/zoo.py --setup` makes it")
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--at-once pins each trainer to a core: needs 2")
-def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm_leftovers):
+@pytest.mark.parametrize("algo, env", [("ppo", "InvertedPendulum-v5"), ("sac", "Pendulum-v1")])
+def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path, no_shm_leftovers, algo, env):
     pytest.importorskip("mujoco", reason="the mujoco extra is not installed (the test extra has it)")
     out = tmp_path / "curves.png"
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "slow_sims.py"), "--quick", "--json", "--at-once",
-                           "--plot", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                           "--algo", algo, "--plot", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    (run,) = result["envs"]["InvertedPendulum-v5"]["runs"]
+    (run,) = result["envs"][env]["runs"]
+    assert run["sb3"]["command"].startswith(f"python -m rl_zoo3.train --algo {algo}")
     # --at-once: each on its own core, at the same time
     assert result["at_once"] and run["sb3"]["core"] != run["shmrl"]["core"]
     (sb3_start, sb3_end), (shmrl_start, shmrl_end) = run["sb3"]["span"], run["shmrl"]["span"]
@@ -205,7 +208,8 @@ def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path
         steps = [p["env_steps"] for p in run[who]["curve"]]
         assert steps == sorted(steps)
     learner = run["shmrl"]["learner"]
-    assert 0 <= learner["learner_share_median"] <= 1 and learner["approx_kl_max"] < 1
+    assert 0 <= learner["learner_share_median"] <= 1 and learner["algo"] == algo
+    assert learner["approx_kl_max"] < 1 if algo == "ppo" else learner["grad_steps"] > 0
     assert out.read_bytes().startswith(b"\x89PNG")
 
 

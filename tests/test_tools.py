@@ -615,6 +615,26 @@ def test_slow_sims_quick(tool):
 
 
 @pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
+def test_slow_sims_quick_sac_in_parts(tool, tmp_path):
+    """tools/slow_sims.py --algo sac --quick without SB3: shmrl's SAC on a throttled Pendulum,
+    its replay ratio; with --results the seed's file is written, read back by a second
+    sitting instead of running again, and refused under other settings."""
+    pytest.importorskip("gymnasium")
+    results = tmp_path / "parts"
+    args = ("slow_sims.py", "--quick", "--algo", "sac", "--no-sb3", "--json", "--results", results)
+    rc, out, err = tool(*args, timeout=240)
+    assert rc == 0, err[-3000:]
+    (run,) = last_json(out)["envs"]["Pendulum-v1"]["runs"]
+    learner = run["shmrl"]["learner"]
+    assert learner["algo"] == "sac" and learner["grad_steps"] > 0 and 0 < learner["replay_ratio_median"] <= 1.5
+    assert [f.name for f in results.iterdir()] == ["Pendulum-v1-sac-seed0.json"]
+    rc, out, err = tool(*args, timeout=60)
+    assert rc == 0 and "read from" in err and last_json(out)["envs"]["Pendulum-v1"]["runs"] == [run], err[-3000:]
+    rc, out, err = tool(*args, "--rate", "500", timeout=60)
+    assert rc != 0 and "was measured with" in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.slow   # over 10 s: trains to a target or runs a whole tool
 def test_record_bench_overhead_quick(tool, tmp_path):
     """tools/record_bench.py overhead --quick, as a command: CartPole with and without
     --record, each to its short budget, and the cost of recording."""
