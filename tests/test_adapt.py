@@ -338,10 +338,13 @@ def test_auto_on_slow_simulators_trains_sac_from_the_measuring_batch_and_resumes
     # counted toward the warm-up: nothing dropped, SAC's first update already trains.
     assert SWITCHED not in summary["env_steps_dropped"]
     assert rows[0]["buffer_steps"] > 2048 and rows[0]["grad_steps"] > 0 and "q_mean" in rows[0]
-    check_books(summary, tmp_path / "run")
-    rows, summary, _ = run_shmrl(tmp_path, "--resume", tmp_path / "run", "--algo", "auto", "--max-env-steps", "6000",
-                                 "--stop-return", "inf", steps_per_s=500)
-    assert summary_of(tmp_path / "run")["config"]["algo"] == "sac" and rows[-1]["grad_steps"] > 0
+    check_books(summary)   # trained: the updates' batches and the measuring one, which has no row of its own
+    measured = summary["env_steps_trained"] - sum(r["batch_steps"] for r in rows)
+    assert measured >= 2048 and rows[0]["buffer_steps"] == measured + rows[0]["batch_steps"]
+    before = rows[-1]["grad_steps"]
+    rows = run_shmrl(tmp_path, "--resume", tmp_path / "run", "--algo", "auto", "--max-env-steps", "6000",
+                     "--stop-return", "inf", steps_per_s=500)   # auto: the checkpoint's algorithm
+    assert summary_of(tmp_path / "run")["config"]["algo"] == "sac" and rows[-1]["grad_steps"] > before
 
 
 def test_auto_takes_sacs_presets_under_the_flags_given_and_keeps_the_runs_shape():

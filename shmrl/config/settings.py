@@ -118,13 +118,10 @@ class RunSettings:
         "declares none, the default env), what --sims 0 --tcp-port P trains without --env; the defaults below "
         "are this env's (default: %(default)s; with --sims 0 --tcp-port P: declared)")
     algo: str = setting(
-        "ppo", "the learning algorithm: ppo (on-policy, every space), sac (soft actor-critic, off-policy: a "
-        "replay buffer in the learner, for Box actions with finite bounds, single-agent, no --memory, vector "
-        "observations; its own presets, the [sac] tables of presets.toml), or auto: PPO's preset until the "
-        "first batch, then SAC where the simulators delivered fewer than --slow-rate env steps/s and SAC takes "
-        "the env (that batch goes into SAC's replay buffer), else PPO (with --learn-per-step's profile); a "
-        "checkpoint resumes only with the algorithm it was trained with (auto: the checkpoint's) "
-        "(default: %(default)s)", choices=ALGO_CHOICES)
+        "ppo", "ppo (on-policy, every space), sac (soft actor-critic: off-policy, a replay buffer; Box actions "
+        "with finite bounds, single-agent, vector observations; presets.toml's [sac] tables), or auto: PPO until "
+        "the first batch, then SAC on slow simulators (--slow-rate) where SAC takes the env; a --resume keeps "
+        "its checkpoint's (docs/SLOW_SIMULATORS.md) (default: %(default)s)", choices=ALGO_CHOICES)
     seed: int = setting(0, "seed of the learner and, offset per simulator, of the environments and action "
                            "sampling (default: %(default)s)")
     stop_return: float | None = setting(
@@ -145,8 +142,7 @@ class RunSettings:
         "episodes (default: %(default)s)", check=at_least(1), metavar="N")
     pretrain: str | None = setting(
         None, "start from the episodes of the dataset DIR (--record, python -m shmrl.record): PPO clones its "
-        "policy from them and fits its value function to their returns; SAC takes them into its replay buffer, "
-        "where they count toward --learning-starts (a --resume goes on from its checkpoint instead)",
+        "policy and value function from them, SAC puts them in its replay buffer (not again on --resume)",
         kind=str, metavar="DIR")
     pretrain_steps: int = setting(
         5000, "gradient steps of --pretrain's clone, on minibatches of 512 env steps: about 57 passes over "
@@ -361,10 +357,9 @@ class PPOSettings:
         "one: the most gradient steps) (docs/SLOW_SIMULATORS.md) (default: %(default)s)",
         choices=("auto", "off", "on"))
     slow_rate: float = setting(
-        2000.0, "with --learn-per-step auto or --algo auto, simulators that deliver fewer than N env steps "
-        "per second in all (measured once, over the first batch) are slow: the run switches to SAC (--algo "
-        "auto, where SAC takes the env), else to the env's slow profile, where it has one "
-        "(default: %(default)s)", check=above(0), metavar="N")
+        2000.0, "simulators that deliver fewer than N env steps/s in all (measured once, over the first batch) "
+        "are slow: --algo auto switches to SAC, else --learn-per-step auto to the env's slow profile, where "
+        "either applies (default: %(default)s)", check=above(0), metavar="N")
     target_kl: float = setting(
         0.02, "with more learning per env step (--learn-per-step), an update stops once the approximate KL "
         "from the policy it began with passes 1.5 x KL (default: %(default)s)", check=above(0), metavar="KL")
