@@ -23,6 +23,10 @@ each chunk's weights_seq_no, heartbeats when binary was agreed, no request while
 is held, and the ACT rules (K fixed, a step's outcome in every ACT but a connection's
 first, observations that fit the env). The client's reply timeout must outlast the held
 reply (``--hold-s``). Each violation is printed with the section of RLLINK.md it breaks.
+With --algo sac the checker plays a SAC learner (RLLINK.md §4.2): SET_CONFIG's action_dist,
+version 0 served as the warm-up's "uniform" and version 1 as the squashed Gaussian; the
+actions must lie within the bounds, their log-probabilities be those of the distribution
+said, and a client that runs the policy itself must list both in its PING's action_dists.
 A run in which no episode ended fails too (episode ends went unchecked); by default
 --steps is long enough for the env's time limit. --env names the env as shmrl.run does:
 a built-in id, gym:ID (any gymnasium env), pz:NAME or package.module:make_env.
@@ -32,6 +36,7 @@ a built-in id, gym:ID (any gymnasium env), pz:NAME or package.module:make_env.
         --env gym:Acrobot-v1 --connect 127.0.0.1:{port}
     python -m shmrl.conformance -- python -m shmrl.sim --connect 127.0.0.1:{port}   # exits when closed:
         --no-reconnect
+    python -m shmrl.conformance --env Pendulum-v1 --algo sac -- node clients/js/pendulum.js --port {port}
 
 Exit status: 0 when the client broke no rule, 1 when it broke any, 2 for a bad command line.
 """
@@ -49,12 +54,14 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     p = face_parser(ConformanceSettings, "python -m shmrl.conformance", __doc__,
-                    usage="%(prog)s [--env ID] [--no-reconnect] [--steps N] [--hold-s S] [--timeout S] -- COMMAND ...")
+                    usage="%(prog)s [--env ID] [--algo ppo|sac] [--no-reconnect] [--steps N] [--hold-s S] "
+                          "[--timeout S] -- COMMAND ...")
     args = parse_settings(p, ConformanceSettings, argv[:argv.index("--")] if "--" in argv else argv)
     if not command or not any("{port}" in part for part in command):
         p.error("give the client's command after --, with {port} where the checker's port goes")
     try:
-        violations = check_client(command, args.env, args.reconnect, args.steps, args.timeout, args.hold_s)
+        violations = check_client(command, args.env, args.reconnect, args.steps, args.timeout, args.hold_s,
+                                  algo=args.algo)
     except (ValueError, OSError) as e:
         p.error(str(e))
     print(f"{len(violations)} violation(s)" if violations else "the client conforms: no violation", flush=True)

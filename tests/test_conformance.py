@@ -80,6 +80,46 @@ def test_a_client_with_each_bug_is_caught_under_its_rule():
             assert "connection 2: the client exited (status 1) instead of connecting" in out, out
 
 
+# shmrl.sim with one SAC bug at a time (--algo sac): its PING lists no action_dists, or it
+# samples output 0 as a plain Gaussian whatever SET_STATE's action_dist says.
+SAC_BUGS = {
+    "no-action-dists": "import shmrl.client.actor as m; m.PING_ACTION_DISTS = []",
+    "plain-gaussian": "import shmrl.client.action_sampler as m; m.ActionSampler.set_dist = lambda self, dist: None",
+}
+
+
+def pendulum_sim(bug: str | None = None) -> list:
+    run = "import sys; from shmrl.sim import main; sys.exit(main())"
+    return [sys.executable, "-c", f"{SAC_BUGS[bug]}; {run}" if bug else run, "--env", "Pendulum-v1", "--connect",
+            "127.0.0.1:{port}"]
+
+
+def test_shmrls_sim_samples_sac_as_set_state_says_and_each_sac_bug_is_caught():
+    """--algo sac: version 0 served as the warm-up's uniform, version 1 as the squashed
+    Gaussian; shmrl.sim follows both (with server-side inference too, the server sampling)."""
+    violations, out = check(pendulum_sim(), reconnect=False, algo="sac", env="Pendulum-v1")
+    assert not violations, out
+    assert "message 3: " in out, out
+    violations, out = check([*pendulum_sim(), "--server-inference"], reconnect=False, algo="sac", env="Pendulum-v1",
+                            steps=400)   # ACTs in all: past Pendulum's 200-step limit
+    assert not violations, out
+    violations, out = check(pendulum_sim("no-action-dists"), reconnect=False, algo="sac", env="Pendulum-v1")
+    assert [rule for rule, _ in violations] == ["RLLINK.md §3.1 PING and PONG"], out
+    assert "'squashed_gaussian' and 'uniform'" in violations[0][1]
+    violations, out = check(pendulum_sim("plain-gaussian"), reconnect=False, algo="sac", env="Pendulum-v1")
+    assert violations and {rule for rule, _ in violations} == {"RLLINK.md §4.2 Actions and their distribution"}, out
+    assert any("sampled as 'uniform'" in text for _, text in violations), out   # version 0's message
+    with pytest.raises(ValueError, match="--algo sac: .*one Box of floats"):
+        check(pendulum_sim(), env="CartPole-v1", algo="sac")
+
+
+def test_the_js_pendulum_conforms_to_a_sac_learner():
+    js = need_js_client()
+    violations, out = check(["node", js / "pendulum.js", "--port", "{port}", "--give-up-s", "1"], env="Pendulum-v1",
+                            algo="sac", steps=400)
+    assert not violations, out
+
+
 def test_the_command_line_exits_1_on_a_violation_and_2_when_misused(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "shmrl.conformance", "--steps", "200", "--hold-s", "0", "--timeout", "20", "--",

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from shmrl import rllink
+from shmrl.client.action_sampler import squashed_log_prob
 from shmrl.core.episode import EpisodeBatch, obs_map, obs_rows
 from shmrl.rllink.act import binary_act_arrays
 from shmrl.server.hub import check_episodes
@@ -94,6 +95,24 @@ def log_probs(layout, dist: np.ndarray, actions: np.ndarray) -> np.ndarray:
     return total
 
 
+def box_log_probs(part, how: str, dist: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(log pi(a) of each step's action of a single bounded Box sampled as ``how``, SAC's
+    ``squashed_gaussian`` or ``uniform`` (RLLINK.md §4.2); which steps it is checked on):
+    the squash inverted (u = atanh(y)) loses float32's precision within 1e-3 of a bound,
+    so those steps are left out (their bounds are checked all the same)."""
+    low, high = np.asarray(part.low, np.float64), np.asarray(part.high, np.float64)
+    acts = np.asarray(actions, np.float64).reshape(len(dist), -1)
+    if how == "uniform":
+        return np.full(len(acts), -np.log(high - low).sum()), np.ones(len(acts), bool)
+    half = (high - low) / 2
+    y = (acts - low) / half - 1.0
+    checked = (np.abs(y) < 1 - 1e-3).all(axis=1)
+    u = np.arctanh(np.clip(y, -1 + 1e-7, 1 - 1e-7))
+    d = acts.shape[1]
+    mean, log_std = np.asarray(dist, np.float64)[:, :d], np.asarray(dist, np.float64)[:, d:]
+    return squashed_log_prob(u, (u - mean) * np.exp(-log_std), log_std, half), checked
+
+
 def _obs_rows(obs, rows) -> object:
     return obs_map(lambda v: v[rows], obs)
 
@@ -108,8 +127,9 @@ class EpisodeRules:
     """The rules over the EPISODES messages of one connection: fields (shmrl's validation),
     the env's shapes, continuity from message to message, output 0 and log-probs."""
 
-    def __init__(self, spec, models: dict):
+    def __init__(self, spec, models: dict, dists: dict | None = None):
         self.spec, self.models = spec, models      # models: version -> OnnxPolicy
+        self.dists = dists or {}                   # version -> SET_STATE's action_dist (SAC's); none: RLlib's
         self.open: dict = {}                       # running episodes: key -> last obs
         self.ended: set = set()                    # ids of episodes that ended
         self.uses_ids = None
@@ -161,12 +181,24 @@ class EpisodeRules:
                     else f"step {bad}: sent {sent[bad].tolist()}, the model gives {expected[bad].tolist()}")
             out.append((S_ACTIONS, f"{where}: action_dist_inputs are not output 0 of version {held}'s model "
                                    f"for the steps' observations; {hint}"))
-        logp = log_probs(self.spec.actions, sent, batch.actions)
-        wrong = np.flatnonzero(~np.isclose(batch.action_logp, logp, atol=ATOL, rtol=1e-4))
+        how = self.dists.get(held)
+        if how is None:
+            logp, checked = log_probs(self.spec.actions, sent, batch.actions), np.ones(batch.num_steps, bool)
+        else:   # SAC's: the actions within the bounds, their log-probabilities as sampled
+            part = self.spec.actions.parts[0]
+            acts = np.asarray(batch.actions, np.float64).reshape(batch.num_steps, -1)
+            outside = np.flatnonzero(((acts < np.asarray(part.low)) | (acts > np.asarray(part.high))).any(axis=1))
+            if len(outside):
+                i = int(outside[0])
+                out.append((S_ACTIONS, f"{where}: {len(outside)} of {batch.num_steps} actions lie outside the Box's "
+                                       f"bounds, sampled as {how!r} (step {i}: {acts[i].tolist()})"))
+            logp, checked = box_log_probs(part, how, sent, batch.actions)
+        wrong = np.flatnonzero(checked & ~np.isclose(batch.action_logp, logp, atol=ATOL, rtol=1e-4))
         if len(wrong):
             i = int(wrong[0])
+            said = f", sampled as {how!r} as SET_STATE said" if how else ""
             out.append((S_ACTIONS, f"{where}: action_logp of {len(wrong)} of {batch.num_steps} steps is not the "
-                                   f"log-probability of the action under action_dist_inputs (step {i}: sent "
+                                   f"log-probability of the action under action_dist_inputs{said} (step {i}: sent "
                                    f"{float(batch.action_logp[i]):.5g}, expected {logp[i]:.5g})"))
         return out
 

@@ -17,9 +17,10 @@ import time
 import numpy as np
 
 from shmrl import rllink
-from shmrl.checker.rules import (S_ACT, S_CONVERSATION, S_EPISODES, S_HEARTBEAT, S_INFERENCE, S_REPLIES, S_STATE,
-                                 ActRules, EpisodeRules, default_steps, read_frame)
+from shmrl.checker.rules import (S_ACT, S_CONVERSATION, S_EPISODES, S_HEARTBEAT, S_INFERENCE, S_PING, S_REPLIES,
+                                 S_STATE, ActRules, EpisodeRules, default_steps, read_frame)
 from shmrl.config.faces import EXIT_GRACE_S, ConformanceSettings
+from shmrl.onnxio.graph import SQUASHED_GAUSSIAN
 
 DEFAULTS = ConformanceSettings()   # the command line's defaults are the API's
 HEARTBEAT_S = 0.02          # asked of a binary client: short, so that sampling a message needs several
@@ -116,19 +117,23 @@ class Checker:
     """The scripted server and its findings (``violations``: (rule, text) pairs)."""
 
     def __init__(self, spec, models: dict, onnx_files: dict, reconnect: bool = DEFAULTS.reconnect,
-                 timeout: float = DEFAULTS.timeout, hold_s: float = DEFAULTS.hold_s, out=sys.stdout, multi=None):
+                 timeout: float = DEFAULTS.timeout, hold_s: float = DEFAULTS.hold_s, out=sys.stdout, multi=None,
+                 dists: dict | None = None):
         """``spec``: the env's (a multi-agent env's: its agents', which share their spaces;
         ``multi``: its MultiAgentSpec, whose clients the checker covers with server-side
-        inference only)."""
+        inference only); ``dists``: SET_STATE's ``action_dist`` by version (--algo sac)."""
         from shmrl.envs.spec import space_config
         from shmrl.client.action_sampler import ActionSampler
 
-        self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models), ActRules(spec, multi)
+        self.dists = dists or {}
+        self.spec, self.rules, self.act_rules = spec, EpisodeRules(spec, models, self.dists), ActRules(spec, multi)
         self.multi = multi
         self.onnx_files, self.reconnect, self.timeout, self.out = onnx_files, reconnect, timeout, out
         self.hold_s = hold_s
         self.client: subprocess.Popen | None = None   # the client under test, to notice its exit
         self.spaces = space_config(spec)    # SET_CONFIG describes them to every client, as shmrl's does
+        if self.dists:
+            self.spaces["action_dist"] = SQUASHED_GAUSSIAN
         if multi is not None:
             self.spaces = {"policy_map": "shared", "league_prob": 0.0,
                            "agent_spaces": {str(a): space_config(s) for a, s in multi.agent_specs.items()}}
@@ -147,7 +152,8 @@ class Checker:
         print(f"ok: {text}", file=self.out, flush=True)
 
     def set_state(self, version: int) -> dict:
-        return {"type": "SET_STATE", "onnx_file": self.onnx_files[version], "weights_seq_no": version}
+        dist = {"action_dist": self.dists[version]} if version in self.dists else {}
+        return {"type": "SET_STATE", "onnx_file": self.onnx_files[version], "weights_seq_no": version, **dist}
 
     def actions(self, version: int, act: dict) -> dict:
         """ACTIONS for an ACT's observations, sampled from that version's model (many
@@ -166,6 +172,8 @@ class Checker:
                 per_env[k][name] = action
             return {"type": "ACTIONS", "actions": per_env, "weights_seq_no": version}
         obs = act["obs"]
+        if self.dists:
+            self.sampler.set_dist(self.dists[version])
         actions, _ = self.sampler.sample(self.rules.models[version].logits(obs))
         return {"type": "ACTIONS", "actions": np.asarray(actions, self.spec.actions.action_dtype),
                 "weights_seq_no": version}
@@ -215,6 +223,12 @@ class Checker:
             conn.codec, conn.heartbeat_s = "binary", HEARTBEAT_S
         if msg.get("inference") == "server":
             pong["inference"], conn.server_inference = "server", True
+        missing = sorted(set(self.dists.values()) - set(msg.get("action_dists", ())))
+        if missing and not conn.server_inference:   # a SAC learner closes it here (RLLINK.md §3.1)
+            self.violate(S_PING, f"{label}: the PING of a client that runs the policy itself does not list "
+                                 f"{' and '.join(map(repr, missing))} in action_dists, which a --algo sac learner "
+                                 f"serves (§4.2): it would be refused at the handshake")
+            return False
         conn.reply(pong)
         self.note(f"{label}: PING ({'binary offered' if conn.heartbeat_s else 'JSON only'}"
                   f"{', server-side inference' if conn.server_inference else ''}) answered")
@@ -428,13 +442,13 @@ class Checker:
                 conn.close()
 
 
-def make_models(spec, hidden: int = 32) -> tuple[dict, dict]:
-    """Two versions of a policy for ``spec`` whose output 0 differ clearly: {version:
-    OnnxPolicy}, {version: onnx_file}."""
-    from shmrl.model.net import PolicyNet
+def make_models(spec, hidden: int = 32, algo: str = "ppo") -> tuple[dict, dict]:
+    """Two versions of a policy for ``spec`` (SAC's actor for ``algo`` sac) whose output 0
+    differ clearly: {version: OnnxPolicy}, {version: onnx_file}."""
+    from shmrl.model.net import PolicyNet, SquashedGaussianNet
     from shmrl.onnxio.policy import OnnxPolicy, encode_onnx_file
 
-    net = PolicyNet(spec, hidden, "ReLU")
+    net = (SquashedGaussianNet if algo == "sac" else PolicyNet)(spec, hidden, "ReLU")
     models, files = {}, {}
     for version in (0, 1):
         weights = net.initial_weights(version)
@@ -447,20 +461,28 @@ def make_models(spec, hidden: int = 32) -> tuple[dict, dict]:
 
 def check_client(command: list[str], env: str = DEFAULTS.env, reconnect: bool = DEFAULTS.reconnect,
                  steps: int | None = DEFAULTS.steps, timeout: float = DEFAULTS.timeout,
-                 hold_s: float = DEFAULTS.hold_s, out=sys.stdout) -> list[tuple[str, str]]:
+                 hold_s: float = DEFAULTS.hold_s, out=sys.stdout, algo: str = DEFAULTS.algo) -> list[tuple[str, str]]:
     """Run the client ``command`` (``{port}`` replaced) against the scripted server; the
     violations it found. The client is stopped at the end, whatever happened. ``steps``:
     connection 1's env_steps_per_sample; None: ``default_steps`` of the env, and a
-    server-inference client's ACTs past its time limit."""
+    server-inference client's ACTs past its time limit. ``algo``: the learner played (sac:
+    version 0 sampled uniformly, as SAC's warm-up, version 1 as its squashed Gaussian; a
+    ValueError for an env SAC cannot train)."""
+    from shmrl.config.algos import sac_refusal
+    from shmrl.config.settings import Config
     from shmrl.envs.make import env_spec
 
     spec, multi = env_spec(env), None
+    why = sac_refusal(Config(env=env), spec) if algo == "sac" else None
+    if why:
+        raise ValueError(f"--algo sac: {why.split(': give')[0]}")
     if spec.multiagent:   # its clients with server-side inference, agents of one policy
         from shmrl.envs.spec import policy_mapper
 
         multi, (spec,) = spec, spec.policy_specs(policy_mapper("shared")).values()
-    models, files = make_models(spec)
-    checker = Checker(spec, models, files, reconnect, timeout, hold_s, out, multi)
+    models, files = make_models(spec, algo=algo)
+    dists = {0: "uniform", 1: SQUASHED_GAUSSIAN} if algo == "sac" else None
+    checker = Checker(spec, models, files, reconnect, timeout, hold_s, out, multi, dists)
     if steps is None:
         steps = default_steps(multi or spec)
         checker.min_acts = (getattr(multi or spec, "max_episode_steps", None) or 0) + 1

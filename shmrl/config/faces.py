@@ -121,6 +121,11 @@ class RecordExportSettings:
 class ConformanceSettings:
     """``python -m shmrl.conformance``: an RLlink client checked against docs/RLLINK.md."""
     env: str = setting("CartPole-v1", "the env the client steps (default: %(default)s)")
+    algo: str = setting(
+        "ppo", "the learner the checker plays: ppo (RLlib's distributions), or sac: SET_CONFIG's action_dist, "
+        "version 0 served as SAC's warm-up (uniform) and version 1 as its squashed Gaussian (RLLINK.md 4.2), "
+        "and a client that runs the policy itself must list both in its PING (the env's action: one bounded "
+        "Box) (default: %(default)s)", choices=("ppo", "sac"))
     reconnect: bool = setting(
         True, "the client ends when its connection is closed (shmrl.sim): skip connection 2", flag="--no-reconnect",
         switch=True)
