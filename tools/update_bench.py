@@ -1,5 +1,7 @@
 """``python tools/bench.py update``: the learner's time per PPO update and per gradient step,
-for each preset's network, split into the parts of ``shmrl.trainer.loop.update``.
+for each preset's network, split into the parts of ``shmrl.trainer.loop.update``; and SAC's
+(``sac-mlp256``: its 256x256 actor and twin critics, one gradient step per env step of a
+batch), the cost that decides how much of a fast simulator's stream SAC can learn from.
 
     python tools/bench.py update [--nets mlp64-mb256 ...] [--repeat 5] [--warmup 1] [--threads 1] [--device cpu]
     python tools/bench.py update --quick --json     # tiny batches, one update: checks that it works
@@ -43,6 +45,7 @@ class Case:
     actions: object   # an int: Discrete(n); a tuple: a Box of that shape
     slow: bool = False
     overrides: tuple = ()
+    algo: str = "ppo"
 
     def spec(self):
         from shmrl.core.spaces import Box, Discrete
@@ -65,6 +68,9 @@ CASES = (
          ((2,), "float32"), 2),
     Case("nature-cnn", "gym:ALE/Breakout-v5", "Atari's preset: the Nature CNN on 4x84x84 uint8 frames",
          ((4, 84, 84), "uint8"), 4),
+    Case("sac-mlp256", "gym:HalfCheetah-v5", "HalfCheetah-v5 with --algo sac: 256x256 actor and twin critics, "
+         "minibatch 256, a gradient step per env step", ((17,), "float32"), (6,), overrides=(("buffer_size", 100_000),),
+         algo="sac"),
 )
 CASE_NAMES = tuple(c.name for c in CASES)
 
@@ -76,7 +82,7 @@ def case_config(case: Case, quick: bool = False):
     from shmrl.trainer.learn_per_step import slow_config
 
     spec = case.spec()
-    config = resolve_config(Config(env=case.env), spec)
+    config = resolve_config(Config(env=case.env, algo=case.algo), spec)
     if case.slow:
         _, config, _ = slow_config(config, spec, set())
     config = dataclasses.replace(config, **dict(case.overrides))
@@ -169,6 +175,8 @@ def measure(case: Case, device: str = "cpu", repeat: int = 5, warmup: int = 1, q
     from shmrl.trainer.setup import policy_net
 
     spec, config = case_config(case, quick)
+    if case.algo == "sac":
+        return measure_sac(case, spec, config, device, repeat, warmup, seed)
     net = policy_net(config, spec)
     ppo = PPO(net, config, seed=seed, device=device)
     messages = fake_messages(net, config, seed)
@@ -216,6 +224,63 @@ def measure(case: Case, device: str = "cpu", repeat: int = 5, warmup: int = 1, q
             "per_gradient_step_ms": ms["update"] / grad_steps if grad_steps else math.nan}
 
 
+def measure_sac(case: Case, spec, config, device: str, repeat: int, warmup: int, seed: int) -> dict:
+    """``measure`` for SAC: a batch of ``train_batch_size`` env steps concatenated, taken into
+    the replay buffer (the "make_batch" part), the gradient steps it owes (--gradient-steps
+    per env step: the "update" part), publishing and logging; no observation statistics (the
+    [sac] presets do not normalize)."""
+    import torch
+
+    from shmrl.core.episode import EpisodeBatch
+    from shmrl.model.sac import SAC
+    from shmrl.onnxio.policy import encode_onnx_file
+    from shmrl.trainer.setup import policy_net
+
+    net = policy_net(config, spec)
+    sac = SAC(net, config, seed=seed, initial_weights=net.initial_weights(seed), device=device)
+    messages = fake_messages(net, config, seed)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    times: dict[str, list] = {part: [] for part in PARTS}
+    with tempfile.TemporaryDirectory(prefix="shmrl-update-bench-") as folder:
+        target = LogTarget(Path(folder))
+        for i in range(warmup + repeat):
+            t = [time.perf_counter()]
+
+            def lap():
+                sync()
+                t.append(time.perf_counter())
+
+            chunks = EpisodeBatch.concat(messages)
+            lap()
+            sac.remember(chunks, config.reward_scale)
+            lap()
+            steps = max(1, round(chunks.num_steps * config.gradient_steps))
+            terms = torch.stack([sac.gradient_step() for _ in range(steps)]).mean(0).tolist()
+            lap()
+            lap()   # observation statistics: none
+            encode_onnx_file(net.template.publish(sac.published_weights()))
+            lap()
+            stats = {**dict(zip(("actor_loss", "critic_loss", "q_mean", "alpha", "entropy"), terms)),
+                     "update": i + 1, "batch_steps": chunks.num_steps, "reward_scale": config.reward_scale,
+                     "lr": config.lr, "epochs_run": 1.0, "policy_lag": 0.0, "train_s": t[-1] - t[0],
+                     "weights_seq_no": i + 1, "learner_share": 1.0, "learn_level": 0, "learner_wall": False,
+                     "policies": {}}
+            target.log(stats, config)
+            lap()
+            if i >= warmup:
+                for part, a, b in zip(PARTS, t, t[1:]):
+                    times[part].append(b - a)
+        target.metrics.close()
+    ms = {part: median(x) * 1e3 for part, x in times.items()}
+    return {"net": case.name, "what": case.what, "env": case.env, "device": device, "algo": "sac",
+            "settings": {k: getattr(config, k) for k in ("train_batch_size", "minibatch_size", "epochs", "hidden",
+                                                          "layers", "activation", "memory", "max_seq_len",
+                                                          "gradient_steps")},
+            "weights": sum(p.numel() for p in [*sac.params.values(), *sac.q.values()]), "gradient_steps": steps,
+            "ms": ms, "total_ms": sum(ms.values()), "make_batch_values_ms": None,
+            "per_gradient_step_ms": ms["update"] / steps}
+
+
 def values_time(ppo, chunks, sync) -> float:
     """Seconds of make_batch's forward pass alone (normalization and the values of every
     observation; a recurrent net's replay of its chunks): the rest of it is GAE's numpy."""
@@ -251,8 +316,9 @@ def update_bench(args) -> dict:
         "MetricsLog.write), on fake batches of each env's shapes built in numpy (random observations, "
         "actions from a near-first policy) with PolicyNet and PPO of the env's preset Config; "
         f"{args.warmup} untimed update(s), then the median of {args.repeat}; torch {torch.__version__}, "
-        f"{args.threads} thread(s), device {args.device}" + ("; --quick: tiny batches, one epoch" if args.quick
-                                                             else ""),
+        f"{args.threads} thread(s), device {args.device}; sac-mlp256: SAC.remember (the replay buffer, as "
+        "make_batch) and the batch's gradient steps (as update)" + ("; --quick: tiny batches, one epoch"
+                                                                    if args.quick else ""),
         nets=[c.name for c in cases], repeat=args.repeat, warmup=args.warmup, threads=args.threads,
         device=args.device, quick=args.quick)
     result["nets"] = [measure(c, args.device, args.repeat, args.warmup, args.quick) for c in cases]
@@ -261,7 +327,8 @@ def update_bench(args) -> dict:
 
 def print_update(r: dict) -> None:
     p = r["params"]
-    print(f"update: the learner's time per PPO update, ms (median of {p['repeat']}; {p['device']}, "
+    print(f"update: the learner's time per update (PPO's; SAC's: its batch's gradient steps), ms (median of "
+          f"{p['repeat']}; {p['device']}, "
           f"{p['threads']} torch thread(s))")
     head = (f"  {'network':<12} | {'batch':>5} | {'mb':>4} | {'ep':>2} | {'steps':>5} | {'total':>8} | "
             f"{'concat':>6} | {'make_batch':>10} | {'values':>7} | {'update':>8} | {'per step':>8} | "
@@ -271,13 +338,17 @@ def print_update(r: dict) -> None:
         s, ms = x["settings"], x["ms"]
         print(f"  {x['net']:<12} | {s['train_batch_size']:>5} | {s['minibatch_size']:>4} | {s['epochs']:>2} | "
               f"{x['gradient_steps']:>5.0f} | {x['total_ms']:>8.2f} | {ms['concat']:>6.2f} | "
-              f"{ms['make_batch']:>10.2f} | {x['make_batch_values_ms']:>7.2f} | {ms['update']:>8.2f} | "
+              f"{ms['make_batch']:>10.2f} | {fmt_ms(x['make_batch_values_ms']):>7} | {ms['update']:>8.2f} | "
               f"{x['per_gradient_step_ms']:>8.3f} | "
               f"{ms['obs_stats']:>9.2f} | {ms['publish']:>7.2f} | {ms['log']:>5.2f}")
     print("  total: the sum of the parts; values: make_batch's forward pass alone (the rest of it is GAE); "
           "per step: update / steps (gradient steps)")
     for x in r["nets"]:
         print(f"  {x['net']:<12}: {x['what']} ({x['weights']:,} trained weights)")
+
+
+def fmt_ms(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def add_update_parser(sub, common) -> None:
