@@ -33,6 +33,17 @@ from shmrl.transport.tcp import TcpServer
 from shmrl.transport.tcp_client import TcpClient
 
 
+def pytest_configure(config):
+    """Hypothesis draws the same examples on every run of the suite (``derandomize``, as its
+    own CI profile does): a run passes or fails by the code, never by the draw.
+    ``HYPOTHESIS_PROFILE=explore`` draws new ones each run, for a fuzzing session."""
+    from hypothesis import settings
+
+    settings.register_profile("suite", derandomize=True, database=None)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+
+
 def pytest_collection_modifyitems(config, items):
     """A run of the suite or of a folder (``python -m pytest -q``) leaves the tests marked
     ``slow`` out, so that it stays within minutes; ``-m slow`` runs only those, ``-m "slow

@@ -600,8 +600,10 @@ def episode_dicts(draw):
         if how == "junk" or not isinstance(value, list) or not value:
             ep[key] = draw(junk)
         elif how == "leaf":  # one bad scalar deep inside an otherwise good list
+            # Down only through levels of non-empty lists: a field corrupted before (junk) may
+            # hold a ragged list, whose elements are scalars or empty lists beside lists.
             target = value
-            while isinstance(target[0], list) and target[0]:
+            while all(isinstance(x, list) and x for x in target):
                 target = target[draw(st.integers(0, len(target) - 1))]
             target[draw(st.integers(0, len(target) - 1))] = draw(json_scalars)
         elif how == "length":
