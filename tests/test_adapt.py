@@ -203,7 +203,8 @@ def test_the_slow_simulator_benchmark_runs_both_trainers_and_plots_them(tmp_path
     (sb3_start, sb3_end), (shmrl_start, shmrl_end) = run["sb3"]["span"], run["shmrl"]["span"]
     assert sb3_start < shmrl_end and shmrl_start < sb3_end
     for who in ("shmrl", "sb3"):
-        assert run[who]["curve"] and run[who]["env_steps"] >= 2000, who
+        # SAC's quick run: 1500 env steps, each a gradient step (in 180 s at the most)
+        assert run[who]["curve"] and run[who]["env_steps"] >= (2000 if algo == "ppo" else 1000), who
         # throttled: neither samples faster than the rate (a little slack for the rate's clock)
         steps = [p["env_steps"] for p in run[who]["curve"]]
         assert steps == sorted(steps)

@@ -631,7 +631,7 @@ def test_slow_sims_quick_sac_in_parts(tool, tmp_path):
     assert [f.name for f in results.iterdir()] == ["Pendulum-v1-sac-seed0.json"]
     rc, out, err = tool(*args, timeout=60)
     assert rc == 0 and "read from" in err and last_json(out)["envs"]["Pendulum-v1"]["runs"] == [run], err[-3000:]
-    rc, out, err = tool(*args, "--rate", "500", timeout=60)
+    rc, out, err = tool(*args, "--", "--hidden", "64", timeout=60)   # other settings: its file is not theirs
     assert rc != 0 and "was measured with" in err and "Traceback" not in err, err[-3000:]
 
 

@@ -150,7 +150,10 @@ def run_sb3(py: Path, env: str, seed: int, seconds: float, folder: Path, algo: s
     totals = [int(x) for x in _log_values(log, "total_timesteps")]
     elapsed = [float(x) for x in _log_values(log, "time_elapsed")]
     steps_per_s = totals[-1] / elapsed[-1] if totals and elapsed and elapsed[-1] else None
-    return {"curve": window_means(episodes), "env_steps_per_s": steps_per_s, "env_steps": totals[-1] if totals else None,
+    # Its env steps: the more of its log's last total (SAC logs it every 4 episodes only) and its
+    # finished episodes' steps.
+    return {"curve": window_means(episodes), "env_steps_per_s": steps_per_s,
+            "env_steps": max(totals[-1] if totals else 0, steps) or None,
             "command": " ".join(["python -m rl_zoo3.train --algo", algo, "--env", env, *extra])}
 
 
