@@ -129,18 +129,7 @@ def refused(port: int, **declared) -> bool:
     return False
 
 
-@pytest.fixture
-def clients():
-    """Client processes a test starts; killed in teardown."""
-    started = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.communicate(timeout=30)
-
-
-def test_a_learner_without_env_trains_the_first_clients_spaces_and_refuses_others(start_run, clients, tmp_path):
+def test_a_learner_without_env_trains_the_first_clients_spaces_and_refuses_others(start_run, procs, tmp_path):
     run = start_run("--sims", 0, "--tcp-port", 0, "--max-env-steps", 1024, "--train-batch-size", 512,
                     "--logdir", tmp_path / "run")
     port = run.tcp_port(timeout=120)
@@ -148,7 +137,7 @@ def test_a_learner_without_env_trains_the_first_clients_spaces_and_refuses_other
     # (a) a client that declares CartPole's spaces (shmrl.sim --declare declares its env's)
     sim = subprocess.Popen([sys.executable, "-m", "shmrl.sim", "--connect", f"127.0.0.1:{port}", "--declare", "--timeout", "300"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    clients.append(sim)
+    procs.append(sim)
     run.wait_for("training the spaces", timeout=120)
     # (b) a later client whose declared spaces differ: refused in one line; one that matches is served,
     # and so is one that declares nothing (as every client before declarations)
@@ -206,7 +195,7 @@ def test_a_malformed_declaration_closes_only_its_connection(start_run, tmp_path)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
-def test_the_c_clients_cartpole_trains_without_env(start_run, clients, tmp_path):
+def test_the_c_clients_cartpole_trains_without_env(start_run, procs, tmp_path):
     exe = tmp_path / "cartpole"
     subprocess.run(["gcc", "-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-O2", "-o", str(exe),
                     str(ROOT / "clients" / "c" / "cartpole.c"), "-lm"], check=True, timeout=300)
@@ -215,7 +204,7 @@ def test_the_c_clients_cartpole_trains_without_env(start_run, clients, tmp_path)
     port = run.tcp_port(timeout=120)
     c = subprocess.Popen([str(exe), "--port", str(port), "--envs", "8", "--name", "c0"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    clients.append(c)
+    procs.append(c)
     assert run.proc.wait(timeout=300) == 1, run.output()[-3000:]
     assert "training the spaces" in run.output() and "action {'type': 'Discrete', 'n': 2}" in run.output()
     summary = summary_of(tmp_path / "run")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import recv_exactly, summary_of
+from conftest import read_body, summary_of
 from shmrl import rllink
 from shmrl.checker.session import check_client
 
@@ -103,12 +103,6 @@ def listener():
     s.close()
 
 
-def read_frame(conn) -> bytes:
-    header = recv_exactly(conn, 8)
-    assert header.isdigit(), header
-    return recv_exactly(conn, int(header))
-
-
 def test_a_pong_without_server_inference_stops_the_client_with_a_clear_error(procs, listener):
     """RLlib's server (or an older shmrl) answers the PING with a bare PONG: the node asked
     for server-side inference and did not get it, so it stops (exit 1) and says why, without
@@ -117,7 +111,7 @@ def test_a_pong_without_server_inference_stops_the_client_with_a_clear_error(pro
     conn, _ = listener.accept()
     conn.settimeout(30)
     with conn:
-        ping = rllink.decode_request(read_frame(conn))
+        ping = rllink.decode_request(read_body(conn))
         assert ping == {"type": "PING", "codecs": ["binary"], "client_name": "g-0", "inference": "server"}
         conn.sendall(rllink.frame(rllink.encode({"type": "PONG"}, "json")))
         out, err = client.communicate(timeout=30)
@@ -130,7 +124,7 @@ def test_a_reply_whose_header_is_not_8_digits_is_refused(procs, listener):
     conn, _ = listener.accept()
     conn.settimeout(30)
     with conn:
-        assert rllink.decode_request(read_frame(conn))["inference"] == "server"
+        assert rllink.decode_request(read_body(conn))["inference"] == "server"
         conn.sendall(b'0000 16x{"type": "PONG"}')
         out, err = client.communicate(timeout=30)
     assert client.returncode == 1, out + err
@@ -148,15 +142,15 @@ def test_heartbeats_go_out_between_acts_that_are_frames_apart(procs, listener):
     conn, _ = listener.accept()
     conn.settimeout(30)
     with conn:
-        assert rllink.decode_request(read_frame(conn))["codecs"] == ["binary"]
+        assert rllink.decode_request(read_body(conn))["codecs"] == ["binary"]
         conn.sendall(rllink.frame(rllink.encode({"type": "PONG", "codec": "binary", "heartbeat_s": 0.05,
                                                  "inference": "server"}, "json")))
-        assert rllink.decode_request(read_frame(conn))["type"] == "GET_CONFIG"
+        assert rllink.decode_request(read_body(conn))["type"] == "GET_CONFIG"
         conn.sendall(rllink.frame(rllink.encode({"type": "SET_CONFIG", "env_steps_per_sample": 100,
                                                  "force_on_policy": True}, "binary")))
         beats, acts = [], 0
         while acts < 4:
-            body = read_frame(conn)
+            body = read_body(conn)
             assert body[:4] == rllink.MAGIC
             msg = rllink.decode_request(body)
             if msg["type"] == "HEARTBEAT":

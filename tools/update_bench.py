@@ -162,6 +162,29 @@ class LogTarget:
         self.metrics.write(row)
 
 
+def timed_updates(messages: list, rounds: int, sync):
+    """``rounds`` timed updates: each yields (its number, the messages concatenated: its
+    first part, already timed; ``lap()``, which ends a part, CUDA synchronized first; the
+    part boundaries so far; the LogTarget it logs to, in a folder of its own)."""
+    from shmrl.core.episode import EpisodeBatch
+
+    with tempfile.TemporaryDirectory(prefix="shmrl-update-bench-") as folder:
+        target = LogTarget(Path(folder))
+        try:
+            for i in range(rounds):
+                t = [time.perf_counter()]
+
+                def lap(t=t):
+                    sync()
+                    t.append(time.perf_counter())
+
+                chunks = EpisodeBatch.concat(messages)
+                lap()
+                yield i, chunks, lap, t, target
+        finally:
+            target.metrics.close()
+
+
 def measure(case: Case, device: str = "cpu", repeat: int = 5, warmup: int = 1, quick: bool = False,
             seed: int = 0) -> dict:
     """``warmup`` untimed updates, then ``repeat`` timed ones of ``case``'s network on
@@ -169,7 +192,6 @@ def measure(case: Case, device: str = "cpu", repeat: int = 5, warmup: int = 1, q
     median per gradient step. CUDA is synchronized at every part's end."""
     import torch
 
-    from shmrl.core.episode import EpisodeBatch
     from shmrl.model.ppo import PPO
     from shmrl.onnxio.policy import encode_onnx_file
     from shmrl.trainer.setup import policy_net
@@ -183,36 +205,25 @@ def measure(case: Case, device: str = "cpu", repeat: int = 5, warmup: int = 1, q
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times: dict[str, list] = {part: [] for part in PARTS}
     steps, values = [], []
-    with tempfile.TemporaryDirectory(prefix="shmrl-update-bench-") as folder:
-        target = LogTarget(Path(folder))
-        for i in range(warmup + repeat):
-            t = [time.perf_counter()]
-
-            def lap():
-                sync()
-                t.append(time.perf_counter())
-
-            chunks = EpisodeBatch.concat(messages)
-            lap()
-            batch = ppo.make_batch(chunks)
-            lap()
-            result = ppo.update(batch)
-            lap()
-            ppo.update_obs_stats(chunks)
-            lap()
-            encode_onnx_file(net.template.publish(ppo.published_weights()))
-            lap()
-            stats = {**result, "update": i + 1, "batch_steps": chunks.num_steps, "reward_scale": config.reward_scale,
-                     "policy_lag": 0.0, "train_s": t[-1] - t[0], "weights_seq_no": i + 1, "learner_share": 1.0,
-                     "learn_level": 0, "learner_wall": False, "policies": {}}
-            target.log(stats, config)
-            lap()
-            if i >= warmup:
-                for part, a, b in zip(PARTS, t, t[1:]):
-                    times[part].append(b - a)
-                steps.append(gradient_steps(batch, config, result))
-                values.append(values_time(ppo, chunks, sync))
-        target.metrics.close()
+    for i, chunks, lap, t, target in timed_updates(messages, warmup + repeat, sync):
+        batch = ppo.make_batch(chunks)
+        lap()
+        result = ppo.update(batch)
+        lap()
+        ppo.update_obs_stats(chunks)
+        lap()
+        encode_onnx_file(net.template.publish(ppo.published_weights()))
+        lap()
+        stats = {**result, "update": i + 1, "batch_steps": chunks.num_steps, "reward_scale": config.reward_scale,
+                 "policy_lag": 0.0, "train_s": t[-1] - t[0], "weights_seq_no": i + 1, "learner_share": 1.0,
+                 "learn_level": 0, "learner_wall": False, "policies": {}}
+        target.log(stats, config)
+        lap()
+        if i >= warmup:
+            for part, a, b in zip(PARTS, t, t[1:]):
+                times[part].append(b - a)
+            steps.append(gradient_steps(batch, config, result))
+            values.append(values_time(ppo, chunks, sync))
     ms = {part: median(x) * 1e3 for part, x in times.items()}
     grad_steps = median(steps)
     values_ms = median(values) * 1e3
@@ -231,7 +242,6 @@ def measure_sac(case: Case, spec, config, device: str, repeat: int, warmup: int,
     [sac] presets do not normalize)."""
     import torch
 
-    from shmrl.core.episode import EpisodeBatch
     from shmrl.model.sac import SAC
     from shmrl.onnxio.policy import encode_onnx_file
     from shmrl.trainer.setup import policy_net
@@ -241,36 +251,25 @@ def measure_sac(case: Case, spec, config, device: str, repeat: int, warmup: int,
     messages = fake_messages(net, config, seed)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times: dict[str, list] = {part: [] for part in PARTS}
-    with tempfile.TemporaryDirectory(prefix="shmrl-update-bench-") as folder:
-        target = LogTarget(Path(folder))
-        for i in range(warmup + repeat):
-            t = [time.perf_counter()]
-
-            def lap():
-                sync()
-                t.append(time.perf_counter())
-
-            chunks = EpisodeBatch.concat(messages)
-            lap()
-            sac.remember(chunks, config.reward_scale)
-            lap()
-            steps = max(1, round(chunks.num_steps * config.gradient_steps))
-            terms = torch.stack([sac.gradient_step() for _ in range(steps)]).mean(0).tolist()
-            lap()
-            lap()   # observation statistics: none
-            encode_onnx_file(net.template.publish(sac.published_weights()))
-            lap()
-            stats = {**dict(zip(("actor_loss", "critic_loss", "q_mean", "alpha", "entropy"), terms)),
-                     "update": i + 1, "batch_steps": chunks.num_steps, "reward_scale": config.reward_scale,
-                     "lr": config.lr, "epochs_run": 1.0, "policy_lag": 0.0, "train_s": t[-1] - t[0],
-                     "weights_seq_no": i + 1, "learner_share": 1.0, "learn_level": 0, "learner_wall": False,
-                     "policies": {}}
-            target.log(stats, config)
-            lap()
-            if i >= warmup:
-                for part, a, b in zip(PARTS, t, t[1:]):
-                    times[part].append(b - a)
-        target.metrics.close()
+    for i, chunks, lap, t, target in timed_updates(messages, warmup + repeat, sync):
+        sac.remember(chunks, config.reward_scale)
+        lap()
+        steps = max(1, round(chunks.num_steps * config.gradient_steps))
+        terms = torch.stack([sac.gradient_step() for _ in range(steps)]).mean(0).tolist()
+        lap()
+        lap()   # observation statistics: none
+        encode_onnx_file(net.template.publish(sac.published_weights()))
+        lap()
+        stats = {**dict(zip(("actor_loss", "critic_loss", "q_mean", "alpha", "entropy"), terms)),
+                 "update": i + 1, "batch_steps": chunks.num_steps, "reward_scale": config.reward_scale,
+                 "lr": config.lr, "epochs_run": 1.0, "policy_lag": 0.0, "train_s": t[-1] - t[0],
+                 "weights_seq_no": i + 1, "learner_share": 1.0, "learn_level": 0, "learner_wall": False,
+                 "policies": {}}
+        target.log(stats, config)
+        lap()
+        if i >= warmup:
+            for part, a, b in zip(PARTS, t, t[1:]):
+                times[part].append(b - a)
     ms = {part: median(x) * 1e3 for part, x in times.items()}
     return {"net": case.name, "what": case.what, "env": case.env, "device": device, "algo": "sac",
             "settings": {k: getattr(config, k) for k in ("train_batch_size", "minibatch_size", "epochs", "hidden",
