@@ -218,7 +218,7 @@ def test_a_gradient_step_moves_the_targets_by_tau_and_alpha_toward_the_target_en
     assert sac.learn(chunks_of(sac, 40)) is None          # fewer steps than a minibatch: nothing yet
     before_target, before = sac.target_flat.clone(), sac.critic_opt.flat.clone()
     stats = sac.learn(chunks_of(sac, 100, seed=1))
-    assert stats["replay_ratio"] == pytest.approx(0.64) and sac.grad_steps == 64 and sac.owed == 36
+    assert stats["replay_ratio"] == pytest.approx(1.0) and sac.grad_steps == 100 and sac.owed == 0
     assert math.isfinite(stats["critic_loss"]) and 0 < stats["alpha"] < 1   # entropy above -1 -> alpha falls
     first = sac.target_flat.clone()
     sac.gradient_step()   # one more: the target moved exactly tau of the way to the critics
@@ -232,8 +232,22 @@ def test_warm_up_takes_chunks_without_learning_then_publishes_mid_update():
     assert sac.learn(chunks_of(sac, 100)) is None and sac.buffer.size == 100 and sac.grad_steps == 0
     published = []
     stats = sac.learn(chunks_of(sac, 120, seed=3), publish=published.append)
-    assert sac.action_dist == "squashed_gaussian" and sac.grad_steps == 64     # STEPS_PER_LEARN of 120 owed
-    assert len(published) == 6 and stats["buffer_steps"] == 220                 # at 10, 20, ... 60
+    assert sac.action_dist == "squashed_gaussian" and sac.grad_steps == 120    # what the 120 steps owe
+    assert len(published) == 11 and stats["buffer_steps"] == 220                # at 10, 20, ... 110 (120: the loop's)
+
+
+def test_an_update_pays_what_its_steps_owe_up_to_two_train_batches_and_forgives_the_rest():
+    """Paced clients bring at most two train batches (64 env steps for Pendulum) to an update,
+    and it pays all they owe; more (clients that cannot be paced) leaves a debt of at most
+    that much, the rest forgiven, so that no update runs on for minutes."""
+    sac, config = pendulum_sac(learning_starts=0, minibatch_size=32, hidden=32, gradient_steps=0.25)
+    assert config.train_batch_size == 64
+    stats = sac.learn(chunks_of(sac, 102))
+    assert sac.grad_steps == 25 and sac.owed == 0.5 and stats["replay_ratio"] == pytest.approx(25 / 102)
+    sac.learn(chunks_of(sac, 600, seed=1))                 # owes 150.5: pays two batches' worth (32)
+    assert sac.grad_steps == 25 + 32 and sac.owed == 32    # and keeps as much again
+    sac.learn(chunks_of(sac, 10, seed=2))
+    assert sac.grad_steps == 25 + 32 + 32 and sac.owed == 2.5
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -265,6 +279,19 @@ def test_a_sac_run_checkpoints_resumes_and_refuses_the_other_algorithm(tmp_path)
     second = shmrl.train(**common, resume=str(logdir), max_env_steps=1200)
     assert second["exit_status"] == 1 and second["updates"] > first["updates"]
     assert second["env_steps"] >= 1200
+
+
+def test_a_learner_slower_than_its_simulator_holds_it_back_to_pay_every_step(tmp_path):
+    """Unthrottled Pendulum simulators (4 envs each) outrun a 256x256 SAC learner: held back
+    (``Hub.paced``), every env step trained after the warm-up got its gradient step (the batch
+    that crossed the warm-up owes all its steps: up to two train batches more), and none was
+    dropped. (Before, each update paid at most 64 and the simulators ran on.)"""
+    summary = shmrl.train(env="Pendulum-v1", algo="sac", sims=2, envs_per_sim=4, learning_starts=100,
+                          minibatch_size=64, buffer_size=5000, hidden=256, max_env_steps=600, logdir=str(tmp_path / "run"), tensorboard=False, plot=False)
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    after_warm_up = summary["env_steps_trained"] - 100
+    assert after_warm_up <= row["grad_steps"] <= after_warm_up + 128, (row["grad_steps"], summary["env_steps_trained"])
+    assert summary["env_steps_dropped"] == {} and row["replay_ratio"] == 1.0
 
 
 def test_a_ppo_checkpoint_is_refused_by_sac(tmp_path):

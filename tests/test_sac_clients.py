@@ -405,3 +405,37 @@ def test_the_c_header_reads_action_dist_and_says_it_samples_it(tmp_path, says, s
         proc.wait()
         server.close()
     assert out.splitlines() == expect, out
+
+
+def test_a_learner_slower_than_its_clients_holds_them_until_it_takes_their_steps():
+    """An off-policy Hub (``paced``) answers a sample at once while fewer than a train batch of
+    env steps wait; a client that sends when one waits goes on once the learner took them, not
+    at new weights (SAC publishes mid-update): so the learner's gradient steps per env step hold
+    however fast the clients are, and no client's steps go over its budget to be dropped."""
+    from conftest import episodes_msg
+
+    store = EpisodeStore()
+    hub = Hub({DEFAULT_POLICY: env_spec("CartPole-v1")}, store, 8, on_policy=False, max_pending_steps=16,
+              client_budget=64)
+    hub.paced = True
+    hub.set_state(1, {DEFAULT_POLICY: {"onnx_file": "abc", "weights_seq_no": 1}})
+    server = FakeServer()
+    answered = lambda conn_id: sum(c == conn_id and m["type"] == "SET_STATE" for c, m in server.replies)  # noqa: E731
+
+    def sample(conn_id: str, seed: int) -> None:   # 8 CartPole steps, through the codec as on the wire
+        hub.handle(server, conn_id, rllink.decode_request(rllink.encode(episodes_msg(8, seed), "json")))
+
+    sample("tcp:a", 0)
+    assert answered("tcp:a") == 1                                                       # 8 of 16 wait: go on
+    sample("tcp:b", 1)
+    assert answered("tcp:b") == 0 and hub.waiting == ["tcp:b"] and store.pending_steps == 16   # a batch waits
+    sample("tcp:a", 2)
+    assert answered("tcp:a") == 1 and hub.waiting == ["tcp:b", "tcp:a"]                # held too, steps kept
+    hub.set_state(2, {DEFAULT_POLICY: {"onnx_file": "abd", "weights_seq_no": 2}})     # weights mid-update
+    hub.release_if_room()
+    assert (answered("tcp:a"), answered("tcp:b"), len(hub.waiting)) == (1, 0, 2)      # still held: no room
+    taken = store.take(2, None, 16)                                                     # the learner's batch
+    assert sum(b.num_steps for b in taken[DEFAULT_POLICY]) == 16 and store.pending_steps == 8
+    hub.release_if_room()
+    assert (answered("tcp:a"), answered("tcp:b"), hub.waiting) == (2, 1, [])
+    assert server.replies[-1][1]["weights_seq_no"] == 2 and store.steps_dropped == {}

@@ -424,8 +424,8 @@ class SACSettings:
         "(Polyak averaging) (default: %(default)s)", preset=True, check=Rule("in (0, 1]", lambda v: 0 < v <= 1))
     gradient_steps: float | None = setting(
         1.0, "with --algo sac, gradient steps per env step received (the replay ratio; below 1: one every "
-        "1/G env steps); a learner slower than its simulators does what it can and says so in the metrics "
-        "(replay_ratio) (default: %(default)s)", preset=True, check=above(0), metavar="G")
+        "1/G env steps), kept by holding back the clients of a slower learner, as SB3's env waits for its "
+        "update (default: %(default)s)", preset=True, check=above(0), metavar="G")
     target_entropy: float | None = setting(
         None, "with --algo sac, the entropy the learned temperature aims at (default: -(action dimensions), "
         "as SB3's 'auto')", kind=float, metavar="H")

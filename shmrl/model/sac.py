@@ -19,9 +19,12 @@ as CleanRL's sac_continuous_action.py and stable-baselines3's SAC write it.
   (SET_STATE's ``action_dist``: ``uniform``) and nothing is trained; then every env step
   received owes --gradient-steps gradient steps, each on --minibatch-size steps sampled
   uniformly from the buffer, with the weights published every --publish-every of them.
-  Clients never wait for an update (``Algorithm.off_policy``): a learner slower than its
-  simulators owes more than it can pay, keeps at most MAX_OWED of the debt (the rest is
-  forgiven) and reports the ratio it managed (``replay_ratio``).
+  Clients never wait for an update (``Algorithm.off_policy``), but a learner slower than
+  its clients paces them: the serving side hands over at most a train batch at a time, and
+  a client that sends while one waits goes on once the learner took it (``Hub.paced``). So
+  each update pays what its steps owe (``replay_ratio``: --gradient-steps), as SB3's env
+  waits for its gradient steps; a debt beyond two batches' worth (clients the transport
+  cannot pace) is forgiven.
 
 The log-probabilities a client reports (``shmrl.client.action_sampler.squashed_log_prob``)
 are those of the env's action, scaling included; ``log_prob`` here is the same in torch (a
@@ -46,10 +49,6 @@ from shmrl.model.ppo import FlatAdam, Normalizer, as_leaves, host, tensor
 
 LOG_2 = math.log(2.0)
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
-# A learner slower than its clients does not fall ever further behind: one ``learn`` pays at
-# most STEPS_PER_LEARN gradient steps (the loop then checks its budgets and clients'
-# chunks come in), and it owes at most MAX_OWED (the debt beyond is forgiven).
-STEPS_PER_LEARN, MAX_OWED = 64, 2048
 
 
 def log_tanh_derivative(u: torch.Tensor) -> torch.Tensor:
@@ -207,9 +206,12 @@ class SAC:
         self.remember(chunks, reward_scale)
         if self.steps_seen < cfg.learning_starts or self.buffer.size < cfg.minibatch_size:
             return None
-        owed = min(self.owed + chunks.num_steps * cfg.gradient_steps, MAX_OWED)
-        n = int(min(owed, STEPS_PER_LEARN))
-        self.owed = owed - n
+        # A batch is at most two train batches (``EpisodeStore.take``): one update pays what
+        # they owe, and no more (a longer one would keep the loop from its budgets).
+        most = max(1, math.ceil(2 * cfg.train_batch_size * cfg.gradient_steps))
+        owed = self.owed + chunks.num_steps * cfg.gradient_steps
+        n = int(min(owed, most))
+        self.owed = min(owed - n, most)
         sums, taken = torch.zeros(5, device=self.device), 0
         for _ in range(n):
             terms = self.gradient_step()

@@ -215,7 +215,10 @@ class Hub:
     after each batch (RLlib's client refuses anything else), which is what lets the Hub
     pace it. ``on_policy``: an EPISODES_AND_GET_STATE is answered with the *next* weights,
     as RLlib's server does; otherwise at once with the current ones, unless
-    ``max_pending_steps`` already wait for the learner (that bounds the policy lag).
+    ``max_pending_steps`` already wait for the learner (that bounds the policy lag). With
+    ``paced`` (an off-policy learner) such a client goes on once fewer steps wait
+    (``release_if_room``), not at the next weights: the learner's gradient steps per env
+    step hold however fast the clients are.
     """
 
     def __init__(self, policy_specs: dict[str, EnvSpec], store: EpisodeStore, env_steps_per_sample: int,
@@ -242,6 +245,7 @@ class Hub:
         self.config_msg = {"type": T.SET_CONFIG.value, "env_steps_per_sample": env_steps_per_sample,
                            "force_on_policy": True, **(extra_config or {})}
         self.on_policy = on_policy
+        self.paced = False   # waiting clients go on when the pending steps fall below max_pending_steps
         self.state_msg: dict | None = None
         self.connections: dict[str, Connection] = {}
         # Which connections the hub counts or walks each round, kept apart so that a round
@@ -270,7 +274,8 @@ class Hub:
         if self.shared_batch is not None:
             self.state_msg["env_steps_per_sample"] = self.config_msg["env_steps_per_sample"]
         self.inference.load(weights_seq_no, policies)
-        self.release_waiting()
+        if not self.paced:
+            self.release_waiting()
 
     def _shares(self, conn_id: str) -> None:
         if conn_id not in self.sharing:
@@ -539,6 +544,12 @@ class Hub:
         for conn_id in [c for c in self.held if self.store.pending_of(c) < self.client_budget]:
             self.held.discard(conn_id)
             self.connections[conn_id].server.hold(conn_id, False)
+
+    def release_if_room(self) -> None:
+        """Paced: the waiting clients go on (with the current weights) once fewer than
+        ``max_pending_steps`` wait for the learner."""
+        if self.paced and self.waiting and self.store.pending_steps < self.max_pending_steps:
+            self.release_waiting()
 
     def release_waiting(self) -> None:
         """Answer every waiting client with the current weights (new ones; or, when nothing

@@ -71,10 +71,11 @@ class Serving:
         ids, the only ones its chunks may carry. ``shared_batch``: the train batch spread over
         whoever samples (``Hub.share``); None: every client gets ``config.env_steps_per_sample``.
 
-        ``off_policy`` (SAC, ``shmrl.model.algorithm``): no client ever waits for an update
-        (each is answered at once, however many steps wait), no chunk is too old, and a
-        batch is handed over as soon as any step waits, with every step that waits: the
-        learner's replay buffer takes them all. ``action_dists``: per policy id, how its
+        ``off_policy`` (SAC, ``shmrl.model.algorithm``): no client ever waits for an update,
+        no chunk is too old, and a batch (up to the train batch) is handed over as soon as
+        any step waits. The clients are paced (``Hub.paced``): one that sends while a train
+        batch of steps waits goes on once the learner has taken them, so that a learner
+        slower than its clients keeps its gradient steps per env step. ``action_dists``: per policy id, how its
         clients are to sample output 0 now (SET_STATE's ``action_dist``; None: as the model
         says), changed by ``publish``."""
         self.servers, self.multiagent = servers, multiagent
@@ -87,12 +88,13 @@ class Serving:
         time_limit = min((getattr(spec, "max_episode_steps", None) or 0 for spec in policy_specs.values()), default=0)
         self.store = EpisodeStore(policy_specs, config.return_window, reward_gamma, time_limit or None)
         self.hub = Hub(policy_specs, self.store, config.env_steps_per_sample, on_policy,
-                       max_pending_steps=None if on_policy or off_policy else self.train_batch_size,
+                       max_pending_steps=None if on_policy else self.train_batch_size,
                        auth_token=config.auth_token,
                        state_size=state_size, multiagent=multiagent, extra_config=extra_config,
                        client_budget=client_budget(config), agents=agents,
                        bounds=Bounds(max_obs_abs=config.max_obs_abs, max_reward_abs=config.max_reward_abs),
                        shared_batch=shared_batch, local_sims=config.sims)
+        self.hub.paced = off_policy
         self.league_size, self.league_every = config.league or 0, max(1, config.league_every or 1)
         self.league: dict = {}          # "policy@version" -> (version, ONNX file): frozen snapshots
         self.model_seqs: dict = {}      # policy id -> the version its current model was published at
@@ -149,10 +151,10 @@ class Serving:
             max_lag = None if self.hub.on_policy or self.off_policy else self.max_policy_lag
             if self.first_batch_rate is None:
                 self.first_batch_rate = self.hub.delivery_rate()
-            batches = self.store.take(self.weights_seq_no, max_lag, None if self.off_policy else self.train_batch_size,
-                                      self.min_seq)
+            batches = self.store.take(self.weights_seq_no, max_lag, self.train_batch_size, self.min_seq)
             self._batches.put((batches, self.weights_seq_no))
             self._batch_out = True
+        self.hub.release_if_room()   # off-policy: the clients the learner held go on
         self.hub.flush_actions()   # server-side inference: this round's ACTs, one forward pass
         if self.hub.held:
             self.hub.release_held()
@@ -317,7 +319,8 @@ class Serving:
         self.off_policy = off_policy
         self.train_batch_size = config.train_batch_size
         self.hub.on_policy = not (config.async_sampling or off_policy)
-        self.hub.max_pending_steps = None if self.hub.on_policy or off_policy else config.train_batch_size
+        self.hub.max_pending_steps = None if self.hub.on_policy else config.train_batch_size
+        self.hub.paced = off_policy
         self.hub.client_budget = client_budget(config)
         if config_fields:   # a new dict: a transport may hold a reply not yet sent
             self.hub.config_msg = {**self.hub.config_msg, **config_fields}

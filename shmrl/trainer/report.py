@@ -84,10 +84,11 @@ class LearnerWall:
 def wall_line(busy_share: float, config) -> str:
     """The one line that says the learner is the wall, and what may move it."""
     gpu = "" if config.device == "cuda" else ", the learner on a GPU where there is one (--device cuda)"
-    if getattr(config, "algo", "ppo") == "sac":   # its clients never wait: it learns less per env step instead
+    if getattr(config, "algo", "ppo") == "sac":   # it paces its clients to keep its gradient steps per env step
         return (f"the learner is the wall: busy {100 * busy_share:.0f}% of the time (median of the last {WALL_WINDOW} "
-                f"updates), short of --gradient-steps {config.gradient_steps:g} per env step (the metrics' "
-                f"replay_ratio); what may: fewer or slower simulators, a smaller network{gpu}")
+                f"updates) while the clients wait for it to pay --gradient-steps {config.gradient_steps:g} per env "
+                f"step; what may: a smaller --gradient-steps (more env steps, fewer gradient steps each), a smaller "
+                f"network{gpu}")
     return (f"the learner is the wall: busy {100 * busy_share:.0f}% of the time (median of the last {WALL_WINDOW} "
             f"updates) while the simulators wait for it, so more simulators will not help; what may: fewer "
             f"epochs (--epochs {config.epochs}), a larger minibatch (--minibatch-size {config.minibatch_size})"
