@@ -75,9 +75,9 @@ class Serving:
         no chunk is too old, and a batch (up to the train batch) is handed over as soon as
         any step waits. The clients are paced (``Hub.paced``): one that sends while a train
         batch of steps waits goes on once the learner has taken them, so that a learner
-        slower than its clients keeps its gradient steps per env step. ``action_dists``: per policy id, how its
-        clients are to sample output 0 now (SET_STATE's ``action_dist``; None: as the model
-        says), changed by ``publish``."""
+        slower than its clients keeps its gradient steps per env step. ``action_dists``:
+        per policy id, how its clients are to sample output 0 now (SET_STATE's
+        ``action_dist``; None: as the model says), changed by ``publish``."""
         self.servers, self.multiagent = servers, multiagent
         self.off_policy = off_policy
         self.action_dists = {pid: d for pid, d in (action_dists or {}).items() if d}
