@@ -162,16 +162,17 @@ class LogTarget:
         self.metrics.write(row)
 
 
-def timed_updates(messages: list, rounds: int, sync):
-    """``rounds`` timed updates: each yields (its number, the messages concatenated: its
-    first part, already timed; ``lap()``, which ends a part, CUDA synchronized first; the
-    part boundaries so far; the LogTarget it logs to, in a folder of its own)."""
+def timed_updates(messages: list, warmup: int, repeat: int, sync, times: dict):
+    """``warmup`` + ``repeat`` timed updates: each yields (its number, the messages
+    concatenated: its first part, already timed; ``lap()``, which ends a part, CUDA
+    synchronized first; the part boundaries so far; the LogTarget it logs to, in a folder of
+    its own). After each of the last ``repeat``, its parts' times go into ``times``."""
     from shmrl.core.episode import EpisodeBatch
 
     with tempfile.TemporaryDirectory(prefix="shmrl-update-bench-") as folder:
         target = LogTarget(Path(folder))
         try:
-            for i in range(rounds):
+            for i in range(warmup + repeat):
                 t = [time.perf_counter()]
 
                 def lap(t=t):
@@ -181,8 +182,18 @@ def timed_updates(messages: list, rounds: int, sync):
                 chunks = EpisodeBatch.concat(messages)
                 lap()
                 yield i, chunks, lap, t, target
+                if i >= warmup:
+                    for part, a, b in zip(PARTS, t, t[1:]):
+                        times[part].append(b - a)
         finally:
             target.metrics.close()
+
+
+def update_row(i: int, chunks, t: list, config) -> dict:
+    """The fields of a timed update's metrics row that every algorithm's has."""
+    return {"update": i + 1, "batch_steps": chunks.num_steps, "reward_scale": config.reward_scale,
+            "policy_lag": 0.0, "train_s": t[-1] - t[0], "weights_seq_no": i + 1, "learner_share": 1.0,
+            "learn_level": 0, "learner_wall": False, "policies": {}}
 
 
 def measure(case: Case, device: str = "cpu", repeat: int = 5, warmup: int = 1, quick: bool = False,
@@ -205,7 +216,7 @@ def measure(case: Case, device: str = "cpu", repeat: int = 5, warmup: int = 1, q
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times: dict[str, list] = {part: [] for part in PARTS}
     steps, values = [], []
-    for i, chunks, lap, t, target in timed_updates(messages, warmup + repeat, sync):
+    for i, chunks, lap, t, target in timed_updates(messages, warmup, repeat, sync, times):
         batch = ppo.make_batch(chunks)
         lap()
         result = ppo.update(batch)
@@ -214,14 +225,9 @@ def measure(case: Case, device: str = "cpu", repeat: int = 5, warmup: int = 1, q
         lap()
         encode_onnx_file(net.template.publish(ppo.published_weights()))
         lap()
-        stats = {**result, "update": i + 1, "batch_steps": chunks.num_steps, "reward_scale": config.reward_scale,
-                 "policy_lag": 0.0, "train_s": t[-1] - t[0], "weights_seq_no": i + 1, "learner_share": 1.0,
-                 "learn_level": 0, "learner_wall": False, "policies": {}}
-        target.log(stats, config)
+        target.log({**result, **update_row(i, chunks, t, config)}, config)
         lap()
         if i >= warmup:
-            for part, a, b in zip(PARTS, t, t[1:]):
-                times[part].append(b - a)
             steps.append(gradient_steps(batch, config, result))
             values.append(values_time(ppo, chunks, sync))
     ms = {part: median(x) * 1e3 for part, x in times.items()}
@@ -251,7 +257,7 @@ def measure_sac(case: Case, spec, config, device: str, repeat: int, warmup: int,
     messages = fake_messages(net, config, seed)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times: dict[str, list] = {part: [] for part in PARTS}
-    for i, chunks, lap, t, target in timed_updates(messages, warmup + repeat, sync):
+    for i, chunks, lap, t, target in timed_updates(messages, warmup, repeat, sync, times):
         sac.remember(chunks, config.reward_scale)
         lap()
         steps = max(1, round(chunks.num_steps * config.gradient_steps))
@@ -260,16 +266,9 @@ def measure_sac(case: Case, spec, config, device: str, repeat: int, warmup: int,
         lap()   # observation statistics: none
         encode_onnx_file(net.template.publish(sac.published_weights()))
         lap()
-        stats = {**dict(zip(("actor_loss", "critic_loss", "q_mean", "alpha", "entropy"), terms)),
-                 "update": i + 1, "batch_steps": chunks.num_steps, "reward_scale": config.reward_scale,
-                 "lr": config.lr, "epochs_run": 1.0, "policy_lag": 0.0, "train_s": t[-1] - t[0],
-                 "weights_seq_no": i + 1, "learner_share": 1.0, "learn_level": 0, "learner_wall": False,
-                 "policies": {}}
-        target.log(stats, config)
+        target.log({**dict(zip(("actor_loss", "critic_loss", "q_mean", "alpha", "entropy"), terms)),
+                    "lr": config.lr, "epochs_run": 1.0, **update_row(i, chunks, t, config)}, config)
         lap()
-        if i >= warmup:
-            for part, a, b in zip(PARTS, t, t[1:]):
-                times[part].append(b - a)
     ms = {part: median(x) * 1e3 for part, x in times.items()}
     return {"net": case.name, "what": case.what, "env": case.env, "device": device, "algo": "sac",
             "settings": {k: getattr(config, k) for k in ("train_batch_size", "minibatch_size", "epochs", "hidden",
